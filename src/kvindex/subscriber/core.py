@@ -1,0 +1,384 @@
+"""`Subscriber`: the sockets around `SourceState`, for one or many publishers.
+
+One SUB socket per publisher (a SUB connected to several PUBs could not tell their seqs
+apart), a fresh DEALER per replay request (a reused one would hand us late answers to an
+earlier request), a socket monitor per SUB to see the link drop and come back, and one
+poller over all of them, so a slow replay of one publisher never stalls another.
+
+Use it as a blocking iterator, an async iterator, or step it with `poll()` from your own
+loop. It yields `Delivery` (unpacks as `(instance, seq, batch)`) and `Notice` items.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from kvindex.subscriber.messages import (
+    Connection,
+    DecodeFailed,
+    Delivery,
+    Item,
+    Malformed,
+    Notice,
+    SourceKey,
+    SourceStats,
+    Status,
+)
+from kvindex.subscriber.spec import InstanceSpec, SourceSpec
+from kvindex.subscriber.state import (
+    Checkpoint,
+    Deliver,
+    Output,
+    ReplayPolicy,
+    SourceState,
+    StartReplay,
+    StopReplay,
+)
+from kvindex.wire import END_SEQ, BatchDecoder, WireError, parse_replay
+
+__all__ = ["Subscriber"]
+
+_DRAIN = 512  # messages taken from one socket before looking at the others
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+@dataclass(slots=True)
+class _Source:
+    spec: SourceSpec
+    state: SourceState
+    sub: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes]
+    decoder: BatchDecoder
+    dealer: zmq.Socket[bytes] | None = None
+    dealer_req: int = 0
+
+
+@dataclass(slots=True)
+class _Options:
+    policy: ReplayPolicy = field(default_factory=ReplayPolicy)
+    rcvhwm: int = 100_000
+    max_payload: int = 64 * 1024 * 1024
+    decode: bool = True
+
+
+class Subscriber:
+    """Follows vLLM KV-event publishers and yields every batch once, in order, decoded.
+
+    >>> with Subscriber("tcp://127.0.0.1:5557", replay="tcp://127.0.0.1:5558") as sub:
+    ...     for item in sub:
+    ...         match item:
+    ...             case Delivery(): instance, seq, batch = item
+    ...             case Restarted(): ...  # drop what you know of item.instance
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        replay: str | None = None,
+        *,
+        topic: str = "",
+        name: str = "vllm",
+        dp: int = 1,
+        instances: Iterable[InstanceSpec] = (),
+        resume: Mapping[SourceKey, Checkpoint] | None = None,
+        policy: ReplayPolicy | None = None,
+        rcvhwm: int = 100_000,
+        max_payload: int = 64 * 1024 * 1024,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self._ctx = context or zmq.Context.instance()
+        self._opts = _Options(policy or ReplayPolicy(), rcvhwm, max_payload)
+        self._resume = dict(resume or {})
+        self._sources: dict[SourceKey, _Source] = {}
+        self._by_socket: dict[zmq.Socket[bytes], _Source] = {}
+        self._poller = zmq.Poller()
+        self._instances: dict[str, InstanceSpec] = {}
+        self._closed = False
+        self._shadows: dict[zmq.Socket[bytes], zmq.asyncio.Socket] = {}
+        specs = list(instances)
+        if endpoint is not None:
+            specs.insert(0, InstanceSpec(name, endpoint, replay, topic, dp))
+        for spec in specs:
+            self.add_instance(spec)
+
+    # -- fleet membership --------------------------------------------------------------
+
+    def add_instance(self, spec: InstanceSpec) -> list[Item]:
+        """Follow an instance (all its DP ranks). Raises ValueError if the name is taken."""
+        if spec.name in self._instances:
+            raise ValueError(f"instance {spec.name!r} is already followed")
+        self._instances[spec.name] = spec
+        items: list[Item] = []
+        now = time.monotonic()
+        for source_spec in spec.sources():
+            src = self._open_source(source_spec)
+            self._handle(src, src.state.start(now), items)
+        return items
+
+    def remove_instance(self, name: str) -> None:
+        spec = self._instances.pop(name)
+        for source_spec in spec.sources():
+            self._close_source(self._sources.pop(source_spec.source))
+
+    @property
+    def instances(self) -> dict[str, InstanceSpec]:
+        return dict(self._instances)
+
+    def sources(self) -> list[SourceKey]:
+        return list(self._sources)
+
+    def stats(self, source: SourceKey) -> SourceStats:
+        return self._sources[source].state.stats
+
+    def status(self, source: SourceKey) -> Status:
+        return self._sources[source].state.status
+
+    def checkpoint(self, source: SourceKey) -> Checkpoint:
+        return self._sources[source].state.checkpoint()
+
+    # -- iteration ---------------------------------------------------------------------
+
+    def poll(self, timeout: float | None = 0.1) -> list[Item]:
+        """Wait up to `timeout` seconds for socket activity; return what it produced."""
+        items: list[Item] = []
+        now = time.monotonic()
+        wait = self._wait_ms(timeout, now)
+        ready = dict(self._poller.poll(wait)) if self._sources else {}
+        if not self._sources and wait:
+            time.sleep(wait / 1000)
+        self._process(ready, items)
+        return items
+
+    def __iter__(self) -> Iterator[Item]:
+        while not self._closed:
+            yield from self.poll(0.5)
+
+    async def __aiter__(self) -> AsyncIterator[Item]:
+        while not self._closed:
+            items = self.poll(0)
+            if items:
+                for item in items:
+                    yield item
+                continue
+            await self._wait_async(self._wait_ms(0.5, time.monotonic()))
+
+    async def _wait_async(self, timeout_ms: int) -> None:
+        poller = zmq.asyncio.Poller()
+        for sock in self._by_socket:
+            shadow = self._shadows.get(sock)
+            if shadow is None:
+                shadow = self._shadows[sock] = zmq.asyncio.Socket.shadow(sock.underlying)
+            poller.register(shadow, zmq.POLLIN)
+        if not self._by_socket:
+            await asyncio.sleep(timeout_ms / 1000)
+            return
+        await poller.poll(timeout_ms)
+
+    def close(self) -> None:
+        self._closed = True
+        for src in list(self._sources.values()):
+            self._close_source(src)
+        self._sources.clear()
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- sockets -----------------------------------------------------------------------
+
+    def _open_source(self, spec: SourceSpec) -> _Source:
+        state = SourceState(
+            spec.source,
+            has_replay=spec.replay_endpoint is not None,
+            resume=self._resume.get(spec.source),
+            policy=self._opts.policy,
+        )
+        sub, monitor = self._connect_sub(spec)
+        src = _Source(spec, state, sub, monitor, BatchDecoder(self._opts.max_payload))
+        self._sources[spec.source] = src
+        self._watch(src)
+        return src
+
+    def _connect_sub(self, spec: SourceSpec) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self._opts.rcvhwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self._opts.max_payload + 4096)
+        monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
+        sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+        sub.connect(spec.endpoint)
+        return sub, monitor
+
+    def _watch(self, src: _Source) -> None:
+        for sock in (src.monitor, src.sub):
+            self._by_socket[sock] = src
+            self._poller.register(sock, zmq.POLLIN)
+
+    def _close_sub(self, src: _Source) -> None:
+        for sock in (src.monitor, src.sub):
+            self._forget(sock)
+        try:
+            src.sub.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        src.monitor.close(linger=0)
+        src.sub.close(linger=0)
+
+    def _renew_sub(self, src: _Source) -> None:
+        """Follow the publisher on a fresh SUB: whatever the new socket receives was sent on
+        the new connection, never mixed with leftovers of the old one."""
+        self._close_sub(src)
+        src.sub, src.monitor = self._connect_sub(src.spec)
+        self._watch(src)
+
+    def _close_source(self, src: _Source) -> None:
+        self._stop_replay(src)
+        self._close_sub(src)
+
+    def _forget(self, sock: zmq.Socket[bytes]) -> None:
+        self._by_socket.pop(sock, None)
+        self._shadows.pop(sock, None)  # a shadow does not own its socket: dropping it is enough
+        try:
+            self._poller.unregister(sock)
+        except KeyError:
+            pass
+
+    def _start_replay(self, src: _Source, req: StartReplay) -> None:
+        self._stop_replay(src)
+        assert src.spec.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)  # take every reply the ROUTER manages to send
+        dealer.setsockopt(zmq.MAXMSGSIZE, self._opts.max_payload + 4096)
+        dealer.connect(src.spec.replay_endpoint)
+        dealer.send_multipart([b"", req.start.to_bytes(8, "big")])
+        src.dealer, src.dealer_req = dealer, req.req_id
+        self._by_socket[dealer] = src
+        self._poller.register(dealer, zmq.POLLIN)
+
+    def _stop_replay(self, src: _Source) -> None:
+        if src.dealer is not None:
+            self._forget(src.dealer)
+            src.dealer.close(linger=0)
+            src.dealer = None
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def _wait_ms(self, timeout: float | None, now: float) -> int:
+        wait = 3_600.0 if timeout is None else timeout
+        for src in self._sources.values():
+            deadline = src.state.replay_deadline
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - now))
+        return int(wait * 1000 + 0.999)
+
+    def _process(self, ready: Mapping[zmq.Socket[bytes], int], items: list[Item]) -> None:
+        # Connection changes first: a link that went down must be seen before more traffic.
+        sockets = list(ready)
+        for sock in sockets:
+            src = self._by_socket.get(sock)
+            if src is not None and sock is src.monitor:
+                self._read_monitor(src, items)
+        for sock in sockets:
+            src = self._by_socket.get(sock)
+            if src is None:
+                continue
+            if sock is src.sub:
+                self._read_live(src, items)
+            elif sock is src.dealer:
+                self._read_replay(src, items)
+        now = time.monotonic()
+        for src in list(self._sources.values()):
+            if src.state.replaying:
+                self._handle(src, src.state.on_tick(now), items)
+
+    def _read_live(self, src: _Source, items: list[Item], limit: int = _DRAIN) -> None:
+        state = src.state
+        for _ in range(limit):
+            try:
+                frames = src.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self._malformed(src, f"live message of {len(frames)} frames", items)
+                continue
+            seq = int.from_bytes(frames[1], "big")
+            self._handle(src, state.on_live(seq, frames[2], time.monotonic()), items)
+
+    def _read_replay(self, src: _Source, items: list[Item]) -> None:
+        for _ in range(_DRAIN):
+            dealer = src.dealer
+            if dealer is None:
+                return
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                frame = parse_replay(frames)
+            except WireError as exc:
+                self._malformed(src, str(exc), items)
+                continue
+            now = time.monotonic()
+            if frame.seq == END_SEQ:
+                outputs = src.state.on_replay_end(src.dealer_req, now)
+            else:
+                outputs = src.state.on_replay_frame(src.dealer_req, frame.seq, frame.payload, now)
+            self._handle(src, outputs, items)
+
+    def _read_monitor(self, src: _Source, items: list[Item]) -> None:
+        while True:
+            try:
+                frames = src.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            connected = parse_monitor_message(frames)["event"] == zmq.EVENT_CONNECTED
+            if connected == src.state.stats.connected:
+                continue
+            if not connected:
+                # Everything the old connection brought is applied before the link is
+                # reported down; then a fresh socket takes over.
+                self._read_live(src, items, limit=1 << 62)
+            items.append(Connection(src.spec.source, connected))
+            self._handle(src, src.state.on_connection(connected, time.monotonic()), items)
+            if not connected:
+                self._renew_sub(src)
+                return
+
+    def _malformed(self, src: _Source, error: str, items: list[Item]) -> None:
+        src.state.stats.malformed_messages += 1
+        items.append(Malformed(src.spec.source, error))
+
+    def _handle(self, src: _Source, outputs: list[Output], items: list[Item]) -> None:
+        for out in outputs:
+            if isinstance(out, Deliver):
+                items.append(self._decode(src, out))
+            elif isinstance(out, Notice):
+                items.append(out)
+            elif isinstance(out, StartReplay):
+                self._start_replay(src, out)
+            elif isinstance(out, StopReplay) and src.dealer_req == out.req_id:
+                self._stop_replay(src)
+
+    def _decode(self, src: _Source, out: Deliver) -> Item:
+        stats = src.state.stats
+        try:
+            batch = src.decoder.decode(out.payload)
+        except WireError as exc:
+            stats.decode_errors += 1
+            return DecodeFailed(src.spec.source, out.seq, str(exc))
+        if batch.malformed_events:
+            stats.decode_errors += batch.malformed_events
+        if batch.unknown_events:
+            stats.unknown_events += batch.unknown_events
+        stats.last_ts = batch.ts
+        return Delivery(src.spec.source, out.seq, batch, out.replayed, len(out.payload))

@@ -1,0 +1,205 @@
+"""What a `Subscriber` yields: batches, and notices about the stream between them."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvindex.wire import EventBatch
+
+
+class SourceKey(tuple[str, int]):
+    """One publisher: an instance name and its data-parallel rank (0 without DP)."""
+
+    __slots__ = ()
+
+    def __new__(cls, instance: str, rank: int = 0) -> SourceKey:
+        return super().__new__(cls, (instance, rank))
+
+    @property
+    def instance(self) -> str:
+        return self[0]
+
+    @property
+    def rank(self) -> int:
+        return self[1]
+
+    def __repr__(self) -> str:
+        return f"{self[0]}[{self[1]}]" if self[1] else self[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One published batch, delivered once, in seq order. Unpacks as (instance, seq, batch)."""
+
+    source: SourceKey
+    seq: int
+    batch: EventBatch
+    replayed: bool = False
+    payload_size: int = 0
+
+    @property
+    def instance(self) -> str:
+        return self.source.instance
+
+    @property
+    def rank(self) -> int:
+        return self.source.rank
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.source.instance, self.seq, self.batch))
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Something about the stream of one publisher that user code may have to act on."""
+
+    source: SourceKey
+
+    @property
+    def instance(self) -> str:
+        return self.source.instance
+
+    @property
+    def rank(self) -> int:
+        return self.source.rank
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+@dataclass(frozen=True, slots=True)
+class Restarted(Notice):
+    """The publisher restarted (its seq went back, or its replay buffer is another stream).
+
+    Its cache is empty now: drop everything known about this source before applying the
+    deliveries that follow.
+    """
+
+    last_seq: int | None = None
+    new_seq: int | None = None
+    reason: str = ""
+
+    def describe(self) -> str:
+        how = f" ({self.reason})" if self.reason else ""
+        return f"publisher restarted{how}: seq {self.last_seq} -> {self.new_seq}, state dropped"
+
+
+@dataclass(frozen=True, slots=True)
+class Gap(Notice):
+    """Batches `first..last` were missed live; a replay was asked for them."""
+
+    first: int = 0
+    last: int = 0
+
+    def describe(self) -> str:
+        return f"gap: missed seq {self.first}..{self.last}, replaying"
+
+
+@dataclass(frozen=True, slots=True)
+class Lost(Notice):
+    """Batches `first..last` can never be delivered (the publisher no longer has them, or
+    its replay did not answer). The source's state is incomplete from here on."""
+
+    first: int = 0
+    last: int = 0
+    reason: str = ""
+
+    @property
+    def count(self) -> int:
+        return self.last - self.first + 1
+
+    def describe(self) -> str:
+        return f"lost {self.count} batches (seq {self.first}..{self.last}): {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class Unverified(Notice):
+    """After a reconnect, the publisher's replay never answered, so it could not be checked
+    that it is still the process whose batch `anchor_seq` we hold. The state is delivered on
+    but marked incomplete (it may mix an old and a new engine) until the next restart."""
+
+    anchor_seq: int = 0
+    reason: str = ""
+
+    def describe(self) -> str:
+        return f"could not check the stream after reconnecting ({self.reason}): incomplete"
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed(Notice):
+    """A replay finished: `count` batches were delivered from the publisher's buffer."""
+
+    start: int = 0
+    count: int = 0
+
+    def describe(self) -> str:
+        return f"replay from seq {self.start}: {self.count} batches recovered"
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeFailed(Notice):
+    """The batch `seq` could not be decoded; it is skipped (its seq still counts)."""
+
+    seq: int = 0
+    error: str = ""
+
+    def describe(self) -> str:
+        return f"seq {self.seq} skipped: {self.error}"
+
+
+@dataclass(frozen=True, slots=True)
+class Malformed(Notice):
+    """A message that is not vLLM's frame layout at all (counted, skipped)."""
+
+    error: str = ""
+
+    def describe(self) -> str:
+        return f"malformed message skipped: {self.error}"
+
+
+@dataclass(frozen=True, slots=True)
+class Connection(Notice):
+    """The publisher's socket connected or went away (ZMQ reconnects by itself)."""
+
+    connected: bool = True
+
+    def describe(self) -> str:
+        return "connected" if self.connected else "disconnected"
+
+
+Item = Delivery | Notice
+
+
+class Status(enum.StrEnum):
+    CONNECTING = "connecting"
+    REPLAYING = "replaying"
+    LIVE = "live"
+    INCOMPLETE = "incomplete"
+    DOWN = "down"
+
+
+@dataclass(slots=True)
+class SourceStats:
+    """Counters of one publisher. `lost_batches` > 0 (since the last restart) = incomplete."""
+
+    received: int = 0  # live messages taken off the SUB socket
+    delivered: int = 0
+    replayed_batches: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    lost_batches: int = 0
+    lost_since_restart: int = 0
+    decode_errors: int = 0
+    malformed_messages: int = 0
+    unknown_events: int = 0
+    publisher_restarts: int = 0
+    unverified_reconnects: int = 0
+    replay_requests: int = 0
+    replay_failures: int = 0
+    last_seq: int | None = None
+    last_ts: float | None = None
+    connected: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)

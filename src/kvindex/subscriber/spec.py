@@ -1,0 +1,124 @@
+"""Which publishers to follow: `NAME=PUB[,replay=REPLAY][,topic=TOPIC][,dp=RANKS]`."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvindex.subscriber.messages import SourceKey
+
+__all__ = ["InstanceSpec", "SourceSpec", "SpecError", "offset_endpoint"]
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")
+_ENDPOINT = re.compile(r"(tcp|ipc|inproc)://\S+")
+_MAX_DP = 1024
+
+
+class SpecError(ValueError):
+    """An instance spec or endpoint that can't be used; the message says why."""
+
+
+def _check_endpoint(endpoint: str, what: str) -> str:
+    if not _ENDPOINT.fullmatch(endpoint):
+        raise SpecError(f"{what} {endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH)")
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[6:].rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise SpecError(f"{what} {endpoint!r} needs a host and a port (tcp://HOST:PORT)")
+    return endpoint
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint DP rank `rank` uses, as vLLM derives it: tcp port + rank, else a suffix."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        return f"{base}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSpec:
+    """One publisher socket pair: what a `Subscriber` connects to."""
+
+    source: SourceKey
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """One vLLM instance: a name, its PUB endpoint, optional replay endpoint, topic, DP size."""
+
+    name: str
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise SpecError(
+                f"instance name {self.name!r} must be 1-128 letters, digits or _.:@- "
+                "(starting with a letter or digit)"
+            )
+        _check_endpoint(self.endpoint, "endpoint")
+        if self.replay_endpoint is not None:
+            _check_endpoint(self.replay_endpoint, "replay endpoint")
+        if not 1 <= self.dp <= _MAX_DP:
+            raise SpecError(f"dp must be between 1 and {_MAX_DP}, got {self.dp}")
+        if self.dp > 1:
+            for ep in (self.endpoint, self.replay_endpoint):
+                if ep and ep.startswith("tcp://") and int(ep.rpartition(":")[2]) + self.dp > 65536:
+                    raise SpecError(f"dp={self.dp} runs past port 65535 from {ep}")
+
+    @classmethod
+    def parse(cls, text: str) -> InstanceSpec:
+        """Parse `NAME=PUB_ENDPOINT[,replay=EP][,topic=T][,dp=N]`."""
+        name, sep, rest = text.partition("=")
+        if not sep or not name or not rest:
+            raise SpecError(
+                f"instance spec {text!r} must look like NAME=tcp://HOST:PORT[,replay=...]"
+            )
+        endpoint, *options = rest.split(",")
+        fields: dict[str, str] = {}
+        for option in options:
+            key, sep, value = option.partition("=")
+            if not sep or key not in ("replay", "topic", "dp"):
+                raise SpecError(f"unknown option {option!r} in {text!r} (replay=, topic=, dp=)")
+            if key in fields:
+                raise SpecError(f"option {key!r} given twice in {text!r}")
+            fields[key] = value
+        dp_text = fields.get("dp", "1")
+        if not dp_text.isdigit():
+            raise SpecError(f"dp must be a whole number, got {dp_text!r}")
+        return cls(
+            name=name,
+            endpoint=endpoint,
+            replay_endpoint=fields.get("replay") or None,
+            topic=fields.get("topic", ""),
+            dp=int(dp_text),
+        )
+
+    def sources(self) -> list[SourceSpec]:
+        return [
+            SourceSpec(
+                SourceKey(self.name, rank),
+                offset_endpoint(self.endpoint, rank),
+                offset_endpoint(self.replay_endpoint, rank) if self.replay_endpoint else None,
+                self.topic,
+            )
+            for rank in range(self.dp)
+        ]
+
+    def render(self) -> str:
+        text = f"{self.name}={self.endpoint}"
+        if self.replay_endpoint:
+            text += f",replay={self.replay_endpoint}"
+        if self.topic:
+            text += f",topic={self.topic}"
+        if self.dp != 1:
+            text += f",dp={self.dp}"
+        return text

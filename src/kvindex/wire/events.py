@@ -1,0 +1,140 @@
+"""The events vLLM publishes, as one set of types for every release from 0.9 to 0.33.
+
+vLLM changed the encoding twice: up to 0.23 each event is a positional array with its
+class name first (`["BlockStored", hashes, parent, ...]`), from 0.24 it is a map tagged by
+`"type"`. Fields were only ever appended, and every field added after 0.9 is optional, so
+one class per event covers all releases: absent trailing array items and absent map keys
+take their defaults, and items or keys a later release adds are ignored.
+
+The public classes below are the map-form ("current") encoding. The array-form decoders
+use private subclasses, so `isinstance(event, BlockStored)` holds whichever generation
+sent the event.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+BlockHash = int | bytes
+"""A block hash as the publisher sent it: a (signed or unsigned) 64-bit int, or digest bytes."""
+
+MEDIUM_GPU = "GPU"
+
+
+class BlockStored(
+    msgspec.Struct, tag="BlockStored", tag_field="type", gc=False, omit_defaults=True
+):
+    """Full blocks entered the prefix cache: one event per request, KV group and step.
+
+    `block_hashes[i]` covers `token_ids[i*block_size:(i+1)*block_size]`; the first block's
+    parent is `parent_block_hash` (None at the start of a prompt). Hash-only events (CPU
+    offloading) carry no tokens.
+    """
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None  # process-local id; lora_name is the stable key
+    medium: str | None = None  # 0.10.2
+    lora_name: str | None = None  # 0.14
+    extra_keys: list[Any] | None = None  # 0.17: one tuple (or None) per block
+    group_idx: int | None = None  # 0.20: KV cache group (hybrid models)
+    kv_cache_spec_kind: str | None = None  # 0.22
+    kv_cache_spec_sliding_window: int | None = None  # 0.22
+    locality: str | None = None  # 0.26
+    ownership: str | None = None  # 0.29
+    session_id: str | None = None  # 0.30
+    lookahead_token_ids: list[list[int]] | None = None  # 0.33
+
+    type_name: ClassVar[str] = "BlockStored"
+
+
+class BlockRemoved(
+    msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False, omit_defaults=True
+):
+    """Blocks left the cache (one hash per evicted physical copy on the GPU path)."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None = None  # 0.10.2
+    group_idx: int | None = None  # 0.20
+    locality: str | None = None  # 0.26
+    ownership: str | None = None  # 0.29
+
+    type_name: ClassVar[str] = "BlockRemoved"
+
+
+class AllBlocksCleared(
+    msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False, omit_defaults=True
+):
+    """The publisher's whole prefix cache was reset."""
+
+    type_name: ClassVar[str] = "AllBlocksCleared"
+
+
+class UnknownEvent(msgspec.Struct, gc=False):
+    """An event whose tag this version of kvindex does not know; kept so tools can show it."""
+
+    type_name: str
+    raw: bytes
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared | UnknownEvent
+"""What a decoded batch holds."""
+
+
+class EventBatch(msgspec.Struct, gc=False):
+    """One published batch (one engine step), decoded.
+
+    `data_parallel_rank` is None for 0.9.0, which did not send it.
+    `malformed_events` counts events of a known type whose fields could not be decoded
+    (left out of `events`); `unknown_events` counts the `UnknownEvent`s in `events`.
+    """
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+    malformed_events: int = 0
+    unknown_events: int = 0
+
+
+# Array-form (vLLM 0.9 - 0.23) twins of the event classes: same fields, same order.
+
+
+class _ArrayBlockStored(BlockStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class _ArrayBlockRemoved(BlockRemoved, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class _ArrayAllBlocksCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+MapEvent = BlockStored | BlockRemoved | AllBlocksCleared
+ArrayEvent = _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared
+
+
+class _MapWireBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[MapEvent]
+    data_parallel_rank: int | None = None
+
+
+class _ArrayWireBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[ArrayEvent]
+    data_parallel_rank: int | None = None
+
+
+class _RawWireBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+KNOWN_TYPES = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})

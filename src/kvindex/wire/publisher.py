@@ -1,0 +1,179 @@
+"""A vLLM-compatible publisher: PUB for live batches, ROUTER for replay, on the real wire.
+
+It behaves like vLLM's `ZmqEventPublisher` (3-frame live messages, seq from 0, a bounded
+replay buffer, the end marker), with knobs vLLM does not have, for tests, demos and
+benchmarks: the replay reply layout of either generation, a live-send drop hook, a small
+replay send HWM like vLLM <= 0.32, and `restart()`, which behaves like a new engine process.
+
+Live sends happen on the caller's thread; replay requests are served by a background thread
+(a ZMQ socket is only ever used by one thread).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import msgspec
+import zmq
+
+from kvindex.wire.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    UnknownEvent,
+    _ArrayAllBlocksCleared,
+    _ArrayBlockRemoved,
+    _ArrayBlockStored,
+)
+from kvindex.wire.frames import END_SEQ_BYTES, encode_seq
+
+__all__ = ["Publisher", "encode_batch"]
+
+Generation = Literal["maps", "arrays"]
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _as_array(event: Event) -> Event:
+    if isinstance(event, BlockStored):
+        return _ArrayBlockStored(**msgspec.structs.asdict(event))
+    if isinstance(event, BlockRemoved):
+        return _ArrayBlockRemoved(**msgspec.structs.asdict(event))
+    if isinstance(event, AllBlocksCleared):
+        return _ArrayAllBlocksCleared()
+    return event
+
+
+def encode_batch(
+    events: Sequence[Event],
+    ts: float | None = None,
+    dp_rank: int | None = 0,
+    generation: Generation = "maps",
+) -> bytes:
+    """Encode events as vLLM does: maps (vLLM >= 0.24) or positional arrays (<= 0.23)."""
+    if any(isinstance(e, UnknownEvent) for e in events):
+        raise ValueError("unknown events can't be encoded")
+    body = list(events) if generation == "maps" else [_as_array(e) for e in events]
+    batch: list[object] = [time.time() if ts is None else ts, body]
+    if dp_rank is not None:
+        batch.append(dp_rank)
+    return _encoder.encode(batch)
+
+
+class Publisher:
+    """Publishes event batches like one vLLM engine (one DP rank)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        replay_hwm: int | None = None,
+        reply_layout: Literal[3, 4] = 4,
+        generation: Generation = "maps",
+        dp_rank: int | None = 0,
+        drop: Callable[[int], bool] | None = None,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self._ctx = context or zmq.Context.instance()
+        self._topic = topic.encode()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self.generation: Generation = generation
+        self.dp_rank = dp_rank
+        self.reply_layout = reply_layout
+        self.drop = drop
+        self.dropped = 0
+        self.replays_served = 0
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._pub.bind(endpoint)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if replay_endpoint is not None:
+            router = self._ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(
+                zmq.SNDHWM, replay_hwm if replay_hwm is not None else 2 * (buffer_steps + 1)
+            )
+            router.bind(replay_endpoint)
+            self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._thread = threading.Thread(target=self._serve, args=(router,), daemon=True)
+            self._thread.start()
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    def publish(self, events: Sequence[Event], ts: float | None = None) -> int:
+        """Encode and send one batch; returns its seq."""
+        return self.publish_payload(encode_batch(events, ts, self.dp_rank, self.generation))
+
+    def publish_payload(self, payload: bytes) -> int:
+        """Send an already encoded payload (or a deliberately broken one) as the next batch."""
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            self._buffer.append((seq, payload))
+        if self.drop is not None and self.drop(seq):
+            self.dropped += 1
+        else:
+            self._pub.send_multipart((self._topic, encode_seq(seq), payload), copy=False)
+        return seq
+
+    def send_raw(self, frames: Sequence[bytes]) -> None:
+        """Send arbitrary frames on the PUB socket (hostile-input tests)."""
+        self._pub.send_multipart(list(frames))
+
+    def restart(self) -> None:
+        """Behave like a restarted engine: seq back to 0, replay buffer empty."""
+        with self._lock:
+            self._seq = 0
+            self._buffer.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        self._pub.close(linger=0)
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _serve(self, router: zmq.Socket[bytes]) -> None:
+        try:
+            while not self._stop.is_set():
+                if not router.poll(50):
+                    continue
+                frames = router.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                client, _, start = frames
+                self._answer(router, client, int.from_bytes(start, "big"))
+        finally:
+            router.close(linger=0)
+
+    def _answer(self, router: zmq.Socket[bytes], client: bytes, start: int) -> None:
+        with self._lock:
+            batches = [(s, p) for s, p in self._buffer if s >= start]
+        self.replays_served += 1
+        head = [client, b"", self._topic] if self.reply_layout == 4 else [client, b""]
+        for seq, payload in batches:
+            router.send_multipart([*head, encode_seq(seq), payload])
+        marker_head = [client, b"", b""] if self.reply_layout == 4 else [client, b""]
+        router.send_multipart([*marker_head, END_SEQ_BYTES, b""])

@@ -46,25 +46,40 @@ if [[ -f "$MARKER" && -x "$PY" && "$(cat "$MARKER" 2>/dev/null)" == "$STAMP" ]];
 fi
 
 command -v python3.11 >/dev/null 2>&1 || die "python3.11 not found on PATH"
+mkdir -p "$(dirname "$VENV")" || die "cannot create $(dirname "$VENV")"
+
+# One installer at a time (parallel test workers); the winner's marker
+# satisfies the others.
+if command -v flock >/dev/null 2>&1; then
+  exec 9>"$VENV.lock" || die "cannot open $VENV.lock"
+  flock 9 || die "cannot lock $VENV.lock"
+  if [[ -f "$MARKER" && -x "$PY" && "$(cat "$MARKER" 2>/dev/null)" == "$STAMP" ]]; then
+    echo "$PY"
+    exit 0
+  fi
+fi
 
 start=$(date +%s)
 rm -f "$MARKER"
 if [[ ! -x "$PY" ]]; then
   log "creating venv at $VENV"
-  mkdir -p "$(dirname "$VENV")"
   python3.11 -m venv "$VENV" >&2 || die "python3.11 -m venv $VENV failed"
 fi
 
 pip_install() {
-  # pip's per-location warnings about the machine's local indexes are noise.
-  "$PY" -m pip install --disable-pip-version-check "$@" 2>&1 \
-    | grep -v "^WARNING: Location 'file://" >&2
+  # Filtered out: pip's per-location warnings about the machine's local indexes,
+  # and its resolver report that vllm's (deliberately skipped) CUDA-side
+  # requirements are missing or pinned differently (torch==2.14.0, ...).
+  "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 \
+    | grep -v -e "^WARNING: Location 'file://" \
+              -e "^vllm 0\.33\.0 requires " \
+              -e "^ERROR: pip's dependency resolver does not currently take" >&2
   return "${PIPESTATUS[0]}"
 }
 
 log "installing $TORCH_SPEC (CPU build from the local wheel directory)"
 pip_install "$TORCH_SPEC" || die "pip install $TORCH_SPEC failed"
-"$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' \
+"$PY" -W ignore -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' \
   || die "torch in $VENV is not 2.13.0"
 
 log "installing $VLLM_SPEC --no-deps"
@@ -99,7 +114,7 @@ log "installing dependencies: ${REQS[*]}"
 pip_install "${REQS[@]}" || die "pip install of vllm's dependencies failed"
 
 # Torch must still be the CPU build (nothing above may replace it).
-"$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' \
+"$PY" -W ignore -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' \
   || die "a dependency replaced torch 2.13.0"
 
 log "checking imports"

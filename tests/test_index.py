@@ -135,7 +135,7 @@ def test_index_matches_reference(plan: list[tuple]) -> None:
     for name in ("a", "b", "c"):
         assert index.block_hashes(name) == ref.blocks(name)
         assert index.block_hashes(name, "CPU") == ref.blocks(name, "CPU")
-    for prompt in PROMPTS + [PROMPTS[0][:10], []]:
+    for prompt in [*PROMPTS, PROMPTS[0][:10], []]:
         for lora in (None, "lora-x"):
             rows = {r.instance: r for r in index.lookup(prompt, lora)}
             for src in SOURCES:
@@ -257,7 +257,7 @@ def test_churn_keeps_memory_bounded(seed: int) -> None:
     rng = random.Random(seed)
     index, a = FleetIndex(), SourceKey("a")
     live: list[list[int]] = []
-    for i in range(2000):
+    for _ in range(2000):
         toks = [rng.randrange(1000) for _ in range(8)]
         hashes = [block_hash(toks, 0, None), block_hash(toks, 1, None)]
         index.apply(a, batch(BlockStored(hashes, None, toks, BS)))

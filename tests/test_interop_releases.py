@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 import vllm_releases as vr
-from conftest import free_port
+from netutil import free_port
 
 from kvindex.subscriber import Delivery, Item, Lost, ReplayPolicy, Subscriber
 from kvindex.wire import AllBlocksCleared, BlockRemoved, BlockStored
@@ -40,8 +40,10 @@ class _DroppingSocket:
     def __init__(self, sock: Any, rate: float, seed: int) -> None:
         self._sock, self._rate, self._rng = sock, rate, random.Random(seed)
         self.dropped = 0
+        self.sends = 0
 
     def send_multipart(self, frames: Any, *args: Any, **kwargs: Any) -> Any:
+        self.sends += 1
         if self._rng.random() < self._rate:
             self.dropped += 1
             return None
@@ -137,6 +139,10 @@ def test_real_publisher_batches_arrive_once_in_order_and_decode_exactly(
                 sent.append(events)
                 publisher.publish(vr.make_batch(release, time.time(), events))
                 items.extend(sub.poll(0))
+            # The release's publisher thread sends from a queue: let it finish these first.
+            deadline = time.monotonic() + 10
+            while dropping.sends < 145 and time.monotonic() < deadline:
+                items.extend(sub.poll(0.01))
             publisher._pub = dropping._sock
             last = _events(release, rng, 160)
             sent.append(last)

@@ -47,35 +47,68 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pub", required=True, help="PUB endpoint, e.g. tcp://127.0.0.1:5557")
     p.add_argument("--replay", required=True, help="ROUTER replay endpoint")
-    p.add_argument("--pub-connect", action="store_true",
-                   help="connect the PUB socket (vLLM's own rule for endpoints "
-                        "without '*') instead of binding it")
+    p.add_argument(
+        "--pub-connect",
+        action="store_true",
+        help="connect the PUB socket (vLLM's own rule for endpoints "
+        "without '*') instead of binding it",
+    )
     p.add_argument("--topic", default="", help="ZMQ topic (vLLM's default is '')")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-blocks", type=int, default=64,
-                   help="blocks in the pool, incl. vLLM's null block")
+    p.add_argument(
+        "--num-blocks", type=int, default=64, help="blocks in the pool, incl. vLLM's null block"
+    )
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--token-budget", type=int, default=256,
-                   help="max tokens scheduled per step (chunked prefill)")
+    p.add_argument(
+        "--token-budget",
+        type=int,
+        default=256,
+        help="max tokens scheduled per step (chunked prefill)",
+    )
     p.add_argument("--max-running", type=int, default=8)
-    p.add_argument("--drop-rate", type=float, default=0.0,
-                   help="share of live PUB sends to drop silently (replay keeps them)")
-    p.add_argument("--lora", action="store_true",
-                   help="give some conversations a LoRA adapter (lora_name in events)")
-    p.add_argument("--reset-at", type=int, default=None, metavar="STEP",
-                   help="at this step preempt all running requests and call "
-                        "reset_prefix_cache() (AllBlocksCleared)")
-    p.add_argument("--hash-mode", choices=("int", "bytes"), default="int",
-                   help="int: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1 (vLLM's default); "
-                        "bytes: =0, raw digests on the wire (rendered as hex in --out)")
+    p.add_argument(
+        "--drop-rate",
+        type=float,
+        default=0.0,
+        help="share of live PUB sends to drop silently (replay keeps them)",
+    )
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="give some conversations a LoRA adapter (lora_name in events)",
+    )
+    p.add_argument(
+        "--reset-at",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="at this step preempt all running requests and call "
+        "reset_prefix_cache() (AllBlocksCleared)",
+    )
+    p.add_argument(
+        "--hash-mode",
+        choices=("int", "bytes"),
+        default="int",
+        help="int: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1 (vLLM's default); "
+        "bytes: =0, raw digests on the wire (rendered as hex in --out)",
+    )
     p.add_argument("--buffer-steps", type=int, default=10_000)
-    p.add_argument("--start-delay", type=float, default=0.0,
-                   help="seconds to sleep after binding, before the first step")
-    p.add_argument("--step-interval", type=float, default=0.0,
-                   help="seconds to sleep between steps")
-    p.add_argument("--linger", type=float, default=0.0,
-                   help="seconds to keep the publisher (and replay) alive at the end")
+    p.add_argument(
+        "--start-delay",
+        type=float,
+        default=0.0,
+        help="seconds to sleep after binding, before the first step",
+    )
+    p.add_argument(
+        "--step-interval", type=float, default=0.0, help="seconds to sleep between steps"
+    )
+    p.add_argument(
+        "--linger",
+        type=float,
+        default=0.0,
+        help="seconds to keep the publisher (and replay) alive at the end",
+    )
     p.add_argument("--out", required=True, help="where to write the reference JSON")
     a = p.parse_args(argv)
     if not 0.0 <= a.drop_rate <= 1.0:
@@ -91,9 +124,8 @@ os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1" if ARGS.hash_mode == "in
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch  # noqa: E402
-import zmq  # noqa: E402
-
 import vllm  # noqa: E402
+import zmq  # noqa: E402
 from vllm.distributed.kv_events import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,
@@ -170,8 +202,9 @@ class DriverPublisher(ZmqEventPublisher):
         )
         self.lossy = None
         if self.drop_rate > 0:
-            self.lossy = _LossyPub(self._pub, self.drop_rate,
-                                   random.Random(f"drop-{self.drop_seed}"))
+            self.lossy = _LossyPub(
+                self._pub, self.drop_rate, random.Random(f"drop-{self.drop_seed}")
+            )
             self._pub = self.lossy
 
 
@@ -179,8 +212,7 @@ class DriverPublisher(ZmqEventPublisher):
 # Workload
 # --------------------------------------------------------------------------
 class Conversation:
-    def __init__(self, cid: int, system: list[int], lora: LoRARequest | None,
-                 turns: int):
+    def __init__(self, cid: int, system: list[int], lora: LoRARequest | None, turns: int):
         self.cid = cid
         self.history: list[int] = list(system)  # tokens of everything so far
         self.lora = lora
@@ -210,8 +242,9 @@ class Driver:
             kv_cache_groups=[
                 KVCacheGroupSpec(
                     ["layer"],
-                    FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1,
-                                      dtype=torch.float32),
+                    FullAttentionSpec(
+                        block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32
+                    ),
                 )
             ],
         )
@@ -240,9 +273,16 @@ class Driver:
             pad = (-len(full)) % bs
             self.canned.append(full + self._tokens(pad))
         self.loras = (
-            [LoRARequest(lora_name=f"adapter-{i}", lora_int_id=i + 1,
-                         lora_path=f"/nonexistent/adapter-{i}") for i in range(2)]
-            if args.lora else []
+            [
+                LoRARequest(
+                    lora_name=f"adapter-{i}",
+                    lora_int_id=i + 1,
+                    lora_path=f"/nonexistent/adapter-{i}",
+                )
+                for i in range(2)
+            ]
+            if args.lora
+            else []
         )
 
         self.conversations: list[Conversation] = []
@@ -264,8 +304,9 @@ class Driver:
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randint(1000, 31999) for _ in range(n)]
 
-    def _request(self, tokens: list[int], lora: LoRARequest | None,
-                 max_tokens: int, rid: str | None = None) -> Request:
+    def _request(
+        self, tokens: list[int], lora: LoRARequest | None, max_tokens: int, rid: str | None = None
+    ) -> Request:
         if rid is None:
             rid = f"req-{self.next_rid}"
             self.next_rid += 1
@@ -294,37 +335,44 @@ class Driver:
         self.stats["submitted"] += 1
 
     def arrivals(self, step: int) -> None:
-        busy = {id(self.owner[r.request_id]) for r in list(self.waiting) + self.running
-                if self.owner[r.request_id] is not None}
+        busy = {
+            id(self.owner[r.request_id])
+            for r in list(self.waiting) + self.running
+            if self.owner[r.request_id] is not None
+        }
         want = self.args.max_running + 2 - len(self.waiting) - len(self.running)
         for _ in range(max(0, min(want, self.rng.randint(0, 3)))):
             x = self.rng.random()
-            ready = [c for c in self.conversations
-                     if c.turns_left > 0 and c.ready_at <= step and id(c) not in busy]
+            ready = [
+                c
+                for c in self.conversations
+                if c.turns_left > 0 and c.ready_at <= step and id(c) not in busy
+            ]
             if ready and x < 0.55:
                 conv = self.rng.choice(ready)
                 conv.turns_left -= 1
                 busy.add(id(conv))
-                self._submit(conv.history + self._tokens(self.rng.randint(8, 40)),
-                             conv.lora, conv)
+                self._submit(conv.history + self._tokens(self.rng.randint(8, 40)), conv.lora, conv)
                 self.stats["next_turns"] += 1
-            elif x < 0.72:
+            elif x < 0.85:
                 i = self.rng.randrange(len(self.canned))
-                lora = self.rng.choice(self.loras) if self.loras and self.rng.random() < 0.3 else None
+                lora = (
+                    self.rng.choice(self.loras) if self.loras and self.rng.random() < 0.3 else None
+                )
                 self._submit(self.canned[i], lora, None)
                 self.stats["canned"] += 1
             else:
                 # New conversation on a (Zipf-ish) popular system prompt.
                 i = min(int(self.rng.paretovariate(1.2)) - 1, len(self.systems) - 1)
-                lora = self.rng.choice(self.loras) if self.loras and self.rng.random() < 0.3 else None
-                conv = Conversation(self.next_cid, self.systems[i], lora,
-                                    self.rng.randint(1, 5))
+                lora = (
+                    self.rng.choice(self.loras) if self.loras and self.rng.random() < 0.3 else None
+                )
+                conv = Conversation(self.next_cid, self.systems[i], lora, self.rng.randint(1, 5))
                 self.next_cid += 1
                 self.conversations.append(conv)
                 conv.turns_left -= 1
                 busy.add(id(conv))
-                self._submit(conv.history + self._tokens(self.rng.randint(8, 60)),
-                             lora, conv)
+                self._submit(conv.history + self._tokens(self.rng.randint(8, 60)), lora, conv)
                 self.stats["new_conversations"] += 1
 
     def preempt(self, req: Request) -> None:
@@ -441,17 +489,26 @@ class Driver:
     def reference(self) -> dict:
         """Read the prefix cache straight out of vLLM's block pool."""
         copies: Counter = Counter()
-        # BlockHashToBlockMap._cache: {BlockHashWithGroupId: KVCacheBlock | {block_id: KVCacheBlock}}
+        # BlockHashToBlockMap._cache: {key: KVCacheBlock | {block_id: KVCacheBlock}}
         for key, blocks in self.pool.cached_block_hash_to_block._cache.items():
             n = len(blocks) if isinstance(blocks, dict) else 1
             wire = render_hash(maybe_convert_block_hash(get_block_hash(key)))
             copies[(get_group_id(key), wire)] += n
-        cached = [{"hash": h, "group": g, "copies": c}
-                  for (g, h), c in sorted(copies.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
+        cached = [
+            {"hash": h, "group": g, "copies": c}
+            for (g, h), c in sorted(copies.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))
+        ]
         mism = sorted(
-            ({"group": g, "hash": h, "pool": copies.get((g, h), 0), "events": self.mirror.get((g, h), 0)}
-             for (g, h) in set(copies) | set(self.mirror)
-             if copies.get((g, h), 0) != self.mirror.get((g, h), 0)),
+            (
+                {
+                    "group": g,
+                    "hash": h,
+                    "pool": copies.get((g, h), 0),
+                    "events": self.mirror.get((g, h), 0),
+                }
+                for (g, h) in set(copies) | set(self.mirror)
+                if copies.get((g, h), 0) != self.mirror.get((g, h), 0)
+            ),
             key=lambda d: str(d["hash"]),
         )
         return {
@@ -490,13 +547,15 @@ class Driver:
                 if self.pool.get_cached_block(h, [0]) is None:
                     break
                 n += 1
-            out.append({
-                "name": name,
-                "lora_name": lora.lora_name if lora else None,
-                "token_ids": list(toks),
-                "block_hashes": [render_hash(maybe_convert_block_hash(h)) for h in hashes],
-                "num_cached_blocks": n,
-            })
+            out.append(
+                {
+                    "name": name,
+                    "lora_name": lora.lora_name if lora else None,
+                    "token_ids": list(toks),
+                    "block_hashes": [render_hash(maybe_convert_block_hash(h)) for h in hashes],
+                    "num_cached_blocks": n,
+                }
+            )
         return out
 
     # -- main loop ------------------------------------------------------------
@@ -546,8 +605,14 @@ def main() -> int:
         buffer_steps=args.buffer_steps,
         topic=args.topic,
     )
-    emit({"event": "ready", "pub": publisher.bound_pub, "replay": publisher.bound_replay,
-          "pid": os.getpid()})
+    emit(
+        {
+            "event": "ready",
+            "pub": publisher.bound_pub,
+            "replay": publisher.bound_replay,
+            "pid": os.getpid(),
+        }
+    )
     try:
         if args.start_delay > 0:
             time.sleep(args.start_delay)
@@ -582,8 +647,7 @@ def main() -> int:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(out, indent=1))
         os.replace(tmp, path)
-        emit({"event": "done", "published_batches": n, "dropped": len(dropped),
-              "out": str(path)})
+        emit({"event": "done", "published_batches": n, "dropped": len(dropped), "out": str(path)})
         if args.linger > 0:
             time.sleep(args.linger)
     finally:

@@ -101,7 +101,6 @@ class Subscriber:
         self._poller = zmq.Poller()
         self._instances: dict[str, InstanceSpec] = {}
         self._closed = False
-        self._shadows: dict[zmq.Socket[bytes], zmq.asyncio.Socket] = {}
         specs = list(instances)
         if endpoint is not None:
             specs.insert(0, InstanceSpec(name, endpoint, replay, topic, dp))
@@ -145,16 +144,24 @@ class Subscriber:
 
     # -- iteration ---------------------------------------------------------------------
 
-    def poll(self, timeout: float | None = 0.1) -> list[Item]:
-        """Wait up to `timeout` seconds for socket activity; return what it produced."""
+    def poll(self, timeout: float | None = 0.1, max_messages: int = _DRAIN) -> list[Item]:
+        """Wait up to `timeout` seconds for socket activity; return what it produced.
+
+        `max_messages` bounds the live messages taken from each socket in this call, so a
+        caller sharing an event loop can keep each step short.
+        """
         items: list[Item] = []
         now = time.monotonic()
         wait = self._wait_ms(timeout, now)
         ready = dict(self._poller.poll(wait)) if self._sources else {}
         if not self._sources and wait:
             time.sleep(wait / 1000)
-        self._process(ready, items)
+        self._process(ready, items, max_messages)
         return items
+
+    def sockets(self) -> list[zmq.Socket[bytes]]:
+        """Every socket in use now (SUBs, monitors, replay DEALERs): for external pollers."""
+        return list(self._by_socket)
 
     def __iter__(self) -> Iterator[Item]:
         while not self._closed:
@@ -170,16 +177,20 @@ class Subscriber:
             await self._wait_async(self._wait_ms(0.5, time.monotonic()))
 
     async def _wait_async(self, timeout_ms: int) -> None:
-        poller = zmq.asyncio.Poller()
-        for sock in self._by_socket:
-            shadow = self._shadows.get(sock)
-            if shadow is None:
-                shadow = self._shadows[sock] = zmq.asyncio.Socket.shadow(sock.underlying)
-            poller.register(shadow, zmq.POLLIN)
         if not self._by_socket:
             await asyncio.sleep(timeout_ms / 1000)
             return
-        await poller.poll(timeout_ms)
+        # Fresh shadows per wait: a cached shadow keeps its fd registered with the loop after
+        # its socket closes, and a later socket reusing that fd number would never wake us.
+        poller = zmq.asyncio.Poller()
+        shadows = [zmq.asyncio.Socket.shadow(sock.underlying) for sock in self._by_socket]
+        for shadow in shadows:
+            poller.register(shadow, zmq.POLLIN)
+        try:
+            await poller.poll(timeout_ms)
+        finally:
+            for shadow in shadows:
+                poller.unregister(shadow)
 
     def close(self) -> None:
         self._closed = True
@@ -246,7 +257,6 @@ class Subscriber:
 
     def _forget(self, sock: zmq.Socket[bytes]) -> None:
         self._by_socket.pop(sock, None)
-        self._shadows.pop(sock, None)  # a shadow does not own its socket: dropping it is enough
         try:
             self._poller.unregister(sock)
         except KeyError:
@@ -276,12 +286,14 @@ class Subscriber:
     def _wait_ms(self, timeout: float | None, now: float) -> int:
         wait = 3_600.0 if timeout is None else timeout
         for src in self._sources.values():
-            deadline = src.state.replay_deadline
+            deadline = src.state.next_deadline
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - now))
         return int(wait * 1000 + 0.999)
 
-    def _process(self, ready: Mapping[zmq.Socket[bytes], int], items: list[Item]) -> None:
+    def _process(
+        self, ready: Mapping[zmq.Socket[bytes], int], items: list[Item], limit: int = _DRAIN
+    ) -> None:
         # Connection changes first: a link that went down must be seen before more traffic.
         sockets = list(ready)
         for sock in sockets:
@@ -293,12 +305,13 @@ class Subscriber:
             if src is None:
                 continue
             if sock is src.sub:
-                self._read_live(src, items)
+                self._read_live(src, items, limit)
             elif sock is src.dealer:
                 self._read_replay(src, items)
         now = time.monotonic()
         for src in list(self._sources.values()):
-            if src.state.replaying:
+            deadline = src.state.next_deadline
+            if deadline is not None and now >= deadline:
                 self._handle(src, src.state.on_tick(now), items)
 
     def _read_live(self, src: _Source, items: list[Item], limit: int = _DRAIN) -> None:

@@ -84,6 +84,9 @@ class ReplayPolicy:
     idle_timeout: float = 1.0  # between two replies
     deadline: float = 60.0  # for one whole request
     max_attempts: int = 3  # consecutive requests that recover nothing
+    # After this long without traffic, ask the replay whether batches were published that
+    # never arrived (a dropped last batch is otherwise invisible until the next one).
+    idle_probe: float | None = 2.0
     max_pending: int = 200_000  # live messages held while a replay runs
     digests_kept: int = 4096  # recent (seq, digest) pairs for duplicate/restart checks
 
@@ -127,6 +130,7 @@ class SourceState:
         self._anchor: tuple[int, int] | None = None
         self._suspect = False
         self._unverified = False
+        self._probe_at: float | None = None
         if resume is not None:
             self.next_seq = resume.next_seq
             if resume.last_digest is not None and resume.next_seq > 0:
@@ -142,6 +146,15 @@ class SourceState:
     def replay_deadline(self) -> float | None:
         r = self._replay
         return None if r is None else min(r.deadline, r.idle_deadline)
+
+    @property
+    def next_deadline(self) -> float | None:
+        """When `on_tick` next has something to do."""
+        if self._replay is not None:
+            return self.replay_deadline
+        if self._probe_at is not None and self.stats.connected:
+            return self._probe_at
+        return None
 
     @property
     def status(self) -> Status:
@@ -186,12 +199,15 @@ class SourceState:
                 self._replay = None
         elif connected and not was_connected and self._ever_connected:
             self._check_anchor(now, out)
+        if connected:
+            self._arm_probe(now)
         self._ever_connected |= connected
         return out
 
     def on_live(self, seq: int, payload: bytes, now: float) -> list[Output]:
         out: list[Output] = []
         self.stats.received += 1
+        self._arm_probe(now)
         if self._last_live is not None and seq <= self._last_live:
             self._restart(seq, out)
         elif seq < self.next_seq:
@@ -264,9 +280,18 @@ class SourceState:
     def on_tick(self, now: float) -> list[Output]:
         out: list[Output] = []
         r = self._replay
-        if r is not None and now >= min(r.deadline, r.idle_deadline):
-            self._retry(r, now, out, "replay request timed out")
+        if r is not None:
+            if now >= min(r.deadline, r.idle_deadline):
+                self._retry(r, now, out, "replay request timed out")
+        elif self._probe_at is not None and now >= self._probe_at and self.stats.connected:
+            self._probe_at = None  # one probe per quiet spell; traffic re-arms it
+            if self.has_replay and not self._suspect:
+                self._start_replay(now, out, attempt=self.policy.max_attempts, probe=True)
         return out
+
+    def _arm_probe(self, now: float) -> None:
+        if self.policy.idle_probe is not None:
+            self._probe_at = now + self.policy.idle_probe
 
     # -- internals -------------------------------------------------------------------
 
@@ -346,6 +371,7 @@ class SourceState:
         attempt: int,
         verify_seq: int | None = None,
         check: bool = False,
+        probe: bool = False,
     ) -> None:
         if verify_seq is None:
             verify = self.next_seq - 1
@@ -356,7 +382,9 @@ class SourceState:
             start=self.next_seq if verify_seq is None else verify_seq,
             verify_seq=verify_seq,
             attempt=attempt,
-            check=check or verify_seq is not None,
+            # A probe of an idle stream is a courtesy: it gives way to live traffic and
+            # its failure proves nothing.
+            check=check or (verify_seq is not None and not probe),
             deadline=now + self.policy.deadline,
             idle_deadline=now + self.policy.first_reply_timeout,
         )

@@ -1,0 +1,7 @@
+"""`python -m kvindex.cli`: the same as the `kvindex` console script."""
+
+import sys
+
+from kvindex.cli import main
+
+sys.exit(main())

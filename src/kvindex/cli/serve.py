@@ -1,0 +1,281 @@
+"""`kvindex serve`: follow a fleet of vLLM instances and answer over HTTP.
+
+Instances come from `--instance SPEC` flags and/or a TOML file; more can be added and
+removed at runtime through the API. The HTTP server (uvicorn) and the ingest task share
+one asyncio loop (see `kvindex.service.runtime`). The listening socket is bound here,
+before uvicorn starts, so a busy port is a one-line usage error and `--http HOST:0` picks a
+free port that the start line reports.
+
+Config file:
+
+    [server]
+    http = "127.0.0.1:8080"
+    store = "memory"
+
+    [[instances]]
+    name = "vllm-0"
+    endpoint = "tcp://10.0.0.5:5557"
+    replay_endpoint = "tcp://10.0.0.5:5558"   # optional
+    topic = ""                                # optional, default: all topics
+    dp = 1                                    # optional, DP ranks on ports +0..+dp-1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import tomllib
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from kvindex.cli.common import UsageError
+from kvindex.subscriber import InstanceSpec, SpecError
+
+if TYPE_CHECKING:
+    import uvicorn
+
+__all__ = ["DEFAULT_HTTP", "DEFAULT_STORE", "Settings", "add_parser", "parse_http", "run"]
+
+DEFAULT_HTTP = "127.0.0.1:8080"
+# interface.md names sqlite:///PATH as the default; until the store layer lands, "memory".
+DEFAULT_STORE = "memory"
+_LATER_STORES = ("sqlite://", "redis://")
+_INSTANCE_KEYS = {"name", "endpoint", "replay_endpoint", "topic", "dp", "spec"}
+_SERVER_KEYS = {"http", "store"}
+
+
+@dataclass(slots=True)
+class Settings:
+    """What to serve: flags layered over the config file."""
+
+    instances: list[InstanceSpec] = field(default_factory=list)
+    http: str = DEFAULT_HTTP
+    store: str = DEFAULT_STORE
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="index a fleet's KV-cache events and answer over HTTP",
+        description="Follow vLLM instances' KV-cache events and serve the index over HTTP "
+        "(/v1/instances, /v1/lookup, /v1/stats, /metrics, /docs).",
+    )
+    p.add_argument("--config", metavar="FILE.toml", type=Path, help="TOML config file")
+    p.add_argument(
+        "--instance",
+        metavar="SPEC",
+        action="append",
+        default=[],
+        help="NAME=PUB_ENDPOINT[,replay=EP][,topic=T][,dp=N]; repeatable",
+    )
+    p.add_argument("--store", metavar="URL", help=f"state store (default: {DEFAULT_STORE})")
+    p.add_argument("--http", metavar="HOST:PORT", help=f"listen address (default: {DEFAULT_HTTP})")
+    p.set_defaults(run=run)
+
+
+# -- settings ----------------------------------------------------------------------------
+
+
+def load_settings(args: argparse.Namespace) -> Settings:
+    """The config file (if any), then the flags; every problem is a UsageError."""
+    settings = _read_config(args.config) if args.config is not None else Settings()
+    for text in args.instance:
+        settings.instances.append(_parse_spec(text))
+    if args.http is not None:
+        settings.http = args.http
+    if args.store is not None:
+        settings.store = args.store
+    names = [spec.name for spec in settings.instances]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise UsageError(f"instance {duplicates[0]!r} is given twice")
+    check_store(settings.store)
+    parse_http(settings.http)
+    return settings
+
+
+def _parse_spec(text: str) -> InstanceSpec:
+    try:
+        return InstanceSpec.parse(text)
+    except SpecError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _read_config(path: Path) -> Settings:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"can't read {path}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path} is not valid TOML: {exc}") from None
+    unknown = set(data) - {"server", "instances", "store"}
+    if unknown:
+        raise UsageError(f"{path}: unknown key {sorted(unknown)[0]!r} (server, instances)")
+    server = _table(data.get("server", {}), f"{path}: [server]", _SERVER_KEYS)
+    settings = Settings()
+    settings.http = _string(server.get("http", DEFAULT_HTTP), f"{path}: server.http")
+    store = server.get("store", data.get("store", DEFAULT_STORE))
+    settings.store = _string(store, f"{path}: store")
+    instances = data.get("instances", [])
+    if not isinstance(instances, list):
+        raise UsageError(f"{path}: 'instances' must be an array of tables ([[instances]])")
+    for i, entry in enumerate(instances):
+        where = f"{path}: instances[{i}]"
+        settings.instances.append(_config_instance(_table(entry, where, _INSTANCE_KEYS), where))
+    return settings
+
+
+def _table(value: object, where: str, keys: set[str]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UsageError(f"{where} must be a table")
+    unknown = set(value) - keys
+    if unknown:
+        raise UsageError(f"{where}: unknown key {sorted(unknown)[0]!r} ({', '.join(sorted(keys))})")
+    return value
+
+
+def _string(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise UsageError(f"{where} must be a string")
+    return value
+
+
+def _config_instance(entry: dict[str, Any], where: str) -> InstanceSpec:
+    try:
+        if "spec" in entry:
+            if len(entry) > 1:
+                raise SpecError("give either 'spec' or the fields, not both")
+            return InstanceSpec.parse(_string(entry["spec"], f"{where}.spec"))
+        for key in ("name", "endpoint"):
+            if key not in entry:
+                raise SpecError(f"'{key}' is required")
+        dp = entry.get("dp", 1)
+        if not isinstance(dp, int) or isinstance(dp, bool):
+            raise SpecError("'dp' must be a whole number")
+        replay = entry.get("replay_endpoint")
+        return InstanceSpec(
+            name=_string(entry["name"], f"{where}.name"),
+            endpoint=_string(entry["endpoint"], f"{where}.endpoint"),
+            replay_endpoint=None if replay is None else _string(replay, f"{where}.replay_endpoint"),
+            topic=_string(entry.get("topic", ""), f"{where}.topic"),
+            dp=dp,
+        )
+    except SpecError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+
+
+def check_store(url: str) -> None:
+    """Only the in-memory store exists so far; the persistent ones are announced."""
+    if url == "memory":
+        return
+    if url.startswith(_LATER_STORES):
+        raise UsageError(f"store {url!r} is not available yet (use --store memory)")
+    raise UsageError(f"unknown store URL {url!r} (memory, sqlite:///PATH, redis://HOST:PORT/DB)")
+
+
+def parse_http(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (IPv6 as `[::1]:8080`) -> (host, port); port 0 picks a free one."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise UsageError(f"--http {text!r} must be HOST:PORT, e.g. {DEFAULT_HTTP}")
+    return host, int(port)
+
+
+# -- running -----------------------------------------------------------------------------
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """Bind and listen now, so a busy or unknown address is a usage error, not a crash."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, IndexError) as exc:
+        raise UsageError(f"can't listen on {host}:{port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise UsageError(f"can't listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = load_settings(args)
+    host, port = parse_http(settings.http)
+    logging.basicConfig(level=logging.WARNING, format="kvindex serve: %(levelname)s %(message)s")
+    # Imported here: `kvindex --help` and the other commands don't need the web stack.
+    import uvicorn
+    import zmq
+
+    from kvindex.service.app import create_app
+    from kvindex.service.runtime import Fleet
+
+    sock = listen(host, port)
+    try:
+        fleet = Fleet(settings.instances)
+    except zmq.ZMQError as exc:
+        sock.close()
+        raise UsageError(f"can't follow the instances: {exc}") from None
+    config = uvicorn.Config(
+        create_app(fleet),
+        loop="asyncio",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    server = _make_server(config)
+    summary = f"{len(settings.instances)} instance(s), store {settings.store}"
+    asyncio.run(_serve(server, sock, summary))
+    return 0
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket, summary: str) -> None:
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if server.started:
+        print(f"kvindex serve: listening on {_url(sock)} ({summary})", flush=True)
+    await task
+
+
+def _make_server(config: uvicorn.Config) -> uvicorn.Server:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, minus re-raising the caught signal after a graceful stop
+        (which would turn a clean SIGTERM shutdown into death by signal)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            def stop(sig: int, frame: FrameType | None) -> None:
+                if self.should_exit:
+                    self.force_exit = True  # a second Ctrl+C: don't wait for connections
+                self.should_exit = True
+
+            handled = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, stop) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)

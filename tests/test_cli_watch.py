@@ -109,7 +109,7 @@ def test_json_lines_equal_what_was_published(pub: Publisher) -> None:
     # Every field of the event is there under vLLM's name, even when unset.
     assert {"lora_id", "group_idx", "kv_cache_spec_kind", "locality"} <= set(got[0])
     # Notices and the summary went to stderr only.
-    assert any("replay from seq 0: 1 batches recovered" in line for line in cli.err)
+    assert any("replayed 1 batches (seq 0..0)" in line for line in cli.err)
     assert summary_of(cli.err).startswith("summary: 4 batches in ")
     assert "BlockStored 2, BlockRemoved 2, AllBlocksCleared 1, BlockMoved 1;" in cli.err[-1]
 
@@ -210,7 +210,7 @@ def test_human_lines_notices_and_summary(pub: Publisher) -> None:
     )
     assert re.fullmatch(r"#2 \S+ dp0 1 event \| ALL BLOCKS CLEARED", batches[2])
     assert batches[3] == "#3 ts=inf dp0 1 event | stored n=1 first=14 parent=- tokens=16 lora_id=3"
-    assert "▶ vllm: replay from seq 0: 2 batches recovered" in cli.out
+    assert "▶ vllm: replayed 2 batches (seq 0..1)" in cli.out
     assert cli.out[-1] == summary_of(cli.out)
     assert re.fullmatch(
         r"summary: 4 batches in [\d.]+ s; events: BlockStored 3, BlockRemoved 2, "

@@ -3,17 +3,23 @@
 The layers, each usable on its own:
 - `kvindex.wire`: frames and payloads of every vLLM release from 0.9 to 0.33;
 - `kvindex.subscriber`: `Subscriber`, gap-free, restart-aware delivery of batches;
+- `kvindex.index`: `FleetIndex`, exact per-instance block state and prefix lookups;
+- `kvindex.service`: the HTTP API, metrics and the ingest loop of `kvindex serve`.
 """
 
 from kvindex.subscriber import (
     Checkpoint,
+    DecodeFailed,
     Delivery,
+    Gap,
     InstanceSpec,
     Lost,
     Notice,
+    Replayed,
     Restarted,
     SourceKey,
     Subscriber,
+    Unverified,
 )
 from kvindex.wire import (
     AllBlocksCleared,
@@ -32,15 +38,19 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "Checkpoint",
+    "DecodeFailed",
     "Delivery",
     "EventBatch",
+    "Gap",
     "InstanceSpec",
     "Lost",
     "Notice",
+    "Replayed",
     "Restarted",
     "SourceKey",
     "Subscriber",
     "UnknownEvent",
+    "Unverified",
     "__version__",
     "decode_batch",
     "render_hash",

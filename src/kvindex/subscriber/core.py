@@ -193,10 +193,10 @@ class Subscriber:
                 poller.unregister(shadow)
 
     def close(self) -> None:
+        """Close every socket. Counters and status stay readable afterwards."""
         self._closed = True
         for src in list(self._sources.values()):
             self._close_source(src)
-        self._sources.clear()
 
     def __enter__(self) -> Subscriber:
         return self

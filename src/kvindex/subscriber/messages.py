@@ -130,13 +130,14 @@ class Unverified(Notice):
 
 @dataclass(frozen=True, slots=True)
 class Replayed(Notice):
-    """A replay finished: `count` batches were delivered from the publisher's buffer."""
+    """A replay finished: `count` batches from seq `start` on came from the replay buffer."""
 
     start: int = 0
     count: int = 0
 
     def describe(self) -> str:
-        return f"replay from seq {self.start}: {self.count} batches recovered"
+        last = self.start + self.count - 1
+        return f"replayed {self.count} batches (seq {self.start}..{last})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,6 +103,7 @@ class _Replay:
     verified: bool = False
     frames: int = 0
     delivered: int = 0
+    first_delivered: int = 0
 
 
 class SourceState:
@@ -254,6 +255,8 @@ class SourceState:
                 self.next_seq, seq - 1, "the publisher's replay buffer no longer holds them", out
             )
         self._deliver(seq, payload, True, out)
+        if not r.delivered:
+            r.first_delivered = seq
         r.delivered += 1
         self._pending.pop(seq, None)
         if self._pending and self.next_seq >= min(self._pending):
@@ -396,7 +399,7 @@ class SourceState:
         out.append(StopReplay(r.req_id))
         self._replay = None
         if r.delivered:
-            out.append(Replayed(self.source, r.start, r.delivered))
+            out.append(Replayed(self.source, r.first_delivered, r.delivered))
 
     def _retry(self, r: _Replay, now: float, out: list[Output], reason: str) -> None:
         self._finish_replay(r, out)

@@ -2,6 +2,7 @@
 
 from kvindex.wire.decode import BatchDecoder, WireError, decode_batch, event_to_builtins
 from kvindex.wire.events import (
+    KNOWN_TYPES,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockHash,
@@ -25,6 +26,7 @@ from kvindex.wire.hashes import parse_hash, render_hash
 
 __all__ = [
     "END_SEQ",
+    "KNOWN_TYPES",
     "MEDIUM_GPU",
     "AllBlocksCleared",
     "BatchDecoder",

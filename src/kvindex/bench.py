@@ -1,0 +1,179 @@
+"""`python -m kvindex.bench` (= `make bench`): ingest and lookup figures beside baselines.
+
+Every figure is measured in the same run as its baseline, since absolute times on shared
+machines are noisy. The workload is a steady state: chains of 1-32 blocks under shared
+prefixes are stored, and the oldest are evicted one block per event (vLLM's GPU path),
+so stores and removes balance.
+
+The naive baseline is what the classic multi-instance example does: untyped msgpack
+decoding and a dict of sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvindex.index import FleetIndex
+from kvindex.subscriber.messages import SourceKey
+from kvindex.wire import BatchDecoder, BlockHash, BlockRemoved, BlockStored, EventBatch
+from kvindex.wire.publisher import encode_batch
+
+BLOCK = 16
+
+
+def workload(batches: int, seed: int = 0, live_blocks: int = 4000) -> tuple[list[bytes], int]:
+    """Encoded batches of a steady-state workload, and their number of block events."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(32_000) for _ in range(BLOCK * 8)] for _ in range(16)]
+    held: list[BlockHash] = []
+    payloads: list[bytes] = []
+    block_events = 0
+    for _ in range(batches):
+        n = rng.randint(1, 32)
+        tokens = rng.choice(prefixes)[: BLOCK * rng.randint(0, 8)]
+        tokens = tokens + [rng.randrange(32_000) for _ in range(BLOCK * n)]
+        tokens = tokens[: BLOCK * n]
+        hashes: list[BlockHash] = [rng.getrandbits(64) for _ in range(n)]
+        events: list[Any] = [BlockStored(hashes, None, tokens, BLOCK, medium="GPU")]
+        held.extend(hashes)
+        while len(held) > live_blocks:
+            events.append(BlockRemoved([held.pop(0)], medium="GPU"))
+        block_events += n + len(events) - 1
+        payloads.append(encode_batch(events))
+    return payloads, block_events
+
+
+def ingest_kvindex(payloads: list[bytes]) -> float:
+    decoder, index, source = BatchDecoder(), FleetIndex(), SourceKey("bench")
+    start = time.perf_counter()
+    for payload in payloads:
+        index.apply(source, decoder.decode(payload))
+    return time.perf_counter() - start
+
+
+def ingest_naive(payloads: list[bytes]) -> float:
+    blocks: dict[str, set[int]] = {"bench": set()}
+    start = time.perf_counter()
+    for payload in payloads:
+        _ts, events, *_ = msgspec.msgpack.decode(payload)
+        for event in events:
+            kind = event["type"]
+            if kind == "BlockStored":
+                blocks["bench"].update(event["block_hashes"])
+            elif kind == "BlockRemoved":
+                blocks["bench"].difference_update(event["block_hashes"])
+            elif kind == "AllBlocksCleared":
+                blocks["bench"].clear()
+    return time.perf_counter() - start
+
+
+def lookup_latency(instances: int, per_instance: int, prompt_blocks: int) -> dict[str, float]:
+    """p50/p99 of a lookup of a `prompt_blocks`-block prompt over a filled index."""
+    rng = random.Random(1)
+    index = FleetIndex()
+    shared = [rng.randrange(32_000) for _ in range(BLOCK * prompt_blocks)]
+    for i in range(instances):
+        source = SourceKey(f"i{i}")
+        # Each instance holds a different-length prefix of the shared prompt, plus its own.
+        keep = rng.randint(0, prompt_blocks)
+        hashes: list[BlockHash] = [rng.getrandbits(64) for _ in range(keep)]
+        if keep:
+            index.apply(source, _batch(BlockStored(hashes, None, shared[: BLOCK * keep], BLOCK)))
+        own = max(0, per_instance - keep)
+        for start in range(0, own, 32):
+            n = min(32, own - start)
+            toks = [rng.randrange(32_000) for _ in range(BLOCK * n)]
+            fresh: list[BlockHash] = [rng.getrandbits(64) for _ in range(n)]
+            index.apply(source, _batch(BlockStored(fresh, None, toks, BLOCK)))
+    times = []
+    for _ in range(300):
+        t = time.perf_counter()
+        index.lookup(shared)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return {"p50_us": times[len(times) // 2] * 1e6, "p99_us": times[int(len(times) * 0.99)] * 1e6}
+
+
+def _batch(*events: Any) -> EventBatch:
+    return EventBatch(0.0, list(events))
+
+
+def best_of(fn: Any, payloads: list[bytes], repeats: int) -> float:
+    return float(min(fn(payloads) for _ in range(repeats)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvindex bench", description=(__doc__ or "").split("\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller cases (CI)")
+    parser.add_argument("--out", default="bench/results.json")
+    parser.add_argument("--batches", type=int, help="ingest workload size (batches)")
+    parser.add_argument(
+        "--lookup", action="append", metavar="INSTANCESxBLOCKS", help="lookup case, repeatable"
+    )
+    args = parser.parse_args(argv)
+    batches = args.batches or (3000 if args.quick else 20_000)
+    repeats = 3
+    payloads, events = workload(batches)
+    ours = best_of(ingest_kvindex, payloads, repeats)
+    naive = best_of(ingest_naive, payloads, repeats)
+    results: dict[str, Any] = {
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "ingest": {
+            "block_events": events,
+            "kvindex_per_s": events / ours,
+            "naive_per_s": events / naive,
+            "ratio_vs_naive": naive / ours,
+            "target_per_s": 1_000_000,
+        },
+        "lookup": {},
+    }
+    sizes = [(8, 2_000), (64, 2_000)] if args.quick else [(8, 10_000), (64, 10_000), (64, 100_000)]
+    if args.lookup:
+        sizes = [tuple(int(x) for x in case.split("x")) for case in args.lookup]  # type: ignore[misc]
+    for instances, per in sizes:
+        lat = lookup_latency(instances, per, 512)
+        results["lookup"][f"{instances}x{per}"] = lat | {"p50_target_us": 50, "p99_target_us": 300}
+    _print(results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"written: {out}")
+    return 0
+
+
+def _print(results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="kvindex bench (same-run baselines)")
+    for col in ("case", "kvindex", "baseline", "target"):
+        table.add_column(col)
+    ing = results["ingest"]
+    table.add_row(
+        "ingest in process (decode + apply), block events/s",
+        f"{ing['kvindex_per_s'] / 1e6:.2f} M/s",
+        f"naive {ing['naive_per_s'] / 1e6:.2f} M/s (kvindex = {ing['ratio_vs_naive']:.2f}x)",
+        ">= 1.0 M/s, >= 1.2x naive",
+    )
+    for case, lat in results["lookup"].items():
+        table.add_row(
+            f"lookup 512-block prompt, {case} (instances x blocks)",
+            f"p50 {lat['p50_us']:.0f} us, p99 {lat['p99_us']:.0f} us",
+            "-",
+            "p50 <= 50 us, p99 <= 300 us",
+        )
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -339,7 +339,8 @@ class Fleet:
         try:
             while True:
                 if not self._backlog:
-                    self._backlog.extend(self.subscriber.poll(0))
+                    # A bounded read keeps one poll well inside the slice.
+                    self._backlog.extend(self.subscriber.poll(0, max_messages=32))
                     if not self._backlog:
                         return self._input_pending()
                 if self._apply_until(deadline):
@@ -384,9 +385,7 @@ class Fleet:
             log.exception("hook %r failed", hook)
 
     def _sockets(self) -> list[zmq.Socket[bytes]]:
-        # The Subscriber has no public accessor for its sockets yet, so this reads its
-        # private map (asked for: `Subscriber.sockets()`).
-        return list(getattr(self.subscriber, "_by_socket", {}))
+        return self.subscriber.sockets()
 
     def _input_pending(self) -> bool:
         """Whether any socket still holds a message; reading EVENTS re-arms its fd's edge."""

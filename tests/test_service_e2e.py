@@ -63,7 +63,9 @@ def start_service(fleet: Fleet, errors: IO[str]) -> tuple[subprocess.Popen[str],
         "--instance", f"b={b.endpoint},replay={b.replay_endpoint},dp=2",
     ]  # fmt: skip
     # stderr goes to a file: nobody reads it while the test runs, and a full pipe blocks.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True)
+    # The default store (sqlite:///kvindex.sqlite) goes to a scratch working directory.
+    workdir = tempfile.mkdtemp(prefix="kvindex-e2e-")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True, cwd=workdir)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if "listening on http://" not in line:
@@ -202,8 +204,8 @@ def check_state(fleet: Fleet, convs: list[Conversation], client: httpx.Client) -
 
 def test_serve_rejects_bad_flags_in_one_line() -> None:
     cases = [
-        ["--store", "sqlite:///tmp/x.db"],
-        ["--store", "redis://localhost:6379/0"],
+        ["--store", "sqlite:///"],
+        ["--store", "sqlite:////proc/no-such-dir/kvindex.sqlite"],
         ["--store", "nonsense"],
         ["--http", "localhost"],
         ["--instance", "x"],

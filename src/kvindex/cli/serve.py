@@ -44,9 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_HTTP", "DEFAULT_STORE", "Settings", "add_parser", "parse_http", "run"]
 
 DEFAULT_HTTP = "127.0.0.1:8080"
-# interface.md names sqlite:///PATH as the default; until the store layer lands, "memory".
-DEFAULT_STORE = "memory"
-_LATER_STORES = ("sqlite://", "redis://")
+DEFAULT_STORE = "sqlite:///kvindex.sqlite"  # interface.md: a file in the working directory
 _INSTANCE_KEYS = {"name", "endpoint", "replay_endpoint", "topic", "dp", "spec"}
 _SERVER_KEYS = {"http", "store"}
 
@@ -172,12 +170,13 @@ def _config_instance(entry: dict[str, Any], where: str) -> InstanceSpec:
 
 
 def check_store(url: str) -> None:
-    """Only the in-memory store exists so far; the persistent ones are announced."""
-    if url == "memory":
-        return
-    if url.startswith(_LATER_STORES):
-        raise UsageError(f"store {url!r} is not available yet (use --store memory)")
-    raise UsageError(f"unknown store URL {url!r} (memory, sqlite:///PATH, redis://HOST:PORT/DB)")
+    """A store URL of a known kind (opening it happens when serving starts)."""
+    from kvindex.store import StoreError, open_store
+
+    try:
+        open_store(url)
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def parse_http(text: str) -> tuple[str, int]:
@@ -228,12 +227,24 @@ def run(args: argparse.Namespace) -> int:
     from kvindex.service.app import create_app
     from kvindex.service.runtime import Fleet
 
+    store, index, loaded = _open_store(settings.store)
     sock = listen(host, port)
+    instances = _with_runtime_instances(settings.instances, loaded.instances)
     try:
-        fleet = Fleet(settings.instances)
+        fleet = Fleet(
+            instances,
+            index=index,
+            resume=loaded.checkpoints,
+            keep_payload=store.url != "memory",
+        )
     except zmq.ZMQError as exc:
         sock.close()
+        store.close()
         raise UsageError(f"can't follow the instances: {exc}") from None
+    fleet.on_item.append(store.record)
+    fleet.on_remove.append(store.remove_instance)
+    fleet.on_add.append(store.save_instance)
+    store.start()
     config = uvicorn.Config(
         create_app(fleet),
         loop="asyncio",
@@ -242,9 +253,42 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
     )
     server = _make_server(config)
-    summary = f"{len(settings.instances)} instance(s), store {settings.store}"
-    asyncio.run(_serve(server, sock, summary))
+    summary = f"{len(instances)} instance(s), store {store.url}"
+    if loaded.blocks_restored or loaded.log_batches_replayed:
+        summary += (
+            f", warm start: {loaded.blocks_restored} blocks + "
+            f"{loaded.log_batches_replayed} logged batches in {loaded.seconds:.2f} s"
+        )
+    try:
+        asyncio.run(_serve(server, sock, summary))
+    finally:
+        store.close()
     return 0
+
+
+def _open_store(url: str) -> tuple[Any, Any, Any]:
+    """Open the store and load its state into a fresh index (a warm start)."""
+    from kvindex.index import FleetIndex
+    from kvindex.store import StoreError, open_store
+
+    index = FleetIndex()
+    try:
+        store = open_store(url)
+        loaded = store.load(index)
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+    return store, index, loaded
+
+
+def _with_runtime_instances(
+    configured: list[InstanceSpec], persisted: dict[str, str]
+) -> list[InstanceSpec]:
+    """Configured instances, plus those added through the API before a restart."""
+    names = {spec.name for spec in configured}
+    extra = [
+        InstanceSpec.parse(text) for name, text in sorted(persisted.items()) if name not in names
+    ]
+    return [*configured, *extra]
 
 
 async def _serve(server: uvicorn.Server, sock: socket.socket, summary: str) -> None:

@@ -159,7 +159,7 @@ class FleetIndex:
         tokens = event.token_ids
         if size <= 0 or len(tokens) < size * len(hashes):
             return  # hash-only (offloading) or partial (a sliding-window group): no tokens
-        if event.extra_keys and not _only_lora(event.extra_keys, event.lora_name):
+        if event.extra_keys and not only_lora(event.extra_keys, event.lora_name):
             return  # keyed by multimodal inputs or a cache salt: not findable by tokens alone
         parent_hash = event.parent_block_hash
         if parent_hash is None:
@@ -172,7 +172,10 @@ class FleetIndex:
             if found is None:
                 return  # the parent is unknown to us: the chain can't be placed
             node = found
-        data = _token_bytes(tokens)
+        try:
+            data = _token_bytes(tokens)
+        except ValueError:
+            return  # a token id past 64 bits (no lookup can ask for it): blocks only
         width = size * 8
         bit = 1 << src.bit
         nodes = src.nodes
@@ -181,6 +184,13 @@ class FleetIndex:
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = _Node(node, key)
+            old = nodes.get(h)
+            if old is not None and old is not child:
+                # The same hash announced for other tokens (never from a sane publisher):
+                # the hash now means these tokens; the old node must not stay matched.
+                old.mask &= ~bit
+                if old is not node:
+                    self._prune(old)
             child.mask |= bit
             nodes[h] = child
             node = child
@@ -253,6 +263,12 @@ class FleetIndex:
         """The pools of one publisher: (group, medium) -> hash -> copies (a snapshot)."""
         src = self._sources.get(source)
         return {} if src is None else {k: dict(v) for k, v in src.pools.items()}
+
+    def count(self, source: SourceKey, group: int, medium: str, block_hash: BlockHash) -> int:
+        """Copies of one hash in one pool of one publisher (0 if not held)."""
+        src = self._sources.get(source)
+        pool = None if src is None else src.pools.get((group, medium))
+        return 0 if pool is None else pool.get(block_hash, 0)
 
     def blocks_by_medium(self, instance: str) -> dict[str, int]:
         """Distinct hashes held per medium (union over ranks and groups)."""
@@ -370,6 +386,10 @@ def _record(depths: dict[int, int], mask: int, depth: int) -> None:
         mask ^= low
 
 
-def _only_lora(extra_keys: list[object], lora_name: str | None) -> bool:
+def only_lora(extra_keys: list[object], lora_name: str | None) -> bool:
     """Whether the per-block extra keys hold nothing but the LoRA name (the namespace)."""
-    return all(k is None or (lora_name is not None and list(k) == [lora_name]) for k in extra_keys)  # type: ignore[call-overload]
+    return all(
+        k is None
+        or (lora_name is not None and isinstance(k, list | tuple) and list(k) == [lora_name])
+        for k in extra_keys
+    )

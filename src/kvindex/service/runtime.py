@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ import zmq
 
 from kvindex.index import CacheStats, FleetIndex
 from kvindex.subscriber import (
+    Checkpoint,
     Delivery,
     InstanceSpec,
     Item,
@@ -170,11 +171,17 @@ class Fleet:
         rate_window: float = 60.0,
         slice_seconds: float = 0.001,
         idle_wait: float = 0.05,
+        index: FleetIndex | None = None,
+        resume: Mapping[SourceKey, Checkpoint] | None = None,
+        keep_payload: bool = False,
     ) -> None:
-        self.subscriber = Subscriber(policy=policy)
-        self.index = FleetIndex(rate_window=rate_window)
+        # `index` and `resume` come from a store's warm start: the state as persisted, and
+        # where each publisher's stream continues.
+        self.subscriber = Subscriber(policy=policy, resume=resume, keep_payload=keep_payload)
+        self.index = index if index is not None else FleetIndex(rate_window=rate_window)
         self.on_item: list[ItemHook] = []
         self.on_remove: list[RemoveHook] = []
+        self.on_add: list[Callable[[InstanceSpec], None]] = []  # runtime additions only
         self.ingest = IngestStats()
         self._slice = slice_seconds
         self._idle_wait = idle_wait  # also how often replay deadlines are checked when idle
@@ -208,6 +215,8 @@ class Fleet:
         self._specs[spec.name] = spec
         self._ranks[spec.name] = [source.source for source in spec.sources()]
         self._counts.pop(spec.name, None)
+        for hook in list(self.on_add):
+            self._call_hook(hook, spec)
 
     def remove_instance(self, name: str) -> None:
         """Stop following an instance and forget its state; raises UnknownInstance."""

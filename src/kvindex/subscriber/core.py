@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvindex.security.curve import client_setup
 from kvindex.subscriber.messages import (
     Connection,
     DecodeFailed,
@@ -41,12 +42,23 @@ from kvindex.subscriber.state import (
     StartReplay,
     StopReplay,
 )
-from kvindex.wire import END_SEQ, BatchDecoder, WireError, parse_replay
+from kvindex.wire import END_SEQ, BatchDecoder, EventBatch, WireError, parse_replay
 
 __all__ = ["Subscriber"]
 
 _DRAIN = 512  # messages taken from one socket before looking at the others
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+# A CURVE link is up once its handshake succeeded: a TCP connection the server then refuses
+# (ZAP) must not look like a publisher that came and went.
+_CURVE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
+_UP_EVENTS = (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+_REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+_UNDECODED = EventBatch(0.0, [])  # the batch of a `decode=False` Delivery: see its payload
 
 
 @dataclass(slots=True)
@@ -91,10 +103,16 @@ class Subscriber:
         policy: ReplayPolicy | None = None,
         rcvhwm: int = 100_000,
         max_payload: int = 64 * 1024 * 1024,
+        keep_payload: bool = False,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        decode: bool = True,
     ) -> None:
+        """`decode=False` passes every payload through undecoded (`Delivery.payload`, an
+        empty `batch`, no DecodeFailed): what a relay needs, which forwards batches as
+        they came."""
         self._ctx = context or zmq.Context.instance()
-        self._opts = _Options(policy or ReplayPolicy(), rcvhwm, max_payload)
+        self._opts = _Options(policy or ReplayPolicy(), rcvhwm, max_payload, decode)
+        self._keep_payload = keep_payload  # for recorders and stores that persist raw batches
         self._resume = dict(resume or {})
         self._sources: dict[SourceKey, _Source] = {}
         self._by_socket: dict[zmq.Socket[bytes], _Source] = {}
@@ -224,7 +242,9 @@ class Subscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self._opts.rcvhwm)
         sub.setsockopt(zmq.MAXMSGSIZE, self._opts.max_payload + 4096)
-        monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
+        if spec.curve is not None:
+            client_setup(sub, spec.curve)
+        monitor = sub.get_monitor_socket(_MONITOR_EVENTS if spec.curve is None else _CURVE_EVENTS)
         sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
         sub.connect(spec.endpoint)
         return sub, monitor
@@ -269,6 +289,8 @@ class Subscriber:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)  # take every reply the ROUTER manages to send
         dealer.setsockopt(zmq.MAXMSGSIZE, self._opts.max_payload + 4096)
+        if src.spec.curve is not None:
+            client_setup(dealer, src.spec.curve)
         dealer.connect(src.spec.replay_endpoint)
         dealer.send_multipart([b"", req.start.to_bytes(8, "big")])
         src.dealer, src.dealer_req = dealer, req.req_id
@@ -354,7 +376,12 @@ class Subscriber:
                 frames = src.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            connected = parse_monitor_message(frames)["event"] == zmq.EVENT_CONNECTED
+            event = parse_monitor_message(frames)["event"]
+            if event in _REFUSED_EVENTS:
+                extra = src.state.stats.extra
+                extra["handshake_failures"] = extra.get("handshake_failures", 0) + 1
+                continue
+            connected = event in _UP_EVENTS
             if connected == src.state.stats.connected:
                 continue
             if not connected:
@@ -384,6 +411,9 @@ class Subscriber:
 
     def _decode(self, src: _Source, out: Deliver) -> Item:
         stats = src.state.stats
+        if not self._opts.decode:
+            size = len(out.payload)
+            return Delivery(src.spec.source, out.seq, _UNDECODED, out.replayed, size, out.payload)
         try:
             batch = src.decoder.decode(out.payload)
         except WireError as exc:
@@ -394,4 +424,5 @@ class Subscriber:
         if batch.unknown_events:
             stats.unknown_events += batch.unknown_events
         stats.last_ts = batch.ts
-        return Delivery(src.spec.source, out.seq, batch, out.replayed, len(out.payload))
+        payload = out.payload if self._keep_payload else None
+        return Delivery(src.spec.source, out.seq, batch, out.replayed, len(out.payload), payload)

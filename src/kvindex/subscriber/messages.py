@@ -39,6 +39,7 @@ class Delivery:
     batch: EventBatch
     replayed: bool = False
     payload_size: int = 0
+    payload: bytes | None = None  # the raw msgpack, when the Subscriber keeps payloads
 
     @property
     def instance(self) -> str:

@@ -1,10 +1,12 @@
-"""Which publishers to follow: `NAME=PUB[,replay=REPLAY][,topic=TOPIC][,dp=RANKS]`."""
+"""Which publishers to follow: `NAME=PUB[,replay=REPLAY][,topic=TOPIC][,dp=RANKS]`, plus
+`curve=SERVER_KEY_OR_FILE[,client_key=FILE]` for a CURVE-encrypted link (`kvindex relay`)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
+from kvindex.security.curve import CurveClient, KeyFileError, is_key, read_public_key
 from kvindex.subscriber.messages import SourceKey
 
 __all__ = ["InstanceSpec", "SourceSpec", "SpecError", "offset_endpoint"]
@@ -12,6 +14,7 @@ __all__ = ["InstanceSpec", "SourceSpec", "SpecError", "offset_endpoint"]
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")
 _ENDPOINT = re.compile(r"(tcp|ipc|inproc)://\S+")
 _MAX_DP = 1024
+_OPTIONS = ("replay", "topic", "dp", "curve", "client_key")
 
 
 class SpecError(ValueError):
@@ -46,6 +49,7 @@ class SourceSpec:
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
+    curve: CurveClient | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,8 @@ class InstanceSpec:
     replay_endpoint: str | None = None
     topic: str = ""
     dp: int = 1
+    curve: str | None = None  # the CURVE server's public key (Z85)
+    client_key: str | None = None  # our CURVE secret key file (else an ephemeral pair)
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -73,6 +79,20 @@ class InstanceSpec:
             for ep in (self.endpoint, self.replay_endpoint):
                 if ep and ep.startswith("tcp://") and int(ep.rpartition(":")[2]) + self.dp > 65536:
                     raise SpecError(f"dp={self.dp} runs past port 65535 from {ep}")
+        self.curve_client()  # a bad key or key file is an error now, not at connect time
+
+    def curve_client(self) -> CurveClient | None:
+        """The CURVE settings of this instance's sockets, or None for plain ZMQ."""
+        if self.curve is None:
+            if self.client_key is not None:
+                raise SpecError("client_key= needs curve=SERVER_PUBLIC_KEY")
+            return None
+        if not is_key(self.curve):
+            raise SpecError(f"curve= must be a Z85 public key (40 characters), got {self.curve!r}")
+        try:
+            return CurveClient.create(self.curve, self.client_key)
+        except KeyFileError as exc:
+            raise SpecError(str(exc)) from None
 
     @classmethod
     def parse(cls, text: str) -> InstanceSpec:
@@ -86,8 +106,9 @@ class InstanceSpec:
         fields: dict[str, str] = {}
         for option in options:
             key, sep, value = option.partition("=")
-            if not sep or key not in ("replay", "topic", "dp"):
-                raise SpecError(f"unknown option {option!r} in {text!r} (replay=, topic=, dp=)")
+            if not sep or key not in _OPTIONS:
+                known = ", ".join(k + "=" for k in _OPTIONS)
+                raise SpecError(f"unknown option {option!r} in {text!r} ({known})")
             if key in fields:
                 raise SpecError(f"option {key!r} given twice in {text!r}")
             fields[key] = value
@@ -100,15 +121,19 @@ class InstanceSpec:
             replay_endpoint=fields.get("replay") or None,
             topic=fields.get("topic", ""),
             dp=int(dp_text),
+            curve=_server_key(fields["curve"]) if "curve" in fields else None,
+            client_key=fields.get("client_key") or None,
         )
 
     def sources(self) -> list[SourceSpec]:
+        curve = self.curve_client()
         return [
             SourceSpec(
                 SourceKey(self.name, rank),
                 offset_endpoint(self.endpoint, rank),
                 offset_endpoint(self.replay_endpoint, rank) if self.replay_endpoint else None,
                 self.topic,
+                curve,
             )
             for rank in range(self.dp)
         ]
@@ -121,4 +146,16 @@ class InstanceSpec:
             text += f",topic={self.topic}"
         if self.dp != 1:
             text += f",dp={self.dp}"
+        if self.curve is not None:
+            text += f",curve={self.curve}"
+        if self.client_key is not None:
+            text += f",client_key={self.client_key}"
         return text
+
+
+def _server_key(value: str) -> str:
+    """`curve=` takes the key itself or a file holding it (`kvindex keys` writes both)."""
+    try:
+        return read_public_key(value)
+    except KeyFileError as exc:
+        raise SpecError(f"curve={value}: {exc}") from None

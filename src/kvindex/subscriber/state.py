@@ -58,6 +58,7 @@ class Checkpoint(NamedTuple):
 
     next_seq: int
     last_digest: int | None = None
+    lost_since_restart: int = 0  # so a resumed source stays `incomplete` if it was
 
 
 class Deliver(NamedTuple):
@@ -136,6 +137,7 @@ class SourceState:
             self.next_seq = resume.next_seq
             if resume.last_digest is not None and resume.next_seq > 0:
                 self._digests[resume.next_seq - 1] = resume.last_digest
+            self.stats.lost_since_restart = resume.lost_since_restart
 
     # -- what the driver reads -------------------------------------------------------
 
@@ -170,7 +172,9 @@ class SourceState:
         return Status.CONNECTING
 
     def checkpoint(self) -> Checkpoint:
-        return Checkpoint(self.next_seq, self._digests.get(self.next_seq - 1))
+        return Checkpoint(
+            self.next_seq, self._digests.get(self.next_seq - 1), self.stats.lost_since_restart
+        )
 
     # -- inputs ----------------------------------------------------------------------
 

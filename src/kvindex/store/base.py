@@ -1,0 +1,78 @@
+"""What every store offers the service, and how a store URL is chosen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvindex.index import FleetIndex
+from kvindex.subscriber.messages import Item, SourceKey
+from kvindex.subscriber.spec import InstanceSpec
+from kvindex.subscriber.state import Checkpoint
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What a warm start found: where each publisher stopped, and instances added at runtime."""
+
+    checkpoints: dict[SourceKey, Checkpoint] = field(default_factory=dict)
+    instances: dict[str, str] = field(default_factory=dict)  # name -> spec text
+    blocks_restored: int = 0
+    log_batches_replayed: int = 0
+    seconds: float = 0.0
+
+
+class Store(Protocol):
+    """Persists what the service applies, so it can come back warm."""
+
+    @property
+    def url(self) -> str: ...
+
+    def load(self, index: FleetIndex) -> LoadResult:
+        """Fill `index` with the persisted state (before ingest starts)."""
+
+    def start(self) -> None: ...
+
+    def record(self, item: Item) -> None:
+        """Called for every item the index applied, in order. Must not block."""
+
+    def save_instance(self, spec: InstanceSpec) -> None: ...
+
+    def remove_instance(self, name: str) -> None: ...
+
+    def sync(self, timeout: float = 30.0) -> None:
+        """Wait until everything recorded so far is durable."""
+
+    def close(self, timeout: float = 30.0) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class MemoryStore:
+    """`--store memory`: nothing persists; a restart starts cold."""
+
+    url = "memory"
+
+    def load(self, index: FleetIndex) -> LoadResult:
+        return LoadResult()
+
+    def start(self) -> None:
+        pass
+
+    def record(self, item: Item) -> None:
+        pass
+
+    def save_instance(self, spec: InstanceSpec) -> None:
+        pass
+
+    def remove_instance(self, name: str) -> None:
+        pass
+
+    def sync(self, timeout: float = 30.0) -> None:
+        pass
+
+    def close(self, timeout: float = 30.0) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return {"url": self.url}

@@ -1,0 +1,113 @@
+"""Blocks as rows (what a store persists) and rows back into events (a warm start).
+
+A row is one (publisher, KV cache group, medium, block hash) with its number of physical
+copies and what is needed to put it back into the prefix tree: its parent hash, its own
+tokens, block size and LoRA name. Hashes are kept twice: as an exact binary key (an int
+hash may be unsigned 64-bit, beyond SQL integers) and rendered as text for people and SQL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from kvindex.index.fleet import DEFAULT_MEDIUM, only_lora
+from kvindex.subscriber.messages import SourceKey
+from kvindex.wire import BlockHash, BlockStored, EventBatch
+
+__all__ = ["BlockRow", "events_from_rows", "hash_key", "key_hash", "rows_of_store"]
+
+
+def hash_key(value: BlockHash) -> bytes:
+    """An exact, comparable binary key: a kind byte, then the value."""
+    if isinstance(value, bytes):
+        return b"\x01" + value
+    return b"\x00" + value.to_bytes(9, "big", signed=True)
+
+
+def key_hash(key: bytes) -> BlockHash:
+    if key[:1] == b"\x01":
+        return bytes(key[1:])
+    return int.from_bytes(key[1:], "big", signed=True)
+
+
+@dataclass(slots=True)
+class BlockRow:
+    source: SourceKey
+    group: int
+    medium: str
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    token_ids: list[int] | None  # None for hash-only blocks (offloading)
+    block_size: int
+    lora_name: str | None
+    copies: int
+    stored_at: float
+
+
+def rows_of_store(event: BlockStored, ts: float, source: SourceKey) -> Iterator[BlockRow]:
+    """One row per block of a BlockStored (copies=1), with each block's own tokens."""
+    size = event.block_size
+    tokens = event.token_ids
+    # Only blocks the index can place by tokens keep them (see FleetIndex._insert_chain).
+    has_tokens = size > 0 and len(tokens) >= size * len(event.block_hashes)
+    if event.extra_keys and not only_lora(event.extra_keys, event.lora_name):
+        has_tokens = False
+    parent = event.parent_block_hash
+    group, medium = event.group_idx or 0, event.medium or DEFAULT_MEDIUM
+    for i, h in enumerate(event.block_hashes):
+        own = tokens[i * size : (i + 1) * size] if has_tokens else None
+        yield BlockRow(source, group, medium, h, parent, own, size, event.lora_name, 1, ts)
+        parent = h
+
+
+def events_from_rows(rows: Iterable[BlockRow]) -> Iterator[tuple[SourceKey, EventBatch]]:
+    """Synthetic batches that rebuild these rows in an index: parents before children,
+    extra copies as hash-only stores (they add copies, not tree nodes)."""
+    by_source: dict[SourceKey, list[BlockRow]] = {}
+    for row in rows:
+        by_source.setdefault(row.source, []).append(row)
+    for source, source_rows in by_source.items():
+        for row in _parents_first(source_rows):
+            yield source, EventBatch(row.stored_at, [_store_event(row)])
+            for _ in range(row.copies - 1):
+                yield source, EventBatch(row.stored_at, [_copy_event(row)])
+
+
+def _store_event(row: BlockRow) -> BlockStored:
+    tokens = row.token_ids or []
+    extra = [[row.lora_name]] if row.lora_name is not None and tokens else None
+    return BlockStored(
+        [row.block_hash],
+        row.parent_hash,
+        tokens,
+        row.block_size,
+        medium=row.medium,
+        lora_name=row.lora_name,
+        group_idx=row.group,
+        extra_keys=extra,
+    )
+
+
+def _copy_event(row: BlockRow) -> BlockStored:
+    return BlockStored([row.block_hash], None, [], 0, medium=row.medium, group_idx=row.group)
+
+
+def _parents_first(rows: list[BlockRow]) -> list[BlockRow]:
+    """Order rows so each block's parent (when held in the same pool family) comes first."""
+    by_hash: dict[BlockHash, BlockRow] = {}
+    for row in rows:
+        if row.token_ids is not None:
+            by_hash.setdefault(row.block_hash, row)
+    done: set[int] = set()
+    ordered: list[BlockRow] = []
+    for row in rows:
+        chain: list[BlockRow] = []
+        cur: BlockRow | None = row
+        while cur is not None and id(cur) not in done:
+            chain.append(cur)
+            done.add(id(cur))
+            parent = cur.parent_hash
+            cur = by_hash.get(parent) if parent is not None and cur.token_ids is not None else None
+        ordered.extend(reversed(chain))
+    return ordered

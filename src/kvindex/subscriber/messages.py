@@ -118,15 +118,19 @@ class Lost(Notice):
 
 @dataclass(frozen=True, slots=True)
 class Unverified(Notice):
-    """After a reconnect, the publisher's replay never answered, so it could not be checked
-    that it is still the process whose batch `anchor_seq` we hold. The state is delivered on
-    but marked incomplete (it may mix an old and a new engine) until the next restart."""
+    """It could not be checked that the publisher is still the process whose batch
+    `anchor_seq` we hold (its replay did not answer after a reconnect, or its buffer no
+    longer reaches back that far). Delivery goes on, but the state is marked incomplete (it
+    may mix an old and a new engine) until the next restart."""
 
     anchor_seq: int = 0
     reason: str = ""
 
     def describe(self) -> str:
-        return f"could not check the stream after reconnecting ({self.reason}): incomplete"
+        return (
+            f"could not check that the publisher is still the engine whose seq "
+            f"{self.anchor_seq} we hold ({self.reason}): incomplete"
+        )
 
 
 @dataclass(frozen=True, slots=True)

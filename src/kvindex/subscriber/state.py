@@ -238,13 +238,15 @@ class SourceState:
         r.idle_deadline = now + self.policy.idle_timeout
         if r.verify_seq is not None and not r.verified:
             r.verified = True
-            if seq != r.verify_seq:
-                # The buffer no longer reaches back to the batch we know: the stream can't be
-                # checked, so it is not trusted (the new start then shows what was lost).
-                self._restart_during_replay(r, None, now, out, "unverifiable")
-            elif payload_digest(payload) != self._digests.get(seq):
-                self._restart_during_replay(r, seq, now, out)
-            return out
+            if seq == r.verify_seq:
+                if payload_digest(payload) != self._digests.get(seq):
+                    self._restart_during_replay(r, seq, now, out)
+                return out
+            # The buffer no longer reaches back to the batch we know, so we can't tell a
+            # long absence from an engine restart. Keep the state, report what is missing
+            # (below), and say the stream is unverified when no seq is visibly missing.
+            if seq == self.next_seq:
+                self._mark_unverified(r.verify_seq, "the replay buffer no longer holds it", out)
         if seq < self.next_seq:
             known = self._digests.get(seq)
             if known is not None and known != payload_digest(payload):
@@ -416,9 +418,7 @@ class SourceState:
         if r.check and r.verify_seq is not None and not r.verified:
             # After a reconnect the publisher never let us check it is the same process:
             # what follows may belong to a new stream, so the state can't be called exact.
-            self.stats.unverified_reconnects += 1
-            self._unverified = True
-            out.append(Unverified(self.source, r.verify_seq, reason))
+            self._mark_unverified(r.verify_seq, reason, out)
         if self._pending:
             first_held = min(self._pending)
             if first_held > self.next_seq:
@@ -426,6 +426,11 @@ class SourceState:
             self._flush_pending(now, out)
         # With nothing pending, nothing is known to be missing: the publisher may simply be
         # down. Its next live message (or reconnection) resumes the catch-up.
+
+    def _mark_unverified(self, anchor: int, reason: str, out: list[Output]) -> None:
+        self.stats.unverified_reconnects += 1
+        self._unverified = True
+        out.append(Unverified(self.source, anchor, reason))
 
     def _restart(self, seq: int, out: list[Output]) -> None:
         if self._replay is not None:

@@ -5,9 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvindex.store.base import LoadResult, MemoryStore, Store
+from kvindex.store.rows import BlockRow
 from kvindex.store.sqlite_db import StoreError
 
-__all__ = ["DEFAULT_STORE_URL", "LoadResult", "MemoryStore", "Store", "StoreError", "open_store"]
+__all__ = [
+    "DEFAULT_STORE_URL",
+    "LoadResult",
+    "MemoryStore",
+    "Store",
+    "StoreError",
+    "open_store",
+    "read_store",
+]
 
 DEFAULT_STORE_URL = "sqlite:///kvindex.sqlite"
 
@@ -32,3 +41,25 @@ def open_store(url: str) -> Store:
         store: Store = RedisStore(url)
         return store
     raise StoreError(f"unknown store URL {url!r} (memory, sqlite:///PATH, redis://HOST:PORT/DB)")
+
+
+def read_store(url: str) -> tuple[list[BlockRow], LoadResult]:
+    """Every block a store holds now, and its checkpoints: offline, without a service
+    (safe while one runs). Raises StoreError."""
+    if url.startswith("sqlite:///") and url != "sqlite:///":
+        from kvindex.store.sqlite import current_rows
+
+        return current_rows(Path(url[len("sqlite:///") :]))
+    if url.startswith("redis://"):
+        try:
+            from kvindex.store.redis import current_rows as redis_rows  # type: ignore[import-not-found]
+        except ImportError:
+            raise StoreError(
+                "reading a Redis store offline is not available in this build"
+            ) from None
+        result: tuple[list[BlockRow], LoadResult] = redis_rows(url)
+        return result
+    if url == "memory":
+        raise StoreError("the memory store keeps nothing to read (use sqlite:///PATH or redis://)")
+    open_store(url)  # raises the precise error for a malformed URL
+    raise StoreError(f"cannot read store {url!r}")

@@ -34,7 +34,7 @@ import zmq
 
 from kvindex.index import FleetIndex
 from kvindex.store.base import LoadResult
-from kvindex.store.rows import hash_key
+from kvindex.store.rows import BlockRow, hash_key
 from kvindex.store.sqlite_db import (
     KIND_BATCH,
     KIND_REMOVE,
@@ -49,7 +49,7 @@ from kvindex.store.sqlite_db import (
     read_log,
     snapshot_log_id,
 )
-from kvindex.store.state import Mirror, restore_rows
+from kvindex.store.state import DirtyKey, Mirror, fold, resolve, restore_rows, row_key
 from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted, SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 
@@ -367,26 +367,16 @@ class _Writer:
                     "DELETE FROM blocks WHERE instance = ? AND rank = ?",
                     (source.instance, source.rank),
                 )
-            upserts, updates, deletes = [], [], []
-            for (source, group, medium, h), row in changes.dirty.items():
-                copies = index.count(source, group, medium, h)
-                key = (source.instance, source.rank, group, medium, hash_key(h))
-                if copies == 0:
-                    deletes.append(key)
-                elif row is not None:
-                    row.copies = copies
-                    upserts.append(block_row_values(row))
-                else:
-                    updates.append((copies, *key))
+            resolved = resolve(changes, index)
             db.executemany(
                 "DELETE FROM blocks WHERE instance=? AND rank=? AND grp=? AND medium=? AND hkey=?",
-                deletes,
+                [_sql_key(key) for key in resolved.deletes],
             )
-            db.executemany(UPSERT_BLOCK, upserts)
+            db.executemany(UPSERT_BLOCK, [block_row_values(row) for row in resolved.upserts])
             db.executemany(
                 "UPDATE blocks SET copies=? WHERE instance=? AND rank=? AND grp=? AND medium=?"
                 " AND hkey=?",
-                updates,
+                [(copies, *_sql_key(key)) for key, copies in resolved.updates],
             )
             db.execute(
                 "UPDATE meta SET value = ? WHERE key = 'snapshot_log_id'", (str(self.last_log_id),)
@@ -401,6 +391,32 @@ class _Writer:
 
     def close(self) -> None:
         self.db.close()
+
+
+def _sql_key(key: DirtyKey) -> tuple[object, ...]:
+    source, group, medium, h = key
+    return (source.instance, source.rank, group, medium, hash_key(h))
+
+
+def current_rows(path: str | Path) -> tuple[list[BlockRow], LoadResult]:
+    """The store's blocks as of its last committed batch (snapshot + log tail), read-only
+    with respect to the blocks table: what `kvindex export` prints while serve runs."""
+    db = connect(path, create=False)
+    try:
+        rows = {row_key(row): row for row in read_blocks(db)}
+        mirror = Mirror()
+        restore_rows(mirror.index, rows.values())
+        replayed = _replay_log(db, mirror, snapshot_log_id(db))
+        fold(rows, mirror.take_changes(), mirror.index)
+        result = LoadResult(
+            checkpoints=read_checkpoints(db),
+            instances=read_instances(db),
+            blocks_restored=len(rows),
+            log_batches_replayed=replayed,
+        )
+        return list(rows.values()), result
+    finally:
+        db.close()
 
 
 _decode_header = msgspec.msgpack.Decoder()

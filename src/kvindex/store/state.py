@@ -98,3 +98,50 @@ class Mirror:
     def take_changes(self) -> Changes:
         changes, self.changes = self.changes, Changes()
         return changes
+
+
+@dataclass
+class Resolved:
+    """Changes turned into row operations, with copies read from the mirror."""
+
+    upserts: list[BlockRow] = field(default_factory=list)  # new rows, or new info
+    updates: list[tuple[DirtyKey, int]] = field(default_factory=list)  # copies only
+    deletes: list[DirtyKey] = field(default_factory=list)
+
+
+def resolve(changes: Changes, index: FleetIndex) -> Resolved:
+    """What a snapshot must write for these changes (after deleting cleared sources)."""
+    out = Resolved()
+    for key, row in changes.dirty.items():
+        source, group, medium, h = key
+        copies = index.count(source, group, medium, h)
+        if copies == 0:
+            out.deletes.append(key)
+        elif row is not None:
+            row.copies = copies
+            out.upserts.append(row)
+        else:
+            out.updates.append((key, copies))
+    return out
+
+
+def fold(rows: dict[DirtyKey, BlockRow], changes: Changes, index: FleetIndex) -> None:
+    """Apply changes to rows held in memory, exactly as a snapshot would in a table."""
+    for key in [k for k in rows if k[0].instance in changes.removed or k[0] in changes.cleared]:
+        del rows[key]
+    resolved = resolve(changes, index)
+    for key in resolved.deletes:
+        rows.pop(key, None)
+    for row in resolved.upserts:
+        key = (row.source, row.group, row.medium, row.block_hash)
+        if key in rows:
+            rows[key].copies = row.copies
+        else:
+            rows[key] = row
+    for key, copies in resolved.updates:
+        if key in rows:
+            rows[key].copies = copies
+
+
+def row_key(row: BlockRow) -> DirtyKey:
+    return (row.source, row.group, row.medium, row.block_hash)

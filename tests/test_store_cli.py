@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_store_sqlite import A, B0, BS, Harness
+from test_store_sqlite import B0, BS, A, Harness
 
 from kvindex.wire import BlockRemoved, BlockStored
 

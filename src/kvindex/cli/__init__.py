@@ -34,7 +34,7 @@ class CliParser(argparse.ArgumentParser):
 
 # The command modules (kvindex/cli/NAME.py), in `--help` order. Add new commands here:
 # serve, demo, simulate, record, analyze, ...
-COMMANDS = ("watch", "serve")
+COMMANDS = ("watch", "serve", "export", "stats")
 
 
 def _commands() -> list[ModuleType]:

@@ -36,7 +36,20 @@ def test_lookup_latency_reports_percentiles() -> None:
 
 def test_main_writes_results(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    assert bench.main(["--quick", "--out", str(out), "--batches", "200", "--lookup", "4x50"]) == 0
+    argv = [
+        "--quick",
+        "--out",
+        str(out),
+        "--batches",
+        "200",
+        "--lookup",
+        "4x50",
+        "--warm-blocks",
+        "500",
+    ]
+    assert bench.main(argv) == 0
     data = json.loads(out.read_text())
     assert data["ingest"]["block_events"] > 0 and data["ingest"]["kvindex_per_s"] > 0
     assert set(data["lookup"]) == {"4x50"}
+    assert data["ingest"]["sqlite_per_s"] > 0
+    assert data["warm_restart"]["blocks"] == 500 and data["warm_restart"]["load_seconds"] > 0

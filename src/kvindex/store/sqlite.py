@@ -18,6 +18,7 @@ batch's checksum, that it is still the same engine).
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -196,8 +197,16 @@ def load_database(db: Any, index: FleetIndex) -> LoadResult:
     """Snapshot, then log tail, into `index`; returns checkpoints and runtime instances."""
     started = time.monotonic()
     mirror = Mirror(index)
-    rows = restore_rows(index, read_blocks(db))
-    replayed = _replay_log(db, mirror, snapshot_log_id(db))
+    # Loading creates objects by the million and frees none: the cyclic GC's passes over
+    # them would cost ~40% of the load for nothing.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        rows = restore_rows(index, read_blocks(db))
+        replayed = _replay_log(db, mirror, snapshot_log_id(db))
+    finally:
+        if was_enabled:
+            gc.enable()
     return LoadResult(
         checkpoints=read_checkpoints(db),
         instances=read_instances(db),

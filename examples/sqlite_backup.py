@@ -108,7 +108,10 @@ def apply(db: sqlite3.Connection, sub: Subscriber, item: Delivery) -> None:
 
 
 def save_checkpoint(db: sqlite3.Connection, src: SourceKey, cp: Checkpoint) -> None:
-    db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)", (*src, *cp))
+    db.execute(
+        "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)",
+        (*src, cp.next_seq, cp.last_digest),
+    )
 
 
 def load_checkpoints(db: sqlite3.Connection, name: str) -> dict[SourceKey, Checkpoint]:

@@ -249,3 +249,23 @@ def test_not_a_store(tmp_path: Path) -> None:
     sqlite3.connect(path).execute("CREATE TABLE t (x)").connection.commit()
     with pytest.raises(StoreError, match="not a kvindex store"):
         open_store(f"sqlite:///{path}").load(FleetIndex())
+
+
+def test_hash_only_copy_keeps_the_tokens_of_the_first_store(tmp_path: Path) -> None:
+    h = Harness(tmp_path / "s.sqlite")
+    h.batch(A, BlockStored([1], None, [1, 2, 3, 4], BS))
+    h.batch(A, BlockStored([1], None, [], 0))  # another copy, announced without tokens
+    h.writer.compact()
+    loaded, _ = h.reload()
+    assert loaded.lookup([1, 2, 3, 4])[0].matched_blocks == 1
+    assert loaded.count(A, 0, "GPU", 1) == 2
+    # And when the hash-only copy reached the snapshot first, a later store adds the tokens.
+    h2 = Harness(tmp_path / "t.sqlite")
+    h2.batch(A, BlockStored([1], None, [], 0))
+    h2.writer.compact()
+    h2.batch(A, BlockStored([1], None, [1, 2, 3, 4], BS))
+    h2.writer.compact()
+    loaded, _ = h2.reload()
+    assert h2.reference.lookup([1, 2, 3, 4])[0].matched_blocks == 1
+    assert loaded.lookup([1, 2, 3, 4])[0].matched_blocks == 1
+    assert loaded.count(A, 0, "GPU", 1) == 2

@@ -174,10 +174,14 @@ class Fleet:
         index: FleetIndex | None = None,
         resume: Mapping[SourceKey, Checkpoint] | None = None,
         keep_payload: bool = False,
+        subscriber: Subscriber | None = None,
     ) -> None:
         # `index` and `resume` come from a store's warm start: the state as persisted, and
-        # where each publisher's stream continues.
-        self.subscriber = Subscriber(policy=policy, resume=resume, keep_payload=keep_payload)
+        # where each publisher's stream continues. A shared store brings its own
+        # `subscriber`, which also yields the batches other replicas ingest.
+        self.subscriber = subscriber or Subscriber(
+            policy=policy, resume=resume, keep_payload=keep_payload
+        )
         self.index = index if index is not None else FleetIndex(rate_window=rate_window)
         self.on_item: list[ItemHook] = []
         self.on_remove: list[RemoveHook] = []
@@ -265,10 +269,13 @@ class Fleet:
 
     def _rank_view(self, source: SourceKey) -> RankView:
         stats: SourceStats = self.subscriber.stats(source)
+        # The last seq the *index* applied: what the blocks and lookups answered next
+        # reflect (the Subscriber may have delivered more into the backlog already).
+        applied_seq, _ = self.index.source_state(source)
         return RankView(
             rank=source.rank,
             status=self.subscriber.status(source),
-            last_seq=stats.last_seq,
+            last_seq=applied_seq if applied_seq is not None else stats.last_seq,
             gaps=stats.gaps,
             received=stats.received,
             delivered=stats.delivered,

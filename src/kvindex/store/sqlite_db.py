@@ -179,5 +179,13 @@ def block_row_values(row: BlockRow) -> tuple[object, ...]:
 
 UPSERT_BLOCK = (
     "INSERT INTO blocks VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) "
-    "ON CONFLICT (instance, rank, grp, medium, hkey) DO UPDATE SET copies = excluded.copies"
+    "ON CONFLICT (instance, rank, grp, medium, hkey) DO UPDATE SET copies = excluded.copies,"
+    # a row first seen hash-only (an offload copy) gains its tokens when a store brings them
+    " token_ids = coalesce(blocks.token_ids, excluded.token_ids),"
+    " parent_key = CASE WHEN blocks.token_ids IS NULL THEN excluded.parent_key"
+    " ELSE blocks.parent_key END,"
+    " parent_hash = CASE WHEN blocks.token_ids IS NULL THEN excluded.parent_hash"
+    " ELSE blocks.parent_hash END,"
+    " block_size = CASE WHEN blocks.token_ids IS NULL THEN excluded.block_size"
+    " ELSE blocks.block_size END"
 )

@@ -78,7 +78,11 @@ class Mirror:
         for event in batch.events:
             if isinstance(event, BlockStored):
                 for row in rows_of_store(event, batch.ts, source):
-                    dirty[(source, row.group, row.medium, row.block_hash)] = row
+                    key = (source, row.group, row.medium, row.block_hash)
+                    known = dirty.get(key)
+                    # A hash-only copy must not hide the tokens an earlier store gave.
+                    if known is None or row.token_ids is not None or known.token_ids is None:
+                        dirty[key] = row
             elif isinstance(event, BlockRemoved):
                 group, medium = event.group_idx or 0, event.medium or "GPU"
                 for h in event.block_hashes:
@@ -134,10 +138,14 @@ def fold(rows: dict[DirtyKey, BlockRow], changes: Changes, index: FleetIndex) ->
         rows.pop(key, None)
     for row in resolved.upserts:
         key = (row.source, row.group, row.medium, row.block_hash)
-        if key in rows:
-            rows[key].copies = row.copies
-        else:
+        held = rows.get(key)
+        if held is None:
             rows[key] = row
+        else:
+            held.copies = row.copies
+            if held.token_ids is None and row.token_ids is not None:
+                held.token_ids, held.parent_hash = row.token_ids, row.parent_hash
+                held.block_size = row.block_size
     for key, copies in resolved.updates:
         if key in rows:
             rows[key].copies = copies

@@ -4,7 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint venv clean
+.PHONY: demo test bench lint venv clean fuzz soak
+FUZZ_SECONDS ?= 120
+SOAK_SECONDS ?= 300
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,7 +17,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+	$(BIN)/kvindex demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
@@ -27,6 +29,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests examples bench
 	$(BIN)/ruff format --check src tests examples
 	$(BIN)/mypy
+
+# Coverage-guided fuzzing of the decoder + index apply (atheris); hypothesis runs a short
+# version in `make test`.
+fuzz: $(STAMP)
+	$(BIN)/pip install -q -e '.[fuzz]'
+	$(BIN)/python fuzz/fuzz_wire.py -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 .fuzz-corpus
+
+# 5 minutes at a steady rate with random faults; reports exactness and memory (not in CI).
+soak: $(STAMP)
+	$(BIN)/python scripts/soak.py --seconds $(SOAK_SECONDS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -143,7 +143,9 @@ def test_stats(service: Service) -> None:
 
 def test_dashboard_and_docs(service: Service) -> None:
     page = service.client.get("/")
-    assert page.status_code == 200 and "<td>a</td>" in page.text
+    assert page.status_code == 200 and "/dashboard/dashboard.js" in page.text
+    snapshot = service.client.get("/v1/dashboard/snapshot").json()["snapshot"]
+    assert [row["name"] for row in snapshot["instances"]] == ["a"]  # what the page shows
     assert service.client.get("/docs").status_code == 200
     paths = service.client.get("/openapi.json").json()["paths"]
     for path in ("/healthz", "/v1/instances", "/v1/instances/{name}/blocks", "/v1/lookup"):

@@ -259,3 +259,24 @@ def test_serve_reads_a_config_file(tmp_path: Path) -> None:
             timeout=20,
         )
         assert out.returncode == 2 and "instances[0]" in out.stderr
+
+
+def test_serve_stops_at_once_with_a_dashboard_stream_open(tmp_path: Path) -> None:
+    import signal
+    import time
+    import urllib.request
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvindex", "serve", "--http", "127.0.0.1:0", "--store", "memory"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    url = proc.stdout.readline().split("listening on ")[1].split()[0]
+    stream = urllib.request.urlopen(url + "v1/dashboard/stream", timeout=10)
+    assert stream.readline()  # the stream is open and talking
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(10) == 0
+    assert time.monotonic() - started < 3  # not the 5 s graceful timeout
+    stream.close()
+    assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")

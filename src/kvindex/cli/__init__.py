@@ -34,7 +34,19 @@ class CliParser(argparse.ArgumentParser):
 
 # The command modules (kvindex/cli/NAME.py), in `--help` order. Add new commands here:
 # serve, demo, simulate, record, analyze, ...
-COMMANDS = ("watch", "serve", "export", "stats")
+COMMANDS = (
+    "watch",
+    "serve",
+    "demo",
+    "simulate",
+    "record",
+    "replay",
+    "analyze",
+    "relay",
+    "keys",
+    "export",
+    "stats",
+)
 
 
 def _commands() -> list[ModuleType]:

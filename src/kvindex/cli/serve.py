@@ -29,13 +29,14 @@ import logging
 import signal
 import socket
 import tomllib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from kvindex.cli.common import UsageError
+from kvindex.cli.httpopts import add_http_arguments, http_options, warn_if_exposed
 from kvindex.subscriber import InstanceSpec, SpecError
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--store", metavar="URL", help=f"state store (default: {DEFAULT_STORE})")
     p.add_argument("--http", metavar="HOST:PORT", help=f"listen address (default: {DEFAULT_HTTP})")
+    add_http_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -211,14 +213,17 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _url(sock: socket.socket) -> str:
+def _url(sock: socket.socket, tls: bool = False) -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}/" if ":" in host else f"{scheme}://{host}:{port}/"
 
 
 def run(args: argparse.Namespace) -> int:
     settings = load_settings(args)
     host, port = parse_http(settings.http)
+    http = http_options(args)
+    warn_if_exposed(host, http)
     logging.basicConfig(level=logging.WARNING, format="kvindex serve: %(levelname)s %(message)s")
     # Imported here: `kvindex --help` and the other commands don't need the web stack.
     import uvicorn
@@ -236,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
             index=index,
             resume=loaded.checkpoints,
             keep_payload=store.url != "memory",
+            subscriber=getattr(store, "subscriber", None),  # Redis: also other replicas'
         )
     except zmq.ZMQError as exc:
         sock.close()
@@ -244,15 +250,19 @@ def run(args: argparse.Namespace) -> int:
     fleet.on_item.append(store.record)
     fleet.on_remove.append(store.remove_instance)
     fleet.on_add.append(store.save_instance)
+    if hasattr(store, "attach"):
+        store.attach(fleet)  # a shared store follows the fleet's membership
     store.start()
+    app = create_app(fleet, guard=http.guard, max_body_bytes=http.max_body_bytes)
     config = uvicorn.Config(
-        create_app(fleet),
+        app,
+        **http.uvicorn_kwargs(),
         loop="asyncio",
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,
     )
-    server = _make_server(config)
+    server = make_server(config, _end_streams(app))
     summary = f"{len(instances)} instance(s), store {store.url}"
     if loaded.blocks_restored or loaded.log_batches_replayed:
         summary += (
@@ -291,28 +301,49 @@ def _with_runtime_instances(
     return [*configured, *extra]
 
 
+def _end_streams(app: Any) -> Callable[[], None]:
+    """From a signal handler: have the loop end the dashboard's open streams."""
+    dashboard = getattr(app.state, "dashboard", None)
+    if dashboard is None:
+        return lambda: None
+
+    def end() -> None:
+        try:  # the handler runs on the loop's own thread, between two of its steps
+            asyncio.get_running_loop().call_soon_threadsafe(dashboard.close)
+        except RuntimeError:
+            pass
+
+    return end
+
+
 async def _serve(server: uvicorn.Server, sock: socket.socket, summary: str) -> None:
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
     if server.started:
-        print(f"kvindex serve: listening on {_url(sock)} ({summary})", flush=True)
+        url = _url(sock, server.config.is_ssl)
+        print(f"kvindex serve: listening on {url} ({summary})", flush=True)
     await task
 
 
-def _make_server(config: uvicorn.Config) -> uvicorn.Server:
+def make_server(
+    config: uvicorn.Config, on_stop: Callable[[], None] | None = None
+) -> uvicorn.Server:
+    """uvicorn's server, minus re-raising the caught signal after a graceful stop (which
+    would turn a clean SIGTERM shutdown into death by signal). `on_stop` runs on the first
+    signal, from the signal handler (e.g. to end the dashboard's streams, which would hold
+    a graceful shutdown open)."""
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, minus re-raising the caught signal after a graceful stop
-        (which would turn a clean SIGTERM shutdown into death by signal)."""
-
         @contextlib.contextmanager
         def capture_signals(self) -> Generator[None, None, None]:
             def stop(sig: int, frame: FrameType | None) -> None:
                 if self.should_exit:
                     self.force_exit = True  # a second Ctrl+C: don't wait for connections
                 self.should_exit = True
+                if on_stop is not None:
+                    on_stop()
 
             handled = (signal.SIGINT, signal.SIGTERM)
             previous = {sig: signal.signal(sig, stop) for sig in handled}

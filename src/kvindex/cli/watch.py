@@ -8,6 +8,7 @@ summary) on stderr, so stdout can be piped to `jq` or a file as it is.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -73,6 +74,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per event on stdout")
     p.add_argument("--dp", type=positive_int, default=1, metavar="N", help="DP ranks (ports +0..)")
     p.add_argument("--name", default="vllm", help="instance name in the output (default: vllm)")
+    p.add_argument("--curve", metavar="KEY", help="CURVE server public key (or key file)")
+    p.add_argument("--client-key", metavar="FILE", help="CURVE client secret key file")
     p.add_argument("--max-batches", type=positive_int, metavar="N", help="stop after N batches")
     p.add_argument("--duration", type=positive_float, metavar="S", help="stop after S seconds")
     p.set_defaults(run=run)
@@ -206,9 +209,18 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
+def _with_curve(spec: InstanceSpec, curve: str | None, client_key: str | None) -> InstanceSpec:
+    options = "" if curve is None else f",curve={curve}"
+    options += "" if client_key is None else f",client_key={client_key}"
+    parsed = InstanceSpec.parse(f"{spec.name}={spec.endpoint}{options}")
+    return dataclasses.replace(spec, curve=parsed.curve, client_key=parsed.client_key)
+
+
 def _open(args: argparse.Namespace) -> Subscriber:
     try:
         spec = InstanceSpec(args.name, args.endpoint, args.replay, args.topic, args.dp)
+        if args.curve is not None or args.client_key is not None:
+            spec = _with_curve(spec, args.curve, args.client_key)
     except SpecError as exc:
         raise UsageError(str(exc)) from None
     try:

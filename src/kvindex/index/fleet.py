@@ -19,7 +19,7 @@ in their pool; they just can't be found by tokens.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvindex.index.stats import CacheStats, RateWindow
@@ -304,6 +304,24 @@ class FleetIndex:
             count += len(node.children)
             stack.extend(node.children.values())
         return count
+
+    # Read-only views of the prefix tree, for analyses such as `kvindex.index.sharing`.
+
+    def walk_tree(self) -> Iterator[tuple[Namespace, int, bytes, int]]:
+        """Every node of the prefix tree, depth first with parents before children: its
+        namespace (LoRA name, block size), depth (1 = a prompt's first block), the block's
+        tokens (native int64 bytes) and the bit mask of the publishers holding it (bits as in
+        `source_bits`). Don't change the index while walking."""
+        for namespace, root in self._roots.items():
+            stack = [(child, 1) for child in root.children.values()]
+            while stack:
+                node, depth = stack.pop()
+                yield namespace, depth, node.key, node.mask
+                stack.extend((child, depth + 1) for child in node.children.values())
+
+    def source_bits(self) -> dict[int, SourceKey]:
+        """Bit number (as in the tree's masks) -> the publisher it stands for."""
+        return {bit: src.key for bit, src in self._by_bit.items()}
 
     def _instance_sources(self, instance: str) -> Iterable[_Source]:
         return (s for k, s in self._sources.items() if k.instance == instance)

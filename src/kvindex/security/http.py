@@ -113,14 +113,22 @@ class RequestDeadline:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         started = False
+        body_done = False
 
         async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:
+                # Past the body, `receive` only waits for the client to go away (a streaming
+                # response such as the dashboard's SSE listens for that): no deadline.
+                return await receive()
             remaining = deadline - loop.time()
             try:
                 async with asyncio.timeout(max(remaining, 0.0)):
-                    return await receive()
+                    message = await receive()
             except TimeoutError:
                 raise _BodyTimeout from None
+            body_done = message.get("type") != "http.request" or not message.get("more_body")
+            return message
 
         async def tracked_send(message: Message) -> None:
             nonlocal started

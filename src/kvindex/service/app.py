@@ -22,13 +22,14 @@ import msgspec
 import zmq
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
 
 from kvindex.index import LookupRow
-from kvindex.service.dashboard import render_dashboard
+from kvindex.security.http import HttpGuard
+from kvindex.service.dashboard import install_dashboard
 from kvindex.service.metrics import ServiceMetrics
 from kvindex.service.runtime import (
     STATUS_ORDER,
@@ -51,7 +52,12 @@ MAX_BODY_BYTES = 32 * 1024 * 1024  # a lookup of a million ids is ~8 MB of JSON
 _encoder = msgspec.json.Encoder()
 _T = TypeVar("_T")
 
-TokenId = Annotated[StrictInt, Field(ge=0, le=2**63 - 1)]
+# Token ids are vocabulary indices; the bound is JSON's largest exact integer, so that the
+# documented maximum means the same to every JSON parser (a client's, a schema checker's).
+MAX_TOKEN_ID = 2**53 - 1
+# A hash as `render_hash` writes it: decimal (an int) or lowercase hex (bytes).
+HASH_PATTERN = r"^([0-9]{1,20}|-[0-9]{1,18}|([0-9a-f]{2}){1,128})$"
+TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 # -- request and answer models (OpenAPI) -----------------------------------------------
@@ -70,13 +76,14 @@ class HashLookupRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     block_hashes: Annotated[
-        list[Annotated[str, Field(max_length=256)]], Field(max_length=MAX_LOOKUP_ITEMS)
+        list[Annotated[str, Field(max_length=256, pattern=HASH_PATTERN)]],
+        Field(max_length=MAX_LOOKUP_ITEMS),
     ]
 
 
 # Lookup bodies are decoded by msgspec: a 2,048-token prompt takes ~50 us instead of ~300 us
 # through json + pydantic, and its errors name the exact element (`$.token_ids[3]`).
-_Token = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+_Token = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 
 
 class _LookupBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -93,6 +100,41 @@ class _HashLookupBody(msgspec.Struct, forbid_unknown_fields=True):
 
 _lookup_decoder = msgspec.json.Decoder(_LookupBody)
 _hash_lookup_decoder = msgspec.json.Decoder(_HashLookupBody)
+
+
+class _LenientLookupBody(msgspec.Struct, forbid_unknown_fields=True):
+    token_ids: Annotated[list[int | float], msgspec.Meta(max_length=MAX_LOOKUP_ITEMS)]
+    lora_name: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+
+
+_lenient_lookup_decoder = msgspec.json.Decoder(_LenientLookupBody)
+
+
+def _integral_lookup(raw: bytes) -> _LookupBody | None:
+    """JSON Schema counts `1.0` as an integer: accept token ids written so (off the fast
+    path: only after the strict decoder refused the body)."""
+    try:
+        body = _lenient_lookup_decoder.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    tokens = []
+    for value in body.token_ids:
+        if isinstance(value, float) and not value.is_integer():
+            return None
+        if not 0 <= value <= MAX_TOKEN_ID:
+            return None
+        tokens.append(int(value))
+    return _LookupBody(tokens, body.lora_name)
+
+
+async def _decode_lookup(request: Request) -> _LookupBody:
+    try:
+        return await _decode(request, _lookup_decoder)
+    except BadBody as exc:
+        body = _integral_lookup(await request.body()) if exc.status_code == 422 else None
+        if body is None:
+            raise
+        return body
 
 
 def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
@@ -364,10 +406,16 @@ class BodyLimit:
 
 
 def create_app(
-    fleet: Fleet, *, manage_fleet: bool = True, max_body_bytes: int = MAX_BODY_BYTES
+    fleet: Fleet,
+    *,
+    manage_fleet: bool = True,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    guard: HttpGuard | None = None,
 ) -> FastAPI:
     """The API over `fleet`. With `manage_fleet`, the app's lifespan starts its ingest in
-    the server's loop and stops it (closing the sockets) at shutdown."""
+    the server's loop and stops it (closing the sockets) at shutdown. `guard` sets bearer
+    tokens, the lookup size limit and the request body deadline."""
+    guard = guard or HttpGuard()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -388,10 +436,19 @@ def create_app(
     metrics = ServiceMetrics(fleet)
     app.state.fleet = fleet
     app.state.metrics = metrics
+    app.state.max_lookup_items = guard.max_lookup_items
     _add_error_handlers(app)
     _add_routes(app, fleet, metrics)
+    install_dashboard(app, fleet)  # GET /, its assets and /v1/dashboard/*
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    guard.install(app)  # outermost: refuse bad tokens before reading any body
     return app
+
+
+def _check_items(request: Request, count: int, what: str) -> None:
+    limit: int = request.app.state.max_lookup_items
+    if count > limit:
+        raise BadBody(422, f"{what} has {count} items, over the limit of {limit}")
 
 
 def _version() -> str:
@@ -455,10 +512,6 @@ def _add_status_routes(app: FastAPI, fleet: Fleet, metrics: ServiceMetrics) -> N
     async def prometheus() -> Response:
         """Prometheus text format."""
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    async def dashboard() -> HTMLResponse:
-        return HTMLResponse(render_dashboard(fleet))
 
 
 def _stats(fleet: Fleet, metrics: ServiceMetrics) -> dict[str, Any]:
@@ -539,7 +592,8 @@ def _add_lookup_routes(app: FastAPI, fleet: Fleet, metrics: ServiceMetrics) -> N
     async def lookup(request: Request) -> Response:
         """Per instance, the longest cached prefix of the prompt, in whole blocks from its
         first token; rows best first, `best` = where a router should send it."""
-        body = await _decode(request, _lookup_decoder)
+        body = await _decode_lookup(request)
+        _check_items(request, len(body.token_ids), "token_ids")
         start = time.perf_counter()
         rows = fleet.index.lookup(body.token_ids, body.lora_name)
         answer = _lookup_answer(fleet, rows, by_tokens=True)
@@ -556,6 +610,7 @@ def _add_lookup_routes(app: FastAPI, fleet: Fleet, metrics: ServiceMetrics) -> N
     async def lookup_hashes(request: Request) -> Response:
         """Per instance, how many of these block hashes, from the first, it holds now."""
         body = await _decode(request, _hash_lookup_decoder)
+        _check_items(request, len(body.block_hashes), "block_hashes")
         try:
             hashes = [parse_hash(text) for text in body.block_hashes]
         except ValueError as exc:

@@ -35,7 +35,7 @@ def open_store(url: str) -> Store:
         return SQLiteStore(Path(path))
     if url.startswith("redis://"):
         try:
-            from kvindex.store.redis import RedisStore  # type: ignore[import-not-found]
+            from kvindex.store.redis import RedisStore
         except ImportError:
             raise StoreError("the Redis store is not available in this build") from None
         store: Store = RedisStore(url)

@@ -292,7 +292,12 @@ class Subscriber:
         if src.spec.curve is not None:
             client_setup(dealer, src.spec.curve)
         dealer.connect(src.spec.replay_endpoint)
-        dealer.send_multipart([b"", req.start.to_bytes(8, "big")])
+        try:
+            # Never block: a peer that refused our handshake (CURVE vs plain, a key ZAP
+            # turned away) leaves no pipe to queue on. Unsent, the request times out.
+            dealer.send_multipart([b"", req.start.to_bytes(8, "big")], zmq.NOBLOCK)
+        except zmq.Again:
+            pass
         src.dealer, src.dealer_req = dealer, req.req_id
         self._by_socket[dealer] = src
         self._poller.register(dealer, zmq.POLLIN)

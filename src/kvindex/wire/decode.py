@@ -33,6 +33,12 @@ __all__ = ["BatchDecoder", "WireError", "decode_batch"]
 # kilobytes to a few megabytes).
 DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024
 
+# What a hostile payload can make msgspec raise: a decode error; a RecursionError for values
+# nested deeper than the interpreter's recursion limit (`[[[[...]]]]` in `extra_keys`); a
+# UnicodeDecodeError (a ValueError) for a string that is not UTF-8. None may escape as
+# anything but a malformed payload or event.
+_FAILED = (msgspec.DecodeError, RecursionError, ValueError)
+
 
 class WireError(ValueError):
     """A payload or frame that is not a vLLM event batch at all."""
@@ -77,11 +83,11 @@ class BatchDecoder:
         first, second = (self._map, self._array) if self._prefer_map else (self._array, self._map)
         try:
             return _batch(first.decode(payload))
-        except msgspec.DecodeError:
+        except _FAILED:
             pass
         try:
             batch = _batch(second.decode(payload))
-        except msgspec.DecodeError:
+        except _FAILED:
             return self._decode_slowly(payload)
         self._prefer_map = not self._prefer_map
         return batch
@@ -89,7 +95,7 @@ class BatchDecoder:
     def _decode_slowly(self, payload: bytes | memoryview) -> EventBatch:
         try:
             wire = self._raw.decode(payload)
-        except msgspec.DecodeError as exc:
+        except _FAILED as exc:
             raise WireError(f"not an event batch: {exc}") from None
         events: list[Event] = []
         malformed = unknown = 0
@@ -108,11 +114,11 @@ class BatchDecoder:
             try:
                 event: Event = decoder.decode(data)
                 return event
-            except msgspec.DecodeError:
+            except _FAILED:
                 continue
         try:
             tag = _tag_of(self._any.decode(data))
-        except msgspec.DecodeError:
+        except _FAILED:
             return None
         if tag is not None and tag not in KNOWN_TYPES:
             return UnknownEvent(tag, data)

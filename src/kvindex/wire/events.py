@@ -13,12 +13,20 @@ sent the event.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
 BlockHash = int | bytes
 """A block hash as the publisher sent it: a (signed or unsigned) 64-bit int, or digest bytes."""
+
+MAX_HASH_BYTES = 128
+"""The widest bytes hash accepted (vLLM's digests are 32 bytes); empty ones are refused too."""
+
+# What the decoders accept as a hash: msgpack ints are 64-bit at most; bytes of 1 to
+# MAX_HASH_BYTES. Anything else (floats, strings, bools, empty or huge bytes) makes the
+# event malformed: it is skipped and counted, never indexed.
+_WireHash = int | Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_HASH_BYTES)]
 
 MEDIUM_GPU = "GPU"
 
@@ -33,8 +41,8 @@ class BlockStored(
     offloading) carry no tokens.
     """
 
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None = None
+    block_hashes: list[_WireHash]
+    parent_block_hash: _WireHash | None = None
     token_ids: list[int] = []
     block_size: int = 0
     lora_id: int | None = None  # process-local id; lora_name is the stable key
@@ -57,7 +65,7 @@ class BlockRemoved(
 ):
     """Blocks left the cache (one hash per evicted physical copy on the GPU path)."""
 
-    block_hashes: list[BlockHash]
+    block_hashes: list[_WireHash]
     medium: str | None = None  # 0.10.2
     group_idx: int | None = None  # 0.20
     locality: str | None = None  # 0.26

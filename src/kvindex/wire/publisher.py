@@ -82,7 +82,10 @@ class Publisher:
         dp_rank: int | None = 0,
         drop: Callable[[int], bool] | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        setup: Callable[[zmq.Socket[bytes]], None] | None = None,
     ) -> None:
+        """`setup` is called on both sockets before they bind (e.g. to make them CURVE
+        servers: `kvindex.security.curve.server_setup`)."""
         self._ctx = context or zmq.Context.instance()
         self._topic = topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -94,9 +97,13 @@ class Publisher:
         self.drop = drop
         self.dropped = 0
         self.replays_served = 0
+        # While True, replay requests are read and never answered (a hung replay socket).
+        self.replay_paused = False
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
+        if setup is not None:
+            setup(self._pub)
         self._pub.bind(endpoint)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint: str | None = None
@@ -108,6 +115,8 @@ class Publisher:
             router.setsockopt(
                 zmq.SNDHWM, replay_hwm if replay_hwm is not None else 2 * (buffer_steps + 1)
             )
+            if setup is not None:
+                setup(router)
             router.bind(replay_endpoint)
             self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._thread = threading.Thread(target=self._serve, args=(router,), daemon=True)
@@ -132,6 +141,15 @@ class Publisher:
         else:
             self._pub.send_multipart((self._topic, encode_seq(seq), payload), copy=False)
         return seq
+
+    def put(self, seq: int, payload: bytes, live: bool = True) -> None:
+        """Buffer `payload` under an explicit `seq` (a relay preserves its upstream's seqs)
+        and, if `live`, send it on the PUB socket too. Seqs must increase."""
+        with self._lock:
+            self._seq = seq + 1
+            self._buffer.append((seq, payload))
+        if live:
+            self._pub.send_multipart((self._topic, encode_seq(seq), payload), copy=False)
 
     def send_raw(self, frames: Sequence[bytes]) -> None:
         """Send arbitrary frames on the PUB socket (hostile-input tests)."""
@@ -164,7 +182,8 @@ class Publisher:
                 if len(frames) != 3:
                     continue
                 client, _, start = frames
-                self._answer(router, client, int.from_bytes(start, "big"))
+                if not self.replay_paused:
+                    self._answer(router, client, int.from_bytes(start, "big"))
         finally:
             router.close(linger=0)
 

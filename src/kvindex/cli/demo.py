@@ -1,0 +1,149 @@
+"""`kvindex demo` (= `make demo`): a simulated fleet, the service and its dashboard at once.
+
+One process: the simulated vLLM instances publish from a background thread on loopback
+ports, and the service follows them exactly as `kvindex serve` would (same `Fleet`, same
+app), in the server's event loop. The dashboard's lookup box is offered the prompts the
+simulation sent recently. Ctrl+C (or SIGTERM, or `--duration`) stops everything: open
+dashboard streams end at once, then the server, the ingest and the publishers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from kvindex.cli.common import UsageError, positive_float, positive_int
+from kvindex.cli.serve import DEFAULT_HTTP, listen, parse_http
+from kvindex.cli.simulate import build_config, describe, open_fleet, sim_arguments
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
+    from kvindex.sim import LiveFleet
+
+__all__ = ["add_parser", "run"]
+
+DEMO_DROP = 0.01  # a few live messages lost on the wire, so gaps and replays show
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="simulated vLLM fleet + kvindex serve + the live dashboard, in one command",
+        description="Start simulated vLLM instances, follow them like `kvindex serve`, and "
+        "serve the live dashboard; prints its URL. Ctrl+C stops everything.",
+    )
+    p.add_argument("--instances", type=positive_int, default=4, help="simulated instances (4)")
+    p.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help=f"dashboard and API address (default {DEFAULT_HTTP}, or a free port if busy)",
+    )
+    sim_arguments(p, rate=40.0, restart=90.0, reset=60.0)
+    p.add_argument(
+        "--pause-after",
+        metavar="S",
+        type=positive_float,
+        help="stop the simulated load after S seconds; the fleet stays up, idle, to explore",
+    )
+    p.set_defaults(run=run)
+
+
+def _listen(text: str | None) -> socket.socket:
+    host, port = parse_http(text or DEFAULT_HTTP)
+    try:
+        return listen(host, port)
+    except UsageError:
+        if text is not None:
+            raise
+        return listen(host, 0)  # the default port is taken: any free one will do
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="kvindex demo: %(levelname)s %(message)s")
+    sock = _listen(args.http)
+    try:
+        config = build_config(args, args.instances)
+        live = open_fleet(args, config, base_port=None, drop=DEMO_DROP)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        print(f"kvindex demo: {describe(config, args.rate)}", flush=True)
+        for spec in live.specs():
+            print(f"  {spec.render()}", flush=True)
+        app = _app(live)
+        live.start()
+        asyncio.run(_serve(app, sock, args.duration, args.pause_after, partial(_pause, live)))
+    finally:
+        live.close()
+    print("kvindex demo: stopped", flush=True)
+    return 0
+
+
+def _pause(live: LiveFleet) -> None:
+    live.stop()
+    print("kvindex demo: simulated load paused; the fleet stays up, idle", flush=True)
+
+
+def _app(live: LiveFleet) -> FastAPI:
+    from kvindex.service.app import create_app
+    from kvindex.service.runtime import Fleet
+
+    fleet = Fleet(live.specs())
+    app = create_app(fleet)
+    app.state.recent_prompts = live.recent_prompts
+    return app
+
+
+async def _serve(
+    app: FastAPI,
+    sock: socket.socket,
+    duration: float | None,
+    pause_after: float | None,
+    pause: Callable[[], None],
+) -> None:
+    import uvicorn
+
+    loop = asyncio.get_running_loop()
+    dashboard = app.state.dashboard
+    config = uvicorn.Config(
+        app, loop="asyncio", log_level="warning", access_log=False, timeout_graceful_shutdown=3
+    )
+
+    def end_streams() -> None:  # from a signal handler: let the loop do it
+        loop.call_soon_threadsafe(dashboard.close)
+
+    server = _server(config, end_streams)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if server.started:
+        print(f"kvindex demo: dashboard at {_url(sock)}  (Ctrl+C stops)", flush=True)
+    if duration is not None:
+        loop.call_later(duration, _stop, server, dashboard)
+    if pause_after is not None:
+        loop.call_later(pause_after, lambda: loop.run_in_executor(None, pause))
+    await task
+
+
+def _stop(server: uvicorn.Server, dashboard: Any) -> None:
+    dashboard.close()
+    server.should_exit = True
+
+
+def _server(config: uvicorn.Config, on_stop: Callable[[], None]) -> uvicorn.Server:
+    from kvindex.cli.serve import make_server
+
+    return make_server(config, on_stop)

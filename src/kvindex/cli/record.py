@@ -1,0 +1,156 @@
+"""`kvindex record`: follow publishers and write every batch to a recording file.
+
+Every batch goes in gap-free (the Subscriber fills gaps from the replay endpoint), byte for
+byte, with its instance, DP rank, seq and receive time, and so do the notices (restart,
+lost batches, ...). Segments are flushed about once a second, so the file is readable up
+to a second before any kill. Ctrl+C or SIGTERM: the last segment is written, exit 0. An
+existing file is continued, from where each instance stopped if its replay still has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import zmq
+from rich.console import Console
+
+from kvindex.cli.common import UsageError, positive_float, positive_int
+from kvindex.recording import RecordingError, Writer
+from kvindex.recording.recorder import Limits, record
+from kvindex.subscriber import Delivery, InstanceSpec, Item, SpecError
+
+__all__ = ["StopFlag", "add_parser", "instance_specs", "run", "stop_on_signals"]
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "record",
+        help="record publishers' event streams to a file",
+        description="Record every batch of vLLM KV-event publishers (gap-free, with seqs, "
+        "receive times and raw payloads) to an appendable, zstd-compressed file.",
+    )
+    p.add_argument(
+        "endpoint", nargs="*", metavar="ENDPOINT", help="PUB endpoint(s), e.g. tcp://host:5557"
+    )
+    p.add_argument(
+        "--replay",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="replay endpoint, one per ENDPOINT in order",
+    )
+    p.add_argument("--topic", default="", help="topic for the ENDPOINTs (default: all)")
+    p.add_argument("--dp", type=positive_int, default=1, metavar="N", help="DP ranks per ENDPOINT")
+    p.add_argument("--name", default="vllm", help="instance name (several ENDPOINTs: NAME-i)")
+    p.add_argument(
+        "--instance",
+        metavar="SPEC",
+        action="append",
+        default=[],
+        help="NAME=PUB_ENDPOINT[,replay=EP][,topic=T][,dp=N]; repeatable",
+    )
+    p.add_argument("--out", required=True, metavar="FILE", help="recording file (appended to)")
+    p.add_argument("--duration", type=positive_float, metavar="S", help="stop after S seconds")
+    p.add_argument("--max-batches", type=positive_int, metavar="N", help="stop after N batches")
+    p.add_argument(
+        "--flush-interval",
+        type=positive_float,
+        default=1.0,
+        metavar="S",
+        help="write a segment at least every S seconds (default: 1)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no notices, only the summary")
+    p.set_defaults(run=run)
+
+
+def instance_specs(args: argparse.Namespace) -> list[InstanceSpec]:
+    """The instances to follow: positional endpoints, then --instance specs."""
+    if len(args.replay) > max(len(args.endpoint), 1) or (args.replay and not args.endpoint):
+        raise UsageError("give at most one --replay per ENDPOINT")
+    several = len(args.endpoint) > 1
+    specs: list[InstanceSpec] = []
+    try:
+        for i, endpoint in enumerate(args.endpoint):
+            name = f"{args.name}-{i}" if several else args.name
+            replay = args.replay[i] if i < len(args.replay) else None
+            specs.append(InstanceSpec(name, endpoint, replay, args.topic, args.dp))
+        specs.extend(InstanceSpec.parse(text) for text in args.instance)
+    except SpecError as exc:
+        raise UsageError(str(exc)) from None
+    if not specs:
+        raise UsageError("nothing to record: give an ENDPOINT or --instance SPEC")
+    names = [spec.name for spec in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UsageError(f"instance {twice[0]!r} is given twice")
+    return specs
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM: the loop notices within a poll and finishes cleanly."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def set(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+
+
+@contextmanager
+def stop_on_signals(stop: StopFlag) -> Iterator[None]:
+    previous = {sig: signal.signal(sig, stop.set) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _notices(console: Console, quiet: bool) -> Any:
+    def show(item: Item) -> None:
+        if not quiet and not isinstance(item, Delivery):
+            console.print(f"▶ {item.source!r}: {item.describe()}", style="yellow")
+
+    return show
+
+
+def run(args: argparse.Namespace) -> int:
+    specs = instance_specs(args)
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        writer = Writer(args.out, flush_interval=args.flush_interval)
+    except RecordingError as exc:
+        raise UsageError(str(exc)) from None
+    stop = StopFlag()
+    start_size = writer.size
+    with writer, stop_on_signals(stop):
+        kept = len(writer.checkpoints)
+        resumed = f", continuing {kept} recorded sources" if kept else ""
+        console.print(f"recording {len(specs)} instances to {args.out}{resumed}")
+        sys.stderr.flush()
+        try:
+            record(
+                specs,
+                writer,
+                limits=Limits(args.duration, args.max_batches),
+                stop=stop,
+                on_item=_notices(console, args.quiet),
+            )
+        except zmq.ZMQError as exc:
+            raise UsageError(f"can't follow the publishers: {exc}") from None
+    written = writer.size - start_size
+    ratio = writer.raw_bytes / written if written else 0.0
+    console.print(
+        f"recorded {writer.batches} batches, {writer.notices} notices: {written} bytes "
+        f"in {writer.segments} segments ({ratio:.1f}x compressed) to {args.out}"
+    )
+    return 0

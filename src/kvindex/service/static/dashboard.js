@@ -1,0 +1,457 @@
+/* kvindex dashboard: fed by server-sent events from /v1/dashboard/stream. No build step. */
+"use strict";
+
+(function () {
+  const $ = (id) => document.getElementById(id);
+  const TREND_POINTS = 120;
+
+  const state = {
+    interval: 1,
+    historySeconds: 900,
+    history: [],
+    trends: {},
+    snapshot: null,
+    sharing: null,
+    lastMessage: 0,
+    prompts: [],
+    chosen: null,
+  };
+
+  // -- formatting ----------------------------------------------------------------------
+
+  const intFmt = new Intl.NumberFormat("en-US");
+  const compactFmt = new Intl.NumberFormat("en-US", { notation: "compact", maximumFractionDigits: 1 });
+
+  function fmtInt(n) {
+    return n === null || n === undefined ? "–" : intFmt.format(Math.round(n));
+  }
+  function fmtCompact(n) {
+    return n >= 10000 ? compactFmt.format(n) : intFmt.format(n);
+  }
+  function fmtRate(n) {
+    if (n === null || n === undefined) return "–";
+    if (n === 0) return "0";
+    return n < 10 ? n.toFixed(1) : intFmt.format(Math.round(n));
+  }
+  function fmtLag(seconds) {
+    if (seconds === null || seconds === undefined) return { value: "–", unit: "" };
+    if (seconds < 1) return { value: Math.max(0, seconds * 1000).toFixed(seconds < 0.01 ? 1 : 0), unit: "ms" };
+    return { value: seconds.toFixed(1), unit: "s" };
+  }
+  function mediumOrder(m) {
+    return m === "GPU" ? 0 : m === "CPU" ? 1 : 2;
+  }
+  function fmtTime(t, span) {
+    const opts = { hour: "2-digit", minute: "2-digit", hourCycle: "h23" };
+    if (span < 180) opts.second = "2-digit";
+    return new Date(t * 1000).toLocaleTimeString([], opts);
+  }
+  function esc(text) {
+    return String(text).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
+  }
+  function cssVar(name) {
+    return getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+  }
+
+  // -- the stream ------------------------------------------------------------------------
+
+  function connect() {
+    const source = new EventSource("/v1/dashboard/stream");
+    source.addEventListener("init", (e) => onInit(JSON.parse(e.data)));
+    source.onmessage = (e) => onSnapshot(JSON.parse(e.data));
+    source.onopen = () => setConnection("live", "live");
+    source.onerror = () => {
+      // EventSource reconnects by itself (and resumes from its last event): only say so
+      // if that takes a while.
+      const seen = state.lastMessage;
+      setTimeout(() => {
+        if (state.lastMessage === seen) setConnection("error", "reconnecting…");
+      }, 3000);
+    };
+  }
+
+  function setConnection(kind, text) {
+    $("conn").dataset.state = kind;
+    $("conn-text").textContent = text;
+  }
+
+  function onInit(msg) {
+    state.interval = msg.interval;
+    state.historySeconds = msg.history_seconds;
+    if (msg.resumed && state.history.length) {
+      const last = state.history[state.history.length - 1].t;
+      state.history.push(...(msg.history || []).filter((p) => p.t > last));
+    } else {
+      state.history = msg.history || [];
+    }
+    state.trends = msg.trends || {};
+    state.sharing = msg.sharing;
+    onSnapshot(msg.snapshot, true);
+    renderSharing();
+  }
+
+  function onSnapshot(snap, fromInit) {
+    if (!snap) return;
+    state.snapshot = snap;
+    state.lastMessage = Date.now();
+    if (!fromInit) {
+      state.history.push(snap.point);
+      const horizon = snap.t - state.historySeconds;
+      while (state.history.length && state.history[0].t < horizon) state.history.shift();
+      for (const row of snap.instances) {
+        const trend = (state.trends[row.name] = state.trends[row.name] || []);
+        trend.push(row.blocks);
+        if (trend.length > TREND_POINTS) trend.splice(0, trend.length - TREND_POINTS);
+      }
+      if (snap.sharing) {
+        state.sharing = snap.sharing;
+        renderSharing();
+      }
+    }
+    setConnection("live", "live");
+    renderHeader(snap);
+    renderInstances(snap.instances);
+    renderCharts();
+    $("updated").textContent = "updated " + new Date(snap.t * 1000).toLocaleTimeString();
+  }
+
+  setInterval(() => {
+    if (state.lastMessage && Date.now() - state.lastMessage > 5000) {
+      setConnection("stale", "no data for " + Math.round((Date.now() - state.lastMessage) / 1000) + " s");
+    }
+  }, 1000);
+
+  // -- header ----------------------------------------------------------------------------
+
+  function renderHeader(snap) {
+    const f = snap.fleet;
+    const st = f.statuses || {};
+    const live = st.live || 0;
+    $("kpi-instances").innerHTML = `${live}<small>/ ${f.instances} live</small>`;
+    const parts = [];
+    for (const [name, cls] of [["replaying", "replaying"], ["connecting", "connecting"], ["incomplete", "incomplete"], ["down", "down"]]) {
+      if (st[name]) parts.push(`<span><span class="pill ${cls}">${st[name]} ${name}</span></span>`);
+    }
+    $("kpi-statuses").innerHTML = parts.length ? parts.join("") : "<span>all instances complete</span>";
+
+    $("kpi-blocks").textContent = fmtInt(f.blocks);
+    $("kpi-blocks").dataset.value = f.blocks;
+    const media = Object.entries(f.blocks_by_medium || {}).sort((a, b) => mediumOrder(a[0]) - mediumOrder(b[0]));
+    $("kpi-media").innerHTML = media.length
+      ? media.map(([m, n]) => `<span><span class="swatch" style="background:var(--${m === "CPU" ? "cpu" : "gpu"})"></span>${esc(m)} <b>${fmtInt(n)}</b></span>`).join("")
+      : "<span>nothing cached yet</span>";
+
+    $("kpi-events").textContent = fmtRate(f.events_per_s);
+    $("kpi-events").dataset.value = f.events_per_s;
+    $("kpi-split").innerHTML = `<span><span class="swatch" style="background:var(--store)"></span>stores <b>${fmtRate(f.stores_per_s)}</b></span><span><span class="swatch" style="background:var(--remove)"></span>removes <b>${fmtRate(f.removes_per_s)}</b></span>`;
+
+    const lag = fmtLag(f.ingest_lag_s);
+    $("kpi-lag").innerHTML = `${lag.value}<small>${lag.unit}</small>`;
+    $("kpi-recovery").innerHTML = `<span>backlog <b>${fmtInt(f.backlog)}</b></span><span>replayed <b>${fmtInt(f.replayed_batches)}</b></span><span>lost <b>${fmtInt(f.lost_batches)}</b></span>`;
+  }
+
+  // -- instances -------------------------------------------------------------------------
+
+  function sparkline(values) {
+    const w = 150, h = 28, pad = 2;
+    if (!values || values.length < 2) return `<svg class="spark" viewBox="0 0 ${w} ${h}"></svg>`;
+    const max = Math.max(...values, 1);
+    // Fill the width from the first point (a new page has few), up to two minutes' worth.
+    const step = (w - pad * 2) / (Math.min(Math.max(values.length, 30), TREND_POINTS) - 1);
+    const x0 = w - pad - step * (values.length - 1);
+    const pts = values.map((v, i) => [x0 + i * step, h - pad - (v / max) * (h - pad * 2)]);
+    const line = pts.map((p, i) => (i ? "L" : "M") + p[0].toFixed(1) + " " + p[1].toFixed(1)).join("");
+    const area = line + `L${pts[pts.length - 1][0].toFixed(1)} ${h}L${pts[0][0].toFixed(1)} ${h}Z`;
+    return `<svg class="spark" viewBox="0 0 ${w} ${h}" preserveAspectRatio="none"><path class="area" d="${area}"/><path class="line" d="${line}"/></svg>`;
+  }
+
+  function counterCell(value, warnAbove) {
+    const cls = value === 0 ? "num zero" : value > warnAbove ? "num warn" : "num";
+    return `<td class="${cls}">${fmtInt(value)}</td>`;
+  }
+
+  function renderInstances(rows) {
+    const body = $("instances-body");
+    const html = rows.map((r) => {
+      const media = r.blocks_by_medium || {};
+      const cpu = media.CPU === undefined ? `<td class="num zero">–</td>` : `<td class="num">${fmtInt(media.CPU)}</td>`;
+      const dp = r.dp > 1 ? `<span class="dp">dp ${r.dp}</span>` : "";
+      return `<tr data-instance="${esc(r.name)}" data-blocks="${r.blocks}" data-last-seq="${r.last_seq === null ? "" : r.last_seq}">
+        <td class="name">${esc(r.name)}${dp}</td>
+        <td><span class="pill ${esc(r.status)}">${esc(r.status)}</span></td>
+        <td class="num" data-col="gpu">${fmtInt(media.GPU || 0)}</td>${cpu}
+        <td>${sparkline(state.trends[r.name])}</td>
+        <td class="num">${fmtRate(r.stores_per_s)}</td>
+        <td class="num">${fmtRate(r.removes_per_s)}</td>
+        ${counterCell(r.gaps, Infinity)}${counterCell(r.replayed_batches, Infinity)}${counterCell(r.lost_batches, 0)}${counterCell(r.publisher_restarts, Infinity)}
+      </tr>`;
+    });
+    body.innerHTML = html.join("") || `<tr><td colspan="11" class="empty">No instances followed yet: add some with kvindex serve --instance or POST /v1/instances.</td></tr>`;
+    const total = rows.reduce((n, r) => n + (r.dp || 1), 0);
+    $("instances-hint").textContent = `${rows.length} instance${rows.length === 1 ? "" : "s"} · ${total} publisher${total === 1 ? "" : "s"}`;
+  }
+
+  // -- charts ----------------------------------------------------------------------------
+
+  const charts = { rates: null, blocks: null };
+
+  function axis() {
+    const grid = cssVar("--border");
+    const text = cssVar("--muted");
+    return { stroke: text, grid: { stroke: grid, width: 1 }, ticks: { stroke: grid, width: 1 }, font: "11px " + cssVar("--sans") };
+  }
+
+  const smooth = uPlot.paths && uPlot.paths.spline ? uPlot.paths.spline() : undefined;
+
+  function series(label, color, fill) {
+    return { label, stroke: color, width: 1.8, fill: fill ? color + "22" : undefined, paths: smooth, points: { show: false }, value: (u, v) => (v === null ? "–" : fmtRate(v)) };
+  }
+
+  function makeChart(el, seriesList, yLabelFmt) {
+    const width = el.clientWidth || 600;
+    const opts = {
+      width,
+      height: 200,
+      cursor: { points: { size: 6 }, drag: { x: false, y: false } },
+      legend: { live: false },
+      scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(1, max * 1.1)] } },
+      axes: [
+        { ...axis(), space: 80, values: (u, ticks) => ticks.map((t) => fmtTime(t, u.scales.x.max - u.scales.x.min)) },
+        { ...axis(), size: 56, values: (u, ticks) => ticks.map(yLabelFmt) },
+      ],
+      series: [{ value: (u, v) => (v === null ? "" : new Date(v * 1000).toLocaleTimeString()) }, ...seriesList],
+    };
+    return new uPlot(opts, [[]].concat(seriesList.map(() => [])), el);
+  }
+
+  function buildCharts() {
+    for (const key of Object.keys(charts)) {
+      if (charts[key]) charts[key].destroy();
+    }
+    charts.rates = makeChart($("chart-rates"), [series("stores/s", cssVar("--store"), true), series("removes/s", cssVar("--remove"), false)], fmtCompact);
+    const blockSeries = [series("GPU", cssVar("--gpu"), true), series("CPU", cssVar("--cpu"), true)];
+    blockSeries.forEach((s) => (s.value = (u, v) => (v === null ? "–" : fmtInt(v))));
+    charts.blocks = makeChart($("chart-blocks"), blockSeries, fmtCompact);
+    renderCharts();
+  }
+
+  function renderCharts() {
+    if (!charts.rates) return;
+    const h = state.history;
+    const t = h.map((p) => p.t);
+    charts.rates.setData([t, h.map((p) => p.stores), h.map((p) => p.removes)]);
+    const hasCpu = h.some((p) => p.blocks && p.blocks.CPU !== undefined);
+    charts.blocks.setData([t, h.map((p) => (p.blocks && p.blocks.GPU) || 0), h.map((p) => (hasCpu ? (p.blocks && p.blocks.CPU) || 0 : null))]);
+  }
+
+  const resize = new ResizeObserver(() => {
+    for (const [key, id] of [["rates", "chart-rates"], ["blocks", "chart-blocks"]]) {
+      const chart = charts[key];
+      const el = $(id);
+      if (chart && el.clientWidth && Math.abs(chart.width - el.clientWidth) > 2) chart.setSize({ width: el.clientWidth, height: 200 });
+    }
+  });
+  resize.observe($("chart-rates"));
+  resize.observe($("chart-blocks"));
+
+  // -- prefix sharing --------------------------------------------------------------------
+
+  function renderSharing() {
+    const s = state.sharing;
+    if (!s) return;
+    renderMatrix(s);
+    renderPrefixes(s.prefixes || []);
+  }
+
+  function renderMatrix(s) {
+    const names = s.instances;
+    if (!names.length) {
+      $("matrix").innerHTML = `<p class="empty">No instances yet.</p>`;
+      return;
+    }
+    let max = 0;
+    s.overlap.forEach((row, i) => row.forEach((v, j) => { if (i !== j) max = Math.max(max, v); }));
+    const accent = cssVar("--gpu");
+    const head = `<tr><th></th>${names.map((n) => `<th class="col">${esc(n)}</th>`).join("")}</tr>`;
+    const rows = s.overlap.map((row, i) => {
+      const cells = row.map((v, j) => {
+        if (i === j) return `<td class="diag" title="${esc(names[i])} holds ${fmtInt(v)} blocks findable by tokens">${fmtCompact(v)}</td>`;
+        const a = max ? 0.08 + 0.72 * (v / max) : 0;
+        const strong = max && v / max > 0.55;
+        const style = v ? `background:${hexAlpha(accent, a)};${strong ? "color:#fff" : ""}` : "";
+        return `<td style="${style}" title="${esc(names[i])} ∩ ${esc(names[j])}: ${fmtInt(v)} blocks">${v ? fmtCompact(v) : "·"}</td>`;
+      });
+      return `<tr><th class="row">${esc(names[i])}</th>${cells.join("")}</tr>`;
+    });
+    const note = s.complete
+      ? `Blocks compared by content (same tokens under the same parents), so instances hashing with different seeds still match. The diagonal is what each instance holds.`
+      : `Sampled the first ${fmtInt(s.nodes)} blocks of the prefix tree.`;
+    const pct = (n) => (s.nodes ? Math.round((100 * n) / s.nodes) + "%" : "–");
+    const stats = `<div class="spread">
+      <div><span class="big">${fmtInt(s.nodes)}</span><span class="hint">distinct cached blocks</span></div>
+      <div><span class="big">${fmtInt(s.shared)}</span><span class="hint">on 2+ instances · ${pct(s.shared)}</span></div>
+      <div><span class="big">${fmtInt(s.everywhere)}</span><span class="hint">on every instance · ${pct(s.everywhere)}</span></div>
+    </div>`;
+    $("matrix").innerHTML = `<table class="matrix"><thead>${head}</thead><tbody>${rows.join("")}</tbody></table>${stats}<p class="matrix-note">${note}</p>`;
+  }
+
+  function hexAlpha(color, alpha) {
+    const m = /^#([0-9a-f]{6})$/i.exec(color);
+    if (!m) return color;
+    const n = parseInt(m[1], 16);
+    return `rgba(${(n >> 16) & 255}, ${(n >> 8) & 255}, ${n & 255}, ${alpha.toFixed(3)})`;
+  }
+
+  function renderPrefixes(prefixes) {
+    const list = $("prefixes");
+    if (!prefixes.length) {
+      list.innerHTML = `<li class="empty">No prefix is held by two instances yet.</li>`;
+      return;
+    }
+    const top = prefixes[0].score || 1;
+    list.innerHTML = prefixes.slice(0, 6).map((p, i) => {
+      const chips = p.instances.map((n) => `<span class="chip">${esc(n)}</span>`).join("");
+      const lora = p.lora_name ? `<span class="chip lora">LoRA ${esc(p.lora_name)}</span>` : "";
+      const preview = p.token_ids.slice(0, 24).join(" ") + (p.token_ids.length > 24 ? " …" : "");
+      return `<li class="item" data-index="${i}" title="Look this prefix up">
+        <span class="rank">${i + 1}</span>
+        <span class="what"><span class="blocks">${fmtInt(p.blocks)} blocks</span><span class="hint">on</span>${chips}${lora}</span>
+        <span class="score">${fmtInt(p.score)} <small>block·inst</small></span>
+        <span class="bar"><span style="width:${((100 * p.score) / top).toFixed(1)}%"></span></span>
+        <span class="tokens">${esc(preview)}</span>
+      </li>`;
+    }).join("");
+    list.querySelectorAll("li.item").forEach((li) => {
+      li.addEventListener("click", () => {
+        const p = state.sharing.prefixes[Number(li.dataset.index)];
+        $("tokens").value = p.token_ids.join(", ");
+        $("lora").value = p.lora_name || "";
+        $("recent").value = "";
+        state.chosen = null;
+        runLookup();
+        $("lookup-form").scrollIntoView({ behavior: "smooth", block: "start" });
+      });
+    });
+  }
+
+  // -- lookup ----------------------------------------------------------------------------
+
+  async function loadPrompts() {
+    try {
+      const res = await fetch("/v1/dashboard/prompts");
+      if (!res.ok) return;
+      const body = await res.json();
+      state.prompts = body.prompts || [];
+    } catch (e) {
+      return;
+    }
+    const select = $("recent");
+    // Keep the prompt on show in the list, wherever newer ones push it.
+    const chosen = state.chosen;
+    if (chosen && !state.prompts.some((p) => promptKey(p) === promptKey(chosen))) state.prompts.unshift(chosen);
+    select.hidden = state.prompts.length === 0;
+    select.innerHTML = `<option value="">Recent prompts (${state.prompts.length})…</option>` + state.prompts.map((p, i) => {
+      const bits = [p.instance, fmtInt(p.token_ids.length) + " tokens"];
+      if (p.lora_name) bits.push("LoRA " + p.lora_name);
+      if (p.kind && p.kind !== "chat") bits.push(p.kind === "pair" ? "batch pair" : p.kind);
+      return `<option value="${i}">${esc(bits.join(" · "))}</option>`;
+    }).join("");
+    if (chosen) select.value = String(state.prompts.findIndex((p) => promptKey(p) === promptKey(chosen)));
+  }
+
+  function promptKey(p) {
+    return p.instance + "|" + p.token_ids.length + "|" + p.token_ids.slice(0, 16).join(",") + "|" + p.token_ids.slice(-16).join(",");
+  }
+
+  function parseTokens(text) {
+    const found = text.match(/\d+/g);
+    return found ? found.map(Number) : [];
+  }
+
+  async function runLookup() {
+    const out = $("lookup-result");
+    const tokens = parseTokens($("tokens").value);
+    if (!tokens.length) {
+      out.innerHTML = `<p class="summary error">Paste some token ids (or pick a recent prompt) first.</p>`;
+      return;
+    }
+    const body = { token_ids: tokens };
+    const lora = $("lora").value.trim();
+    if (lora) body.lora_name = lora;
+    out.dataset.state = "running";
+    try {
+      const res = await fetch("/v1/lookup", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+      const answer = await res.json();
+      if (!res.ok) throw new Error(answer.error || res.statusText);
+      renderLookup(tokens, answer);
+      out.dataset.state = "done";
+    } catch (e) {
+      out.innerHTML = `<p class="summary error">Lookup failed: ${esc(e.message)}</p>`;
+      out.dataset.state = "error";
+    }
+  }
+
+  function renderLookup(tokens, answer) {
+    const rows = answer.instances;
+    const size = rows.map((r) => r.block_size).find((s) => s) || guessBlockSize();
+    const full = size ? Math.floor(tokens.length / size) : 0;
+    const most = Math.max(1, full, ...rows.map((r) => r.matched_blocks));
+    const best = rows.find((r) => r.name === answer.best);
+    const summary = best
+      ? `Prompt of <b>${fmtInt(tokens.length)}</b> tokens (${fmtInt(full)} full blocks). Router pick: <b>${esc(best.name)}</b>, ${fmtInt(best.matched_blocks)} blocks (${fmtInt(best.matched_tokens)} tokens) already cached.`
+      : `Prompt of <b>${fmtInt(tokens.length)}</b> tokens: no instance holds its first block, so any instance will do.`;
+    const html = rows.map((r) => {
+      const pick = r.name === answer.best;
+      const ranks = r.ranks.length > 1 ? ` <span class="hint">(rank ${r.best_rank} of ${r.ranks.length})</span>` : "";
+      return `<tr class="${pick ? "pick" : ""}" data-instance="${esc(r.name)}" data-matched="${r.matched_blocks}">
+        <td class="name">${esc(r.name)}${pick ? '<span class="badge">router pick</span>' : ""}</td>
+        <td><span class="pill ${esc(r.status)}">${esc(r.status)}</span></td>
+        <td class="bar-cell"><div class="meter"><span style="width:${((100 * r.matched_blocks) / most).toFixed(1)}%"></span></div></td>
+        <td class="num"><b>${fmtInt(r.matched_blocks)}</b> / ${fmtInt(full)} blocks${ranks}</td>
+        <td class="num">${r.matched_tokens === null ? "–" : fmtInt(r.matched_tokens)} tokens</td>
+      </tr>`;
+    });
+    $("lookup-result").innerHTML = `<p class="summary">${summary}</p><table class="matches"><tbody>${html.join("")}</tbody></table>`;
+  }
+
+  function guessBlockSize() {
+    const i = $("recent").value;
+    return i !== "" && state.prompts[Number(i)] ? state.prompts[Number(i)].block_size : 16;
+  }
+
+  $("lookup-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    runLookup();
+  });
+  $("recent").addEventListener("change", () => {
+    const p = state.prompts[Number($("recent").value)];
+    state.chosen = p || null;
+    if (!p) return;
+    $("tokens").value = p.token_ids.join(", ");
+    $("lora").value = p.lora_name || "";
+    runLookup();
+  });
+  $("recent").addEventListener("focus", loadPrompts);
+
+  // -- theme -----------------------------------------------------------------------------
+
+  $("theme").addEventListener("click", () => {
+    const dark = getComputedStyle(document.documentElement).colorScheme.includes("dark");
+    const next = dark ? "light" : "dark";
+    document.documentElement.dataset.theme = next;
+    try {
+      localStorage.setItem("kvindex-theme", next);
+    } catch (e) {}
+    buildCharts();
+    renderSharing();
+  });
+  window.matchMedia("(prefers-color-scheme: light)").addEventListener("change", () => {
+    buildCharts();
+    renderSharing();
+  });
+
+  buildCharts();
+  loadPrompts();
+  setInterval(loadPrompts, 10000);
+  connect();
+})();

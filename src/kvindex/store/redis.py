@@ -1,0 +1,284 @@
+"""`--store redis://HOST:PORT/DB`: one fleet state shared by several `serve` replicas.
+
+    redis://HOST:PORT/DB[?ingest=all|none|NAME,...][&buffer=N][&compact=SECONDS]
+
+Every replica answers for the whole fleet; `ingest` says which instances it subscribes to
+itself (default `all`: replicas ingesting the same instance append each batch once).
+Instances given to any replica (flags, config, POST /v1/instances) are registered in
+Redis for all of them; an instance another replica removes is removed everywhere.
+
+How (the key layout is in redis_keys):
+- each publisher has a shared, ordered log (a Redis Stream) of the batches as vLLM sent
+  them, plus restart and lost markers. The replica ingesting it appends what it applied,
+  through a Lua script that only appends the next seq, so the log stays gap-free and
+  duplicate-free whoever appends;
+- every replica reads all logs and applies the batches of the instances it does not
+  ingest (`SharedSubscriber`), so all serve the same state from memory;
+- logs are compacted into per-publisher snapshots by one replica at a time, so a replica
+  starting (or restarting after kill -9) loads snapshot + log tail, and its Subscriber
+  resumes each publisher it ingests from the log's checkpoint, like the SQLite store;
+- all Redis traffic is in a worker process (redis_worker), fed over ZMQ: `record` never
+  blocks the service, and a Redis outage costs no lookup. While Redis is away the worker
+  queues (bounded) and retries with backoff; once it is back, the queue drains and any
+  seqs dropped past the bound are fetched again from the publisher's replay buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import redis
+import zmq
+
+from kvindex.index import FleetIndex
+from kvindex.store.base import LoadResult
+from kvindex.store.redis_feed import SharedSubscriber
+from kvindex.store.redis_keys import Cursor, RedisConfig, render_id, tag
+from kvindex.store.redis_load import advance, load_source, read_registry, read_source
+from kvindex.store.rows import BlockRow
+from kvindex.store.sqlite_db import StoreError
+from kvindex.store.state import Mirror, fold, restore_rows, row_key
+from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted, SourceKey
+from kvindex.subscriber.spec import InstanceSpec
+from kvindex.subscriber.state import Checkpoint
+
+if TYPE_CHECKING:
+    from kvindex.service.runtime import Fleet
+
+__all__ = ["RedisStore", "current_rows"]
+
+
+class RedisStore:
+    """The service's side: load, hand applied items to the worker, feed the Fleet."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self.config = RedisConfig.parse(url)
+        self.subscriber: SharedSubscriber | None = None  # made by load(), for the Fleet
+        self._cursors: dict[SourceKey, Cursor] = {}
+        self._ctl = "0-0"
+        self._specs: list[InstanceSpec] = []
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._push: zmq.Socket[bytes] | None = None
+        self._feed: zmq.Socket[bytes] | None = None
+        self._acks: zmq.Socket[bytes] | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self._muted = False
+        self._encode = msgspec.msgpack.Encoder().encode
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    # -- start ------------------------------------------------------------------------
+
+    def connect(self) -> redis.Redis:
+        """A client, once Redis answered; a one-line StoreError if it does not."""
+        client = redis.Redis.from_url(self.config.url, socket_connect_timeout=3, socket_timeout=30)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise StoreError(f"cannot reach Redis at {self.config.where}: {reason}") from None
+        return client
+
+    def load(self, index: FleetIndex) -> LoadResult:
+        """Every registered publisher's snapshot and log tail into `index`."""
+        started = time.monotonic()
+        client = self.connect()
+        try:
+            registry = read_registry(client)
+            mirror = Mirror(index)
+            rows = batches = 0
+            for source in registry.sources():
+                cursor, n_rows, n_batches = load_source(mirror, client, source)
+                self._cursors[source] = cursor
+                rows, batches = rows + n_rows, batches + n_batches
+        except redis.RedisError as exc:
+            raise StoreError(f"cannot load from Redis at {self.config.where}: {exc}") from None
+        finally:
+            client.close()
+        self._ctl = render_id(registry.ctl_pos)
+        checkpoints = {s: c.checkpoint() for s, c in self._cursors.items()}
+        self.subscriber = SharedSubscriber(
+            self.config.ingest, self._send, checkpoints, self._cursors
+        )
+        self.subscriber.membership.mute = self._mute
+        return LoadResult(
+            checkpoints, dict(registry.specs), rows, batches, time.monotonic() - started
+        )
+
+    def attach(self, fleet: Fleet) -> None:
+        """Follow the fleet's membership (another replica's changes go through it), and
+        register the instances it was configured with, for the other replicas."""
+        if self.subscriber is not None:
+            self.subscriber.membership.fleet = fleet
+        self._specs = list(fleet.specs.values())
+
+    def start(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvindex-redis-")
+        base = f"ipc://{self._tmp.name}"
+        self._push = self._bind(zmq.PUSH, f"{base}/in", zmq.SNDHWM)
+        self._feed = self._bind(zmq.PULL, f"{base}/feed", zmq.RCVHWM)
+        self._acks = self._bind(zmq.PULL, f"{base}/acks", zmq.RCVHWM)
+        if self.subscriber is not None:
+            self.subscriber.connect_feed(self._feed)
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "kvindex.store.redis_worker"], stdin=subprocess.PIPE
+        )
+        assert self._process.stdin is not None
+        self._process.stdin.write(self._worker_config(base))
+        self._process.stdin.close()
+        for spec in self._specs:
+            self._send([self._encode(("i", spec.name, spec.render()))])
+
+    def _bind(self, kind: int, endpoint: str, hwm: int) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(hwm, 0)  # never block or drop: memory absorbs bursts
+        sock.setsockopt(zmq.LINGER, 2000 if kind == zmq.PUSH else 0)
+        sock.bind(endpoint)
+        return sock
+
+    def _worker_config(self, base: str) -> bytes:
+        import os
+
+        return self._encode(
+            {
+                "url": self.config.url,
+                "ingest": self.config.ingest.render(),
+                "buffer": self.config.buffer,
+                "compact": self.config.compact,
+                "inbox": f"{base}/in",
+                "outbox": f"{base}/feed",
+                "acks": f"{base}/acks",
+                "parent": os.getpid(),
+                "served": {tag(s): render_id(c.pos) for s, c in self._cursors.items()},
+                "mine": {tag(s): [c.next_seq, c.digest] for s, c in self._cursors.items()},
+                "ctl": self._ctl,
+            }
+        )
+
+    # -- the hot path: one non-blocking send per item this replica ingests ---------------
+
+    def record(self, item: Item) -> None:
+        source = item.source
+        if not self.config.ingest.ingests(source.instance):
+            return  # another replica's batch, read from its log: nothing to append
+        if isinstance(item, Delivery):
+            if item.payload is None:
+                raise StoreError("the Subscriber must keep payloads for a persistent store")
+            header = self._encode(("b", source.instance, source.rank, item.seq))
+            self._send([header, item.payload])
+        elif isinstance(item, Restarted):
+            self._send([self._encode(("r", source.instance, source.rank))])
+        elif isinstance(item, Lost):
+            self._send([self._encode(("l", source.instance, source.rank, item.first, item.last))])
+
+    def save_instance(self, spec: InstanceSpec) -> None:
+        if not self._muted:
+            self._send([self._encode(("i", spec.name, spec.render()))])
+
+    def remove_instance(self, name: str) -> None:
+        if not self._muted:
+            self._send([self._encode(("x", name))])
+
+    @contextlib.contextmanager
+    def _mute(self) -> Iterator[None]:
+        """Fleet changes that came from Redis are not written back to it."""
+        self._muted = True
+        try:
+            yield
+        finally:
+            self._muted = False
+
+    def _send(self, frames: list[bytes]) -> None:
+        if self._push is None:
+            raise StoreError("the Redis store was not started")
+        self._push.send_multipart(frames, copy=False)
+
+    # -- control -----------------------------------------------------------------------
+
+    def sync(self, timeout: float = 30.0) -> None:
+        """Wait until everything handed over so far is in Redis."""
+        self._request("sync", timeout)
+
+    def compact(self, timeout: float = 60.0) -> None:
+        """Compact now (if this replica may) and wait for it."""
+        self._request("compact", timeout)
+
+    def _request(self, kind: str, timeout: float) -> None:
+        with self._lock:
+            self._tokens += 1
+            token = self._tokens
+            self._send([self._encode((kind, token))])
+            assert self._acks is not None
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self._alive():
+                if self._acks.poll(100) and int(self._acks.recv()) == token:
+                    return
+            raise StoreError(f"the Redis store did not answer {kind} in {timeout:g} s")
+
+    def _alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Flush, compact and stop the worker."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            self._send([self._encode(("stop", 0))])
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for sock in (self._push, self._feed, self._acks):
+            if sock is not None:
+                sock.close(linger=0)
+        self._push = self._feed = self._acks = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def stats(self) -> dict[str, Any]:
+        worker = self.subscriber.worker_stats if self.subscriber is not None else {}
+        return {"url": self.url, "worker_alive": self._alive(), **worker}
+
+
+def current_rows(url: str) -> tuple[list[BlockRow], LoadResult]:
+    """Every block the store holds now (each publisher's snapshot with its log tail folded
+    in) and its checkpoints: what `kvindex export` and `kvindex stats` read, without a
+    service and without writing anything."""
+    store = RedisStore(url)
+    client = store.connect()
+    out: list[BlockRow] = []
+    checkpoints: dict[SourceKey, Checkpoint] = {}
+    batches = 0
+    try:
+        registry = read_registry(client)
+        for source in registry.sources():
+            state = read_source(client, source)
+            rows = {row_key(row): row for row in state.rows}
+            mirror = Mirror()
+            restore_rows(mirror.index, state.rows)
+            for entry in state.entries:
+                advance(mirror, source, state.cursor, entry)
+                batches += entry.kind == "b"
+            fold(rows, mirror.take_changes(), mirror.index)
+            out.extend(rows.values())
+            checkpoints[source] = state.cursor.checkpoint()
+    except redis.RedisError as exc:
+        raise StoreError(f"cannot read Redis at {store.config.where}: {exc}") from None
+    finally:
+        client.close()
+    return out, LoadResult(checkpoints, dict(registry.specs), len(out), batches)

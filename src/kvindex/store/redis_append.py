@@ -1,0 +1,257 @@
+"""Appending what this replica applied to the shared logs: in order, once, gap-free.
+
+Items arrive from the service in apply order and wait in a bounded queue. Each flush
+sends runs of them, one publisher per APPEND script call, many calls per pipeline (one
+round trip). The script appends only the next seq of each log, so a replay of the same
+items (a retry after a lost reply, another replica ingesting the same publisher) changes
+nothing, and it stops at a gap.
+
+Where can a gap come from? While Redis is away the queue keeps filling; past its bound
+new batches are dropped (restart and lost markers are kept: they are few and order
+matters). Once Redis is back, the first item after a dropped run finds the log short of
+it, and the missing seqs are fetched again from the publisher's replay buffer, exactly as
+the Subscriber would catch up after a restart of the service. Only what the publisher no
+longer holds becomes a `lost` entry, so the log is complete or says it is not.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from kvindex.store.redis_keys import APPEND, INSTANCES, cp_key, log_key
+from kvindex.subscriber import (
+    Delivery,
+    InstanceSpec,
+    Lost,
+    ReplayPolicy,
+    Restarted,
+    SourceKey,
+    Subscriber,
+    Unverified,
+    offset_endpoint,
+)
+from kvindex.subscriber.state import Checkpoint
+
+log = logging.getLogger(__name__)
+
+RUN = 200  # items per script call: a script blocks Redis while it runs
+TAKE = 4_000  # items per pipeline
+
+
+@dataclass(slots=True)
+class Item:
+    """One thing to append: kind b (a=seq, b=digest, prev=digest of the batch before),
+    l (seqs a..b lost), r (a, b = where the replica stood when it saw the restart)."""
+
+    source: SourceKey
+    kind: str
+    a: int
+    b: str
+    payload: bytes = b""
+    prev: str = ""
+
+    def args(self) -> list[Any]:
+        return [self.kind, self.a, self.b, self.prev, self.payload]
+
+
+@dataclass(slots=True)
+class AppendStats:
+    appended: int = 0
+    dropped: int = 0
+    gap_fills: int = 0
+    refetched: int = 0
+    lost: int = 0
+    unregistered: int = 0
+    conflicts: int = 0  # batches another replica logged differently (see APPEND)
+
+
+@dataclass
+class Appender:
+    """The queue of items to append and the replica's own position per publisher."""
+
+    limit: int
+    spec_of: Callable[[str], InstanceSpec | None]
+    fill_timeout: float = 20.0
+    queue: deque[Item] = field(default_factory=deque)
+    mine: dict[SourceKey, tuple[int, str]] = field(default_factory=dict)
+    short: set[SourceKey] = field(default_factory=set)  # batches dropped since the last flush
+    diverged: set[SourceKey] = field(default_factory=set)  # see APPEND
+    stats: AppendStats = field(default_factory=AppendStats)
+
+    # -- from the service ---------------------------------------------------------------
+
+    def batch(self, source: SourceKey, seq: int, payload: bytes) -> None:
+        digest = str(zlib.crc32(payload))
+        prev = self.mine.get(source, (0, ""))[1]
+        self.mine[source] = (seq + 1, digest)
+        if len(self.queue) >= self.limit:
+            self.stats.dropped += 1
+            self.short.add(source)
+            return
+        self.queue.append(Item(source, "b", seq, digest, payload, prev))
+
+    def lost(self, source: SourceKey, first: int, last: int) -> None:
+        self.mine[source] = (last + 1, "")
+        self.queue.append(Item(source, "l", first, str(last)))
+
+    def restart(self, source: SourceKey) -> None:
+        where, digest = self.mine.get(source, (0, ""))
+        self.mine[source] = (0, "")
+        self.queue.append(Item(source, "r", where, digest))
+
+    def forget(self, name: str) -> None:
+        self.queue = deque(i for i in self.queue if i.source.instance != name)
+        self.mine = {k: v for k, v in self.mine.items() if k.instance != name}
+        self.short = {s for s in self.short if s.instance != name}
+
+    # -- to Redis -----------------------------------------------------------------------
+
+    def flush(self, client: redis.Redis) -> bool:
+        """Append what is queued; returns True once the queue is empty and no log is short."""
+        script = client.register_script(APPEND)
+        while self.queue:
+            self._flush_some(client, script)
+        for source in list(self.short):
+            self.short.discard(source)
+            where = self.mine.get(source)
+            if where is not None:
+                self._fill_to(client, script, source, where[0])
+        return not self.queue
+
+    def _flush_some(self, client: redis.Redis, script: Any) -> None:
+        taken = [self.queue.popleft() for _ in range(min(TAKE, len(self.queue)))]
+        runs = _runs(taken)
+        pipe = client.pipeline(transaction=False)
+        for source, items in runs:
+            keys = [cp_key(source), log_key(source), INSTANCES]
+            args: list[Any] = [source.instance, int(source in self.diverged)]
+            for item in items:
+                args.extend(item.args())
+            script(keys=keys, args=args, client=pipe)
+        try:
+            results = pipe.execute()
+        except BaseException:
+            self.queue.extendleft(reversed(taken))  # all of it is retried (appends dedup)
+            raise
+        retry: list[Item] = []
+        gaps: list[tuple[SourceKey, int, int]] = []
+        for (source, items), result in zip(runs, results, strict=True):
+            done, code, next_seq, conflicts, diverged = (int(x) for x in result)
+            self.stats.appended += done - conflicts
+            self.stats.conflicts += conflicts
+            if diverged:
+                self.diverged.add(source)
+            else:
+                self.diverged.discard(source)
+            if code == -2:
+                self.stats.unregistered += len(items) - int(done)
+                continue
+            rest = items[int(done) :]
+            if code == -1 and rest:
+                gaps.append((source, rest[0].a, int(next_seq)))
+            retry.extend(rest)
+        self.queue.extendleft(reversed(retry))
+        for source, target, next_seq in gaps:  # the items stay queued until the gap is filled
+            self._fill_to(client, script, source, target, next_seq)
+
+    def _fill_to(
+        self, client: redis.Redis, script: Any, source: SourceKey, target: int, n: int = -1
+    ) -> None:
+        """Bring the log of `source` up to seq `target` from the publisher's replay."""
+        if n < 0:
+            n = int(client.hget(cp_key(source), "n") or 0)
+        if n >= target:
+            return
+        digest = client.hget(cp_key(source), "d") or b""
+        start = Checkpoint(n, int(digest) if digest else None)
+        self.stats.gap_fills += 1
+        items = fetch_range(self.spec_of(source.instance), source, start, target, self.fill_timeout)
+        for item in items:
+            if item.kind == "b":
+                self.stats.refetched += 1
+            else:
+                self.stats.lost += int(item.b) - item.a + 1
+        for i in range(0, len(items), RUN):
+            args: list[Any] = [source.instance, 0]
+            for item in items[i : i + RUN]:
+                args.extend(item.args())
+            script(keys=[cp_key(source), log_key(source), INSTANCES], args=args)
+        log.warning("refilled the log of %r up to seq %d (%d entries)", source, target, len(items))
+
+
+def _runs(items: list[Item]) -> list[tuple[SourceKey, list[Item]]]:
+    """Consecutive runs per publisher (their relative order kept), at most RUN long."""
+    by_source: dict[SourceKey, list[list[Item]]] = {}
+    order: list[tuple[SourceKey, list[Item]]] = []
+    for item in items:
+        runs = by_source.setdefault(item.source, [])
+        if not runs or len(runs[-1]) >= RUN:
+            runs.append([])
+            order.append((item.source, runs[-1]))
+        runs[-1].append(item)
+    return order
+
+
+def fetch_range(
+    spec: InstanceSpec | None, source: SourceKey, start: Checkpoint, target: int, timeout: float
+) -> list[Item]:
+    """Batches start.next_seq..target-1 of one publisher, from its replay buffer (with the
+    Subscriber's checks that it is still the same engine); what it can't give is lost."""
+    out: list[Item] = []
+    nxt = start.next_seq
+    if spec is not None and spec.replay_endpoint is not None:
+        nxt = _replay_into(out, spec, source, start, target, timeout)
+    if nxt < target:
+        out.append(Item(source, "l", nxt, str(target - 1)))
+    return out
+
+
+def _replay_into(
+    out: list[Item],
+    spec: InstanceSpec,
+    source: SourceKey,
+    start: Checkpoint,
+    target: int,
+    timeout: float,
+) -> int:
+    assert spec.replay_endpoint is not None
+    rank = source.rank
+    one = InstanceSpec(
+        spec.name,
+        offset_endpoint(spec.endpoint, rank),
+        offset_endpoint(spec.replay_endpoint, rank),
+        spec.topic,
+        1,
+        spec.curve,
+        spec.client_key,
+    )
+    key = SourceKey(spec.name, 0)
+    policy = ReplayPolicy(idle_probe=None, max_attempts=2)
+    sub = Subscriber(instances=[one], resume={key: start}, decode=False, policy=policy)
+    nxt, deadline = start.next_seq, time.monotonic() + timeout
+    prev = "" if start.last_digest is None else str(start.last_digest)
+    try:
+        while nxt < target and time.monotonic() < deadline:
+            for item in sub.poll(0.1):
+                if isinstance(item, Restarted | Unverified):
+                    return nxt  # another engine now: the old seqs are gone
+                if isinstance(item, Delivery) and nxt <= item.seq < target:
+                    payload = item.payload or b""
+                    digest = str(zlib.crc32(payload))
+                    out.append(Item(source, "b", item.seq, digest, payload, prev))
+                    nxt, prev = item.seq + 1, digest
+                elif isinstance(item, Lost) and item.last >= nxt and item.first < target:
+                    last = min(item.last, target - 1)
+                    out.append(Item(source, "l", max(item.first, nxt), str(last)))
+                    nxt, prev = last + 1, ""
+    finally:
+        sub.close()
+    return nxt

@@ -1,0 +1,348 @@
+"""The Redis store's layout: its URL, its keys, how entries and rows are encoded, its Lua.
+
+Keys (all under `kvindex:`), per publisher `S` = (instance, rank) written `{rank}:{name}`:
+- `instances` (hash): name -> spec text, the whole fleet; `ctl` (stream): every change to
+  it (`op` = `a` add / `x` remove), so replicas follow membership in order.
+- `log:S` (stream): the shared ordered log of S: `k=b` a batch (`s` seq, `p` raw payload
+  as vLLM sent it), `k=r` the publisher restarted, `k=l` seqs `f..t` are lost.
+- `cp:S` (hash): where the log of S stands (`n` next seq, `d` digest of the last batch,
+  `l` lost since the last restart). The append script checks and moves it atomically with
+  each XADD, which is what makes appends idempotent by seq across replicas.
+- `snap:S` (hash): the compacted state of S as of log entry `pos`: one field per block
+  (group, medium, hash) -> (parent, tokens, size, lora, copies, stored at), and the field
+  "" -> the cursor (pos, next seq, digest, lost, last seq) at that entry. One HGETALL
+  reads both consistently.
+- `status` (hash): S -> what the replica ingesting S last said about it (status, counters).
+- `compactor` (string with expiry): which replica compacts now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+import msgspec
+
+from kvindex.store.rows import BlockRow
+from kvindex.store.sqlite_db import StoreError
+from kvindex.subscriber.messages import SourceKey
+from kvindex.subscriber.spec import InstanceSpec, SpecError
+from kvindex.subscriber.state import Checkpoint
+
+PREFIX = "kvindex:"
+_OPTIONS = {"ingest", "buffer", "compact"}
+
+
+@dataclass(frozen=True, slots=True)
+class IngestPolicy:
+    """Which instances this replica subscribes to; it serves the others from Redis.
+
+    `all` (the default) ingests every instance of the fleet (replicas doing the same
+    append each batch once); `none` only serves; `a,b` ingests those names."""
+
+    names: frozenset[str] | None = None  # None = all
+
+    @classmethod
+    def parse(cls, text: str) -> IngestPolicy:
+        if text == "all":
+            return cls(None)
+        if text == "none":
+            return cls(frozenset())
+        names = frozenset(n for n in text.split(",") if n)
+        if not names:
+            raise StoreError("ingest= takes all, none or NAME[,NAME...]")
+        return cls(names)
+
+    def ingests(self, name: str) -> bool:
+        return self.names is None or name in self.names
+
+    def render(self) -> str:
+        if self.names is None:
+            return "all"
+        return ",".join(sorted(self.names)) or "none"
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    """`redis://HOST:PORT/DB[?ingest=all|none|NAMES][&buffer=N][&compact=SECONDS]`."""
+
+    url: str  # what redis-py connects to (our options removed)
+    ingest: IngestPolicy = field(default_factory=IngestPolicy)
+    buffer: int = 200_000  # items held while Redis is away, before relying on replay
+    compact: float = 2.0  # seconds between compactions
+
+    @classmethod
+    def parse(cls, url: str) -> RedisConfig:
+        parts = urlsplit(url)
+        if parts.scheme != "redis" or not parts.hostname:
+            raise StoreError(f"store URL {url!r} must be redis://HOST:PORT/DB")
+        try:
+            _ = parts.port
+            db = parts.path.strip("/") or "0"
+            if not db.isdigit():
+                raise ValueError(f"database {db!r} is not a number")
+            query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+            unknown = set(query) - _OPTIONS
+            if unknown:
+                raise ValueError(f"unknown option {sorted(unknown)[0]!r} (ingest, buffer, compact)")
+            base = urlunsplit(("redis", parts.netloc, f"/{db}", "", ""))
+            return cls(
+                base,
+                IngestPolicy.parse(query.get("ingest", "all")),
+                int(query.get("buffer", "200000")),
+                float(query.get("compact", "2.0")),
+            )
+        except ValueError as exc:
+            raise StoreError(f"store URL {url!r}: {exc}") from None
+
+    @property
+    def where(self) -> str:
+        """HOST:PORT/DB, without credentials, for messages."""
+        parts = urlsplit(self.url)
+        return f"{parts.hostname}:{parts.port or 6379}{parts.path}"
+
+
+# -- keys ------------------------------------------------------------------------------
+
+INSTANCES = PREFIX + "instances"
+CTL = PREFIX + "ctl"
+STATUS = PREFIX + "status"
+COMPACTOR = PREFIX + "compactor"
+
+
+def tag(source: SourceKey) -> str:
+    return f"{source.rank}:{source.instance}"
+
+
+def untag(text: str) -> SourceKey:
+    rank, _, name = text.partition(":")
+    return SourceKey(name, int(rank))
+
+
+def log_key(source: SourceKey) -> str:
+    return f"{PREFIX}log:{tag(source)}"
+
+
+def cp_key(source: SourceKey) -> str:
+    return f"{PREFIX}cp:{tag(source)}"
+
+
+def snap_key(source: SourceKey) -> str:
+    return f"{PREFIX}snap:{tag(source)}"
+
+
+def sources_of(spec_text: str) -> list[SourceKey]:
+    """The publishers of a registered instance (its DP ranks)."""
+    try:
+        return [s.source for s in InstanceSpec.parse(spec_text).sources()]
+    except SpecError:
+        return []
+
+
+# -- stream ids ------------------------------------------------------------------------
+
+StreamId = tuple[int, int]
+Fields = dict[bytes, bytes]
+RawEntry = tuple[bytes, Fields]
+ZERO: StreamId = (0, 0)
+
+
+def parse_id(value: bytes | str) -> StreamId:
+    text = value.decode() if isinstance(value, bytes) else value
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def render_id(value: StreamId) -> str:
+    return f"{value[0]}-{value[1]}"
+
+
+# -- cursors: where a reader stands in one publisher's log ------------------------------
+
+
+@dataclass(slots=True)
+class Cursor:
+    """A position in the log of one publisher, and the checkpoint it implies."""
+
+    pos: StreamId = ZERO
+    next_seq: int = 0
+    digest: int | None = None
+    lost: int = 0
+    last_seq: int | None = None
+
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(self.next_seq, self.digest, self.lost)
+
+    def pack(self) -> bytes:
+        return _encode([render_id(self.pos), self.next_seq, self.digest, self.lost, self.last_seq])
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Cursor:
+        pos, next_seq, digest, lost, last_seq = msgspec.msgpack.decode(data)
+        return cls(parse_id(pos), next_seq, digest, lost, last_seq)
+
+
+# -- log entries ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One log entry: kind b (batch), r (restart) or l (lost seqs first..last)."""
+
+    id: StreamId
+    kind: str
+    seq: int = 0
+    payload: bytes = b""
+    last: int = 0
+
+
+def parse_entry(entry_id: bytes | str, fields: dict[bytes, bytes]) -> Entry:
+    kind = fields.get(b"k", b"?").decode()
+    eid = parse_id(entry_id)
+    if kind == "b":
+        return Entry(eid, kind, int(fields[b"s"]), fields[b"p"])
+    if kind == "l":
+        return Entry(eid, kind, int(fields[b"f"]), last=int(fields[b"t"]))
+    return Entry(eid, kind)
+
+
+# -- snapshot rows ----------------------------------------------------------------------
+# Hashes go into msgpack as they are: an int hash (vLLM's are within int64/uint64, which
+# msgpack holds exactly) or bytes, so the field of a block is exact and unique.
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+_decode_field = msgspec.msgpack.Decoder(tuple[int, str, int | bytes]).decode
+_decode_value = msgspec.msgpack.Decoder(
+    tuple[int | bytes | None, list[int] | None, int, str | None, int, float]
+).decode
+
+
+def row_field(group: int, medium: str, block_hash: bytes | int) -> bytes:
+    return _encode((group, medium, block_hash))
+
+
+def row_value(row: BlockRow) -> bytes:
+    return _encode(
+        (row.parent_hash, row.token_ids, row.block_size, row.lora_name, row.copies, row.stored_at)
+    )
+
+
+def decode_rows(source: SourceKey, fields: dict[bytes, bytes]) -> list[BlockRow]:
+    """Snapshot fields (the cursor field excluded) as rows."""
+    rows: list[BlockRow] = []
+    append = rows.append
+    for name, value in fields.items():
+        if name:
+            group, medium, block_hash = _decode_field(name)
+            parent, tokens, size, lora, copies, stored = _decode_value(value)
+            append(
+                BlockRow(
+                    source, group, medium, block_hash, parent, tokens, size, lora, copies, stored
+                )
+            )
+    return rows
+
+
+def pack(value: Any) -> bytes:
+    return _encode(value)
+
+
+def unpack(data: bytes) -> Any:
+    return _decode(data)
+
+
+# -- Lua ---------------------------------------------------------------------------------
+
+# Appends a run of items of one publisher, each only if it is the next one: a batch whose
+# seq is below the log's next seq is a duplicate (another replica, or a retry, appended
+# it) and is skipped; one above it is a gap, where the script stops so the caller can fill
+# it. A batch also names the digest of the batch before it as its sender saw it, which
+# must be the log's last one: so a replica lagging behind a publisher restart that
+# another replica already logged can't slip its old batches into the new stream (from
+# such a conflict on, the sender is `diverged` and its items are skipped until it sees
+# the restart too). A restart is applied only if the log stands exactly where the sender
+# stood when it saw the restart (so two replicas seeing one restart append it once).
+# Nothing is appended for an instance no longer registered (it was removed while this
+# replica still followed it). KEYS: cp, log, instances. ARGV: name, diverged (0/1), then
+# per item: kind, a, b, prev, payload. Returns {items done, code (0 done, -1 gap,
+# -2 unregistered), next seq, conflicts, diverged}.
+APPEND = """
+if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 0 then return {0, -2, 0, 0, 0} end
+local cp = redis.call('HMGET', KEYS[1], 'n', 'd', 'l')
+local n = tonumber(cp[1]) or 0
+local d = cp[2] or ''
+local lost = tonumber(cp[3]) or 0
+local done = 0
+local code = 0
+local conflicts = 0
+local diverged = ARGV[2] == '1'
+for i = 3, #ARGV, 5 do
+  local kind, a, b = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
+  if diverged and kind ~= 'r' then
+    conflicts = conflicts + 1
+  elseif kind == 'b' then
+    if a > n then code = -1 break end
+    if a == n and d ~= '' and ARGV[i + 3] ~= d then
+      conflicts = conflicts + 1
+      diverged = true
+    elseif a == n then
+      redis.call('XADD', KEYS[2], '*', 'k', 'b', 's', ARGV[i + 1], 'p', ARGV[i + 4])
+      n = a + 1
+      d = b
+    end
+  elseif kind == 'l' then
+    local last = tonumber(b)
+    if a > n then code = -1 break end
+    if last >= n then
+      redis.call('XADD', KEYS[2], '*', 'k', 'l', 'f', n, 't', last)
+      lost = lost + last - n + 1
+      n = last + 1
+      d = ''
+    end
+  elseif kind == 'r' then
+    if a > n and not diverged then code = -1 break end
+    diverged = false
+    if a == n and b == d then
+      redis.call('XADD', KEYS[2], '*', 'k', 'r')
+      n = 0
+      d = ''
+      lost = 0
+    end
+  end
+  done = done + 1
+end
+redis.call('HSET', KEYS[1], 'n', n, 'd', d, 'l', lost)
+return {done, code, n, conflicts, diverged and 1 or 0}
+"""
+
+# Registers an instance (or changes its spec) and tells the other replicas.
+# KEYS: instances, ctl. ARGV: name, spec.
+REGISTER = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', 10000, '*', 'op', 'a', 'name', ARGV[1], 'spec', ARGV[2])
+return 1
+"""
+
+# Forgets an instance: its registration, logs, checkpoints and snapshots, and tells the
+# other replicas. KEYS: instances, ctl, status, then its per-publisher keys. ARGV: name,
+# then the status fields of its publishers.
+REMOVE = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+for i = 4, #KEYS do redis.call('DEL', KEYS[i]) end
+for i = 2, #ARGV do redis.call('HDEL', KEYS[3], ARGV[i]) end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', 10000, '*', 'op', 'x', 'name', ARGV[1])
+return 1
+"""
+
+# Takes or renews the compaction lock. KEYS: compactor. ARGV: owner, milliseconds.
+LOCK = """
+local holder = redis.call('GET', KEYS[1])
+if holder == false or holder == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""

@@ -1,0 +1,140 @@
+"""Reading the Redis store back: the fleet's registry, and each publisher's snapshot + log.
+
+Both the service (its warm start) and the store's worker process (its mirror) load this
+way. A publisher's snapshot and cursor come from one HGETALL, so they agree; its log is
+then read from the cursor on. A compaction running meanwhile may trim the log, but only
+below the *previous* snapshot's position, so a reader is caught out only if two
+compactions pass during its read: the log's `max-deleted-entry-id` tells, and the
+publisher is read again.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import redis
+
+from kvindex.store.redis_keys import (
+    CTL,
+    INSTANCES,
+    ZERO,
+    Cursor,
+    Entry,
+    Fields,
+    RawEntry,
+    StreamId,
+    decode_rows,
+    log_key,
+    parse_entry,
+    parse_id,
+    render_id,
+    snap_key,
+    sources_of,
+)
+from kvindex.store.rows import BlockRow
+from kvindex.store.sqlite_db import StoreError
+from kvindex.store.state import Mirror, restore_rows
+from kvindex.subscriber.messages import SourceKey
+
+CHUNK = 5_000
+
+
+@dataclass(slots=True)
+class Registry:
+    """The fleet as registered, and the control-stream entry it is current as of."""
+
+    specs: dict[str, str] = field(default_factory=dict)
+    ctl_pos: StreamId = ZERO
+
+    def sources(self) -> Iterator[SourceKey]:
+        for spec in self.specs.values():
+            yield from sources_of(spec)
+
+
+def read_registry(client: redis.Redis) -> Registry:
+    """The registry and the last control entry, read atomically (MULTI)."""
+    pipe = client.pipeline(transaction=True)
+    pipe.hgetall(INSTANCES)
+    pipe.xrevrange(CTL, count=1)
+    specs, last = pipe.execute()
+    pos = parse_id(last[0][0]) if last else ZERO
+    return Registry({k.decode(): v.decode() for k, v in specs.items()}, pos)
+
+
+@dataclass(slots=True)
+class SourceState:
+    rows: list[BlockRow]
+    cursor: Cursor  # the snapshot's position; `advance` moves it over `entries`
+    entries: list[Entry]
+    raw: dict[bytes, bytes]  # the snapshot as stored (forwarded as is to a service)
+
+
+def read_source(client: redis.Redis, source: SourceKey, attempts: int = 5) -> SourceState:
+    """One publisher's snapshot and the log after it (read again if trimmed meanwhile)."""
+    for _ in range(attempts):
+        snap = cast(Fields, client.hgetall(snap_key(source)))
+        cursor = Cursor.unpack(snap[b""]) if b"" in snap else Cursor()
+        entries = list(read_log(client, source, cursor.pos))
+        if not trimmed_past(client, source, cursor.pos):
+            return SourceState(decode_rows(source, snap), cursor, entries, snap)
+    raise StoreError(f"the log of {source!r} kept being compacted while it was read")
+
+
+def read_log(
+    client: redis.Redis, source: SourceKey, after: StreamId, limit: int | None = None
+) -> Iterator[Entry]:
+    """Log entries after `after`, in order (`limit`: at most that many)."""
+    key, start, left = log_key(source), after, limit
+    while left is None or left > 0:
+        count = CHUNK if left is None else min(CHUNK, left)
+        chunk = cast(
+            list[RawEntry], client.xrange(key, min=f"({render_id(start)}", max="+", count=count)
+        )
+        for entry_id, fields in chunk:
+            yield parse_entry(entry_id, fields)
+        if len(chunk) < count:
+            return
+        start = parse_id(chunk[-1][0])
+        if left is not None:
+            left -= len(chunk)
+
+
+def trimmed_past(client: redis.Redis, source: SourceKey, pos: StreamId) -> bool:
+    """Whether entries after `pos` were trimmed away (so reading from `pos` misses some)."""
+    try:
+        info: dict[str, Any] = client.xinfo_stream(log_key(source))
+    except redis.ResponseError:
+        return False  # no log at all: nothing was trimmed either
+    deleted = info.get("max-deleted-entry-id")
+    return deleted is not None and parse_id(deleted) > pos
+
+
+def advance(mirror: Mirror, source: SourceKey, cursor: Cursor, entry: Entry) -> None:
+    """Apply one log entry to a mirror and move the cursor over it."""
+    if entry.kind == "b":
+        mirror.apply_payload(source, entry.payload)
+        cursor.next_seq, cursor.digest = entry.seq + 1, zlib.crc32(entry.payload)
+        cursor.last_seq = entry.seq
+    elif entry.kind == "r":
+        mirror.restart(source)
+        cursor.next_seq, cursor.digest, cursor.lost = 0, None, 0
+    elif entry.kind == "l":
+        cursor.lost += entry.last - entry.seq + 1
+        cursor.next_seq, cursor.digest = entry.last + 1, None
+    cursor.pos = entry.id
+
+
+def load_source(mirror: Mirror, client: redis.Redis, source: SourceKey) -> tuple[Cursor, int, int]:
+    """Snapshot + log of one publisher into a mirror: (cursor, rows, log batches)."""
+    state = read_source(client, source)
+    restore_rows(mirror.index, state.rows)
+    count = len(state.rows)
+    cursor = state.cursor
+    batches = 0
+    for entry in state.entries:
+        advance(mirror, source, cursor, entry)
+        batches += entry.kind == "b"
+    return cursor, count, batches

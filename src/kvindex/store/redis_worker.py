@@ -1,0 +1,316 @@
+"""The Redis store's worker process: all of the store's Redis traffic, off the service.
+
+`python -m kvindex.store.redis_worker CONFIG` (msgpack on stdin). One thread, one loop:
+take what the service sent (items to append, instances to register or remove, status to
+publish, sync requests), append it (see redis_append), read every log once (see
+redis_reader), compact now and then (see redis_compact), and report. Being a separate
+process, none of this ever holds the service's GIL while a lookup waits.
+
+When Redis goes away the loop keeps taking the service's items into the bounded queue and
+tries again with a growing pause (0.1 s to 2 s); nothing else changes, so once Redis is
+back the queue drains, gaps are refilled from the publishers, and reading resumes from
+where it stopped. The service keeps answering from memory all along.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+import msgspec
+import redis
+import zmq
+
+from kvindex.store.redis_append import Appender
+from kvindex.store.redis_compact import Compactor
+from kvindex.store.redis_keys import (
+    CTL,
+    INSTANCES,
+    REGISTER,
+    REMOVE,
+    STATUS,
+    IngestPolicy,
+    cp_key,
+    log_key,
+    pack,
+    parse_id,
+    snap_key,
+    sources_of,
+    tag,
+    untag,
+)
+from kvindex.store.redis_reader import Reader
+from kvindex.store.state import Mirror
+from kvindex.subscriber.messages import SourceKey
+
+log = logging.getLogger("kvindex.store.redis")
+
+REPORT_EVERY = 0.25
+IDLE_BLOCK_MS = 50
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    url: str
+    ingest: str
+    buffer: int
+    compact: float
+    inbox: str
+    outbox: str
+    acks: str
+    parent: int
+    served: dict[str, str]  # tag -> the stream id the service loaded up to
+    mine: dict[str, list[Any]]  # tag -> [next seq, digest] the service's Subscriber resumes at
+    ctl: str
+
+
+class Link:
+    """Whether Redis answers, and when to try again if it does not."""
+
+    def __init__(self) -> None:
+        self.up = True
+        self.pause = 0.1
+        self.retry_at = 0.0
+        self.outages = 0
+        self.error = ""
+
+    def down(self, exc: Exception) -> None:
+        if self.up:
+            self.outages += 1
+            log.warning("Redis went away (%s); retrying", exc)
+        self.up = False
+        self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        self.retry_at = time.monotonic() + self.pause
+        self.pause = min(self.pause * 2, 2.0)
+
+    def ready(self, client: redis.Redis) -> bool:
+        if self.up:
+            return True
+        if time.monotonic() < self.retry_at:
+            return False
+        try:
+            client.ping()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self.down(exc)
+            return False
+        log.warning("Redis is back")
+        self.up, self.pause, self.error = True, 0.1, ""
+        return True
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self.config = config
+        self.client = redis.Redis.from_url(
+            config.url, socket_timeout=10, socket_connect_timeout=2, health_check_interval=5
+        )
+        self.inbox = ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.RCVHWM, 0)
+        self.inbox.connect(config.inbox)
+        self.outbox = ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.SNDHWM, 0)
+        self.outbox.setsockopt(zmq.LINGER, 1000)
+        self.outbox.connect(config.outbox)
+        self.acks = ctx.socket(zmq.PUSH)
+        self.acks.setsockopt(zmq.LINGER, 1000)
+        self.acks.connect(config.acks)
+        self.mirror = Mirror()
+        policy = IngestPolicy.parse(config.ingest)
+        self.reader = Reader(self.mirror, policy, self._forward)
+        self.appender = Appender(config.buffer, self.reader.spec)
+        for key, (next_seq, digest) in config.mine.items():
+            self.appender.mine[untag(key)] = (next_seq, "" if digest is None else str(digest))
+        self.compactor = Compactor(self.mirror, self.reader.cursors, config.compact)
+        self.link = Link()
+        self.loaded = False
+        self.waiting: list[tuple[str, int]] = []  # sync/compact/stop requests
+        self.stopping = False
+        self.status: dict[str, Any] = {}
+        self.membership: list[list[Any]] = []  # registrations/removals not yet in Redis
+        self.beat = 0
+        self.reported = 0.0
+
+    def _forward(self, frames: list[bytes]) -> None:
+        self.outbox.send_multipart(frames, copy=False)
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        while True:
+            self._take(self._drain())
+            if self.stopping or os.getppid() != self.config.parent:
+                self._finish()
+                return
+            if self.link.ready(self.client):
+                try:
+                    self._work()
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    self.link.down(exc)
+            else:
+                self._wait_inbox(self.link.retry_at - time.monotonic())
+            self._report()
+
+    def _work(self) -> None:
+        if not self.loaded:
+            served = {untag(k): parse_id(v) for k, v in self.config.served.items()}
+            self.reader.load(self.client, served, parse_id(self.config.ctl))
+            self.loaded = True
+        self._apply_membership()
+        self._publish_status()
+        self.appender.flush(self.client)
+        self._answer(("sync",))
+        block = IDLE_BLOCK_MS if not self.appender.queue and not self._inbox_ready() else None
+        self.reader.step(self.client, block)
+        self.reader.check_trimmed(self.client)
+        if self.compactor.due() or any(k == "compact" for k, _ in self.waiting):
+            self.compactor.compact(self.client)
+            self._answer(("compact",))
+
+    def _answer(self, kinds: tuple[str, ...]) -> None:
+        if self.appender.queue:
+            return
+        for kind, token in [w for w in self.waiting if w[0] in kinds]:
+            self.waiting.remove((kind, token))
+            self.acks.send(str(token).encode())
+
+    def _finish(self) -> None:
+        """Stop: flush and compact if Redis lets us within a few seconds."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if self.link.ready(self.client):
+                try:
+                    if not self.loaded:
+                        break
+                    self.appender.flush(self.client)
+                    while self.reader.step(self.client, None) and time.monotonic() < deadline:
+                        pass
+                    self.compactor.compact(self.client)
+                    self.compactor.release(self.client)
+                    break
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    self.link.down(exc)
+            time.sleep(0.05)
+
+    # -- the service's messages ----------------------------------------------------------
+
+    def _inbox_ready(self) -> bool:
+        return bool(self.inbox.poll(0))
+
+    def _wait_inbox(self, seconds: float) -> None:
+        self.inbox.poll(max(1, int(seconds * 1000)))
+
+    def _drain(self) -> list[list[bytes]]:
+        """What the service sent, bounded: while Redis answers, no more than the queue has
+        room for (the rest waits in the socket); while it is away, everything, so the
+        queue's bound drops batches rather than the service's memory growing."""
+        room = self.config.buffer - len(self.appender.queue) if self.link.up else 20_000
+        out: list[list[bytes]] = []
+        while len(out) < min(20_000, max(room, 100)):
+            try:
+                out.append(self.inbox.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        return out
+
+    def _take(self, messages: list[list[bytes]]) -> None:
+        for frames in messages:
+            header = _decode(frames[0])
+            kind = header[0]
+            if kind == "b":
+                self.appender.batch(SourceKey(header[1], header[2]), header[3], frames[1])
+            elif kind == "l":
+                self.appender.lost(SourceKey(header[1], header[2]), header[3], header[4])
+            elif kind == "r":
+                self.appender.restart(SourceKey(header[1], header[2]))
+            elif kind == "s":
+                self.status.update(header[1])
+            elif kind in ("i", "x"):
+                self.membership.append(header)
+            elif kind == "stop":
+                self.stopping = True
+            else:
+                self.waiting.append((kind, header[1]))
+
+    # -- to Redis -----------------------------------------------------------------------
+
+    def _apply_membership(self) -> None:
+        """Registrations and removals, before any append (an instance's first batch needs
+        it registered). One that fails stays first in line for the next try."""
+        while self.membership:
+            header = self.membership[0]
+            if header[0] == "i":
+                self.client.eval(REGISTER, 2, INSTANCES, CTL, header[1], header[2])
+            else:
+                self._remove(header[1])
+            self.membership.pop(0)
+
+    def _publish_status(self) -> None:
+        if not self.status:
+            return
+        self.beat += 1
+        mapping: dict[Any, Any] = {k: pack([self.beat, v]) for k, v in self.status.items()}
+        self.client.hset(STATUS, mapping=mapping)
+        self.status = {}
+
+    def _remove(self, name: str) -> None:
+        self.appender.forget(name)
+        spec = cast(bytes | None, self.client.hget(INSTANCES, name))
+        sources = sources_of(spec.decode()) if spec else [SourceKey(name)]
+        keys = [INSTANCES, CTL, STATUS]
+        for source in sources:
+            keys += [cp_key(source), log_key(source), snap_key(source)]
+        self.client.eval(REMOVE, len(keys), *keys, name, *(tag(s) for s in sources))
+
+    def _report(self) -> None:
+        now = time.monotonic()
+        if now - self.reported < REPORT_EVERY:
+            return
+        self.reported = now
+        if self.link.up and self.loaded:
+            try:
+                self._forward([pack(["S", self.reader.statuses(self.client)])])
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self.link.down(exc)
+        self._forward([pack(["W", self.stats()])])
+
+    def stats(self) -> dict[str, Any]:
+        a, r = self.appender.stats, self.reader.stats
+        return {
+            "connected": self.link.up,
+            "outages": self.link.outages,
+            "error": self.link.error,
+            "backlog": len(self.appender.queue),
+            "appended": a.appended,
+            "dropped_while_away": a.dropped,
+            "gap_fills": a.gap_fills,
+            "refetched_batches": a.refetched,
+            "lost_by_store": a.lost,
+            "log_entries_read": r.entries,
+            "forwarded": r.forwarded,
+            "resyncs": r.resyncs,
+            "compactions": self.compactor.compactions,
+            "ingest": self.config.ingest,
+        }
+
+
+_decode = msgspec.msgpack.Decoder().decode
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="kvindex store: %(levelname)s %(message)s")
+    config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=WorkerConfig)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    worker = Worker(config, ctx)
+    try:
+        worker.run()
+    finally:
+        for sock in (worker.inbox, worker.outbox, worker.acks):
+            sock.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""The dashboard in a real browser: Playwright driving Debian's chromium (never a browser
+download) against `kvindex demo`. The page must show live data whose numbers change,
+agree with `/v1/instances` once the load pauses, and answer a lookup from its own lookup
+box with the router's pick highlighted. The live page's screenshot is saved as
+docs/dashboard.png, the picture the README shows.
+
+`.ci/run` installs chromium; without it (a developer machine) the test skips."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from clitools import ROOT, Proc, kvindex
+from netutil import wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# The README's picture is refreshed only on request (KVINDEX_UPDATE_DOCS=1), so that a test
+# run leaves the tracked file alone; otherwise the screenshot still proves the page renders.
+SCREENSHOT = (
+    ROOT / "docs" / "dashboard.png"
+    if os.environ.get("KVINDEX_UPDATE_DOCS") == "1"
+    else Path(tempfile.gettempdir()) / "kvindex-dashboard.png"
+)
+# As root in a sandbox without network: no sandbox, no GPU, none of chromium's own traffic.
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+LOAD_SECONDS = 22.0
+
+if not Path(CHROMIUM).exists():
+    pytest.skip(
+        "chromium is not installed (apt-get install chromium; .ci/run does)",
+        allow_module_level=True,
+    )
+
+from playwright.sync_api import Page, sync_playwright  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def demo() -> Iterator[tuple[Proc, str]]:
+    proc = kvindex(
+        "demo",
+        "--instances",
+        "4",
+        "--http",
+        "127.0.0.1:0",
+        "--seed",
+        "2",  # has two restarts and two resets early on
+        # busier than the default demo, so that a short run shows evictions, restarts,
+        # resets and replays (the screenshot is the README's picture)
+        "--rate",
+        "60",
+        "--gpu-blocks",
+        "1024",
+        "--restart-every",
+        "8",
+        "--reset-every",
+        "6",
+        "--pause-after",
+        str(LOAD_SECONDS),
+        "--duration",
+        "80",
+    )
+    try:
+        line = proc.wait_for(proc.out, lambda s: "dashboard at http" in s, timeout=20)
+        yield proc, line.split("dashboard at ")[1].split()[0]
+    finally:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def page(demo: tuple[Proc, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Page]:
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    with sync_playwright() as p:
+        browser = p.chromium.launch_persistent_context(
+            str(profile),
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1440, "height": 900},
+            color_scheme="dark",
+        )
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(demo[1])
+            yield page
+            assert not errors, errors
+        finally:
+            browser.close()
+
+
+def rows(page: Page) -> dict[str, dict[str, Any]]:
+    """The instances table as the page shows it."""
+    found: list[dict[str, Any]] = page.evaluate(
+        """() => [...document.querySelectorAll('#instances-body tr[data-instance]')].map(tr => ({
+            name: tr.dataset.instance,
+            blocks: Number(tr.dataset.blocks),
+            last_seq: tr.dataset.lastSeq === '' ? null : Number(tr.dataset.lastSeq),
+            gpu: tr.querySelector('[data-col=gpu]').textContent,
+            status: tr.querySelector('.pill').textContent,
+        }))"""
+    )
+    return {row["name"]: row for row in found}
+
+
+def fleet_blocks(page: Page) -> int:
+    return int(page.get_attribute("[data-testid=fleet-blocks]", "data-value") or 0)
+
+
+def test_dashboard_live_numbers_lookup_and_screenshot(page: Page, demo: tuple[Proc, str]) -> None:
+    proc, url = demo
+    page.wait_for_selector("#instances-body tr[data-instance]", timeout=15_000)
+    page.wait_for_function("document.getElementById('conn').dataset.state === 'live'")
+    assert sorted(rows(page)) == ["vllm-0", "vllm-1", "vllm-2", "vllm-3"]
+
+    # live: the numbers move from one snapshot to the next
+    first = fleet_blocks(page)
+    page.wait_for_function(
+        f"Number(document.querySelector('[data-testid=fleet-blocks]').dataset.value) !== {first}",
+        timeout=10_000,
+    )
+    page.wait_for_function(
+        "Number(document.querySelector('[data-testid=fleet-events]').dataset.value) > 0"
+    )
+    assert page.locator(".u-over").count() == 2  # both charts drawn
+
+    run_lookup_from_the_page(page)
+    if SCREENSHOT.parent.name == "docs":
+        time.sleep(12.0)  # a few more seconds of history for the README's picture
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+    assert SCREENSHOT.stat().st_size > 10_000
+
+    # paused: the fleet comes to rest (a batch dropped last is still fetched by replay),
+    # and from then on the page's numbers equal the API's, exactly
+    proc.wait_for(proc.out, lambda s: "load paused" in s, timeout=LOAD_SECONDS + 10)
+    assert wait_until(lambda: not disagreements(page, url), timeout=12, step=0.3), disagreements(
+        page, url
+    )
+    check_lookup_matches_the_api(page, url)
+
+
+def disagreements(page: Page, url: str) -> list[str]:
+    """Where the page differs from /v1/instances (empty: nowhere)."""
+    api = {i["name"]: i for i in httpx.get(url + "v1/instances").json()["instances"]}
+    shown = rows(page)
+    wrong = []
+    for name, want in api.items():
+        row = shown[name]
+        expected = {
+            "blocks": want["blocks"],
+            "last_seq": want["last_seq"],
+            "gpu": f"{want['blocks_by_medium'].get('GPU', 0):,}",
+            "status": want["status"],
+        }
+        wrong += [f"{name}.{k}: {row[k]} != {v}" for k, v in expected.items() if row[k] != v]
+    if fleet_blocks(page) != sum(i["blocks"] for i in api.values()):
+        wrong.append("fleet blocks")
+    if page.get_attribute("[data-testid=fleet-events]", "data-value") != "0":
+        wrong.append("still moving")
+    return wrong
+
+
+def run_lookup_from_the_page(page: Page) -> None:
+    page.wait_for_function("document.querySelectorAll('#recent option').length > 1")
+    page.select_option("#recent", index=1)  # the newest prompt: runs the lookup
+    page.wait_for_selector("#lookup-result tr.pick", timeout=10_000)
+    matched = page.eval_on_selector_all(
+        "#lookup-result tr[data-instance]", "trs => trs.map(tr => Number(tr.dataset.matched))"
+    )
+    pick = int(page.get_attribute("#lookup-result tr.pick", "data-matched") or -1)
+    assert pick == max(matched) > 0
+    assert "router pick" in page.inner_text("#lookup-result tr.pick").lower()
+
+
+def check_lookup_matches_the_api(page: Page, url: str) -> None:
+    page.click("[data-testid=lookup-go]")
+    page.wait_for_function("document.getElementById('lookup-result').dataset.state === 'done'")
+    tokens = [int(t) for t in page.input_value("#tokens").replace(",", " ").split()]
+    lora = page.input_value("#lora") or None
+    answer = httpx.post(url + "v1/lookup", json={"token_ids": tokens, "lora_name": lora}).json()
+    shown = page.eval_on_selector_all(
+        "#lookup-result tr[data-instance]",
+        "trs => trs.map(tr => [tr.dataset.instance, Number(tr.dataset.matched)])",
+    )
+    assert shown == [[r["name"], r["matched_blocks"]] for r in answer["instances"]]
+    assert page.get_attribute("#lookup-result tr.pick", "data-instance") == answer["best"]

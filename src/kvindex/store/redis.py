@@ -26,17 +26,12 @@ How (the key layout is in redis_keys):
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import redis
-import zmq
 
 from kvindex.index import FleetIndex
 from kvindex.store.base import LoadResult
@@ -46,6 +41,7 @@ from kvindex.store.redis_load import advance, load_source, read_registry, read_s
 from kvindex.store.rows import BlockRow
 from kvindex.store.sqlite_db import StoreError
 from kvindex.store.state import Mirror, fold, restore_rows, row_key
+from kvindex.store.worker import WorkerLink
 from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted, SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 from kvindex.subscriber.state import Checkpoint
@@ -66,16 +62,10 @@ class RedisStore:
         self._cursors: dict[SourceKey, Cursor] = {}
         self._ctl = "0-0"
         self._specs: list[InstanceSpec] = []
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._push: zmq.Socket[bytes] | None = None
-        self._feed: zmq.Socket[bytes] | None = None
-        self._acks: zmq.Socket[bytes] | None = None
-        self._process: subprocess.Popen[bytes] | None = None
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        self._tokens = 0
-        self._lock = threading.Lock()
+        self._link = WorkerLink("the Redis store")
+        self._encode = self._link.encode
+        self._send = self._link.send
         self._muted = False
-        self._encode = msgspec.msgpack.Encoder().encode
 
     @property
     def url(self) -> str:
@@ -127,28 +117,14 @@ class RedisStore:
         self._specs = list(fleet.specs.values())
 
     def start(self) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="kvindex-redis-")
-        base = f"ipc://{self._tmp.name}"
-        self._push = self._bind(zmq.PUSH, f"{base}/in", zmq.SNDHWM)
-        self._feed = self._bind(zmq.PULL, f"{base}/feed", zmq.RCVHWM)
-        self._acks = self._bind(zmq.PULL, f"{base}/acks", zmq.RCVHWM)
+        base = self._link.open(pulls=("feed",))
         if self.subscriber is not None:
-            self.subscriber.connect_feed(self._feed)
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "kvindex.store.redis_worker"], stdin=subprocess.PIPE
+            self.subscriber.connect_feed(self._link.sockets["feed"])
+        self._link.spawn(
+            [sys.executable, "-m", "kvindex.store.redis_worker"], stdin=self._worker_config(base)
         )
-        assert self._process.stdin is not None
-        self._process.stdin.write(self._worker_config(base))
-        self._process.stdin.close()
         for spec in self._specs:
             self._send([self._encode(("i", spec.name, spec.render()))])
-
-    def _bind(self, kind: int, endpoint: str, hwm: int) -> zmq.Socket[bytes]:
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(hwm, 0)  # never block or drop: memory absorbs bursts
-        sock.setsockopt(zmq.LINGER, 2000 if kind == zmq.PUSH else 0)
-        sock.bind(endpoint)
-        return sock
 
     def _worker_config(self, base: str) -> bytes:
         import os
@@ -202,11 +178,6 @@ class RedisStore:
         finally:
             self._muted = False
 
-    def _send(self, frames: list[bytes]) -> None:
-        if self._push is None:
-            raise StoreError("the Redis store was not started")
-        self._push.send_multipart(frames, copy=False)
-
     # -- control -----------------------------------------------------------------------
 
     def sync(self, timeout: float = 30.0) -> None:
@@ -218,37 +189,14 @@ class RedisStore:
         self._request("compact", timeout)
 
     def _request(self, kind: str, timeout: float) -> None:
-        with self._lock:
-            self._tokens += 1
-            token = self._tokens
-            self._send([self._encode((kind, token))])
-            assert self._acks is not None
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and self._alive():
-                if self._acks.poll(100) and int(self._acks.recv()) == token:
-                    return
-            raise StoreError(f"the Redis store did not answer {kind} in {timeout:g} s")
+        self._link.request(kind, timeout)
 
     def _alive(self) -> bool:
-        return self._process is not None and self._process.poll() is None
+        return self._link.alive()
 
     def close(self, timeout: float = 30.0) -> None:
         """Flush, compact and stop the worker."""
-        process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            self._send([self._encode(("stop", 0))])
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        for sock in (self._push, self._feed, self._acks):
-            if sock is not None:
-                sock.close(linger=0)
-        self._push = self._feed = self._acks = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        self._link.close(timeout)
 
     def stats(self) -> dict[str, Any]:
         worker = self.subscriber.worker_stats if self.subscriber is not None else {}

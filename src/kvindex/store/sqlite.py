@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -51,6 +48,7 @@ from kvindex.store.sqlite_db import (
     snapshot_log_id,
 )
 from kvindex.store.state import DirtyKey, Mirror, fold, resolve, restore_rows, row_key
+from kvindex.store.worker import WorkerLink
 from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted, SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 
@@ -75,14 +73,9 @@ class SQLiteStore:
     def __init__(self, path: str | Path, options: WriterOptions | None = None) -> None:
         self.path = Path(path)
         self.options = options or WriterOptions()
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._push: zmq.Socket[bytes] | None = None
-        self._acks: zmq.Socket[bytes] | None = None
-        self._process: subprocess.Popen[bytes] | None = None
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        self._tokens = 0
-        self._lock = threading.Lock()
-        self._encode = msgspec.msgpack.Encoder().encode
+        self._link = WorkerLink("the SQLite writer")
+        self._encode = self._link.encode
+        self._send = self._link.send
 
     @property
     def url(self) -> str:
@@ -96,30 +89,13 @@ class SQLiteStore:
             db.close()
 
     def start(self) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="kvindex-store-")
-        inbox, acks = f"ipc://{self._tmp.name}/in", f"ipc://{self._tmp.name}/acks"
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)  # never block or drop: memory absorbs bursts
-        self._push.setsockopt(zmq.LINGER, 2000)
-        self._push.bind(inbox)
-        self._acks = self._ctx.socket(zmq.PULL)
-        self._acks.setsockopt(zmq.LINGER, 0)
-        self._acks.bind(acks)
+        base = self._link.open()
         opts = self.options
-        self._process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvindex.store.sqlite",
-                str(self.path),
-                inbox,
-                acks,
-                str(os.getpid()),
-                str(opts.flush_interval),
-                str(opts.compact_interval),
-                str(opts.compact_log_rows),
-            ],
-        )
+        self._link.spawn(
+            [sys.executable, "-m", "kvindex.store.sqlite", str(self.path), f"{base}/in",
+             f"{base}/acks", str(os.getpid()), str(opts.flush_interval),
+             str(opts.compact_interval), str(opts.compact_log_rows)]
+        )  # fmt: skip
 
     # -- the hot path: one non-blocking send per item ----------------------------------
 
@@ -141,11 +117,6 @@ class SQLiteStore:
     def save_instance(self, spec: InstanceSpec) -> None:
         self._send([self._encode(("i", spec.name, spec.render()))])
 
-    def _send(self, frames: list[bytes]) -> None:
-        if self._push is None:
-            raise StoreError("the SQLite store was not started")
-        self._push.send_multipart(frames, copy=False)
-
     # -- control -----------------------------------------------------------------------
 
     def sync(self, timeout: float = 30.0) -> None:
@@ -157,37 +128,14 @@ class SQLiteStore:
         self._request("compact", timeout)
 
     def _request(self, kind: str, timeout: float) -> None:
-        with self._lock:
-            self._tokens += 1
-            token = self._tokens
-            self._send([self._encode((kind, token))])
-            assert self._acks is not None
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and self._alive():
-                if self._acks.poll(100) and int(self._acks.recv()) == token:
-                    return
-            raise StoreError(f"the SQLite writer did not answer {kind} in {timeout:g} s")
+        self._link.request(kind, timeout)
 
     def _alive(self) -> bool:
-        return self._process is not None and self._process.poll() is None
+        return self._link.alive()
 
     def close(self, timeout: float = 30.0) -> None:
         """Commit, snapshot and stop the writer."""
-        process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            self._send([self._encode(("stop", 0))])
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        for sock in (self._push, self._acks):
-            if sock is not None:
-                sock.close(linger=0)
-        self._push = self._acks = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        self._link.close(timeout)
 
     def stats(self) -> dict[str, Any]:
         return {"url": self.url, "writer_alive": self._alive()}

@@ -1,0 +1,101 @@
+"""The link between the service and a store's worker process.
+
+Both persistent stores do their I/O in a child process (`python -m ...`), fed over ZMQ
+sockets on ipc paths: sends never block the event loop (ZMQ queues them in its own thread,
+without limit: memory absorbs bursts), payload frames are handed over without re-encoding,
+and `request` waits for the worker to acknowledge a control message (sync, compact).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+
+import msgspec
+import zmq
+
+from kvindex.store.sqlite_db import StoreError
+
+__all__ = ["WorkerLink"]
+
+
+class WorkerLink:
+    """Sockets to one worker process: `in` (PUSH, to it), `acks` and any extra PULLs."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what  # "the SQLite writer": for error messages
+        self.sockets: dict[str, zmq.Socket[bytes]] = {}
+        self.process: subprocess.Popen[bytes] | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self.encode = msgspec.msgpack.Encoder().encode
+
+    def open(self, pulls: Sequence[str] = ()) -> str:
+        """Bind the sockets; returns the ipc base path (`{base}/in`, `{base}/acks`, ...)."""
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvindex-store-")
+        base = f"ipc://{self._tmp.name}"
+        self.sockets["in"] = self._bind(zmq.PUSH, f"{base}/in")
+        for name in ("acks", *pulls):
+            self.sockets[name] = self._bind(zmq.PULL, f"{base}/{name}")
+        return base
+
+    def _bind(self, kind: int, endpoint: str) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 2000 if kind == zmq.PUSH else 0)
+        sock.bind(endpoint)
+        return sock
+
+    def spawn(self, argv: list[str], stdin: bytes | None = None) -> None:
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin else None)
+        if stdin is not None:
+            assert self.process.stdin is not None
+            self.process.stdin.write(stdin)
+            self.process.stdin.close()
+
+    def send(self, frames: list[bytes]) -> None:
+        sock = self.sockets.get("in")
+        if sock is None:
+            raise StoreError(f"{self.what} was not started")
+        sock.send_multipart(frames, copy=False)
+
+    def send_message(self, *fields: object) -> None:
+        self.send([self.encode(fields)])
+
+    def request(self, kind: str, timeout: float) -> None:
+        """Send `(kind, token)` and wait until the worker acknowledges that token."""
+        with self._lock:
+            self._tokens += 1
+            token = self._tokens
+            self.send_message(kind, token)
+            acks = self.sockets["acks"]
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self.alive():
+                if acks.poll(100) and int(acks.recv()) == token:
+                    return
+            raise StoreError(f"{self.what} did not answer {kind} in {timeout:g} s")
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def close(self, timeout: float) -> None:
+        """Ask the worker to stop (it finishes its work first), then free everything."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            self.send_message("stop", 0)
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for sock in self.sockets.values():
+            sock.close(linger=0)
+        self.sockets.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

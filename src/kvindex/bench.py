@@ -113,16 +113,14 @@ def _batch(*events: Any) -> EventBatch:
     return EventBatch(0.0, list(events))
 
 
-def ingest_sqlite(payloads: list[bytes], directory: Path) -> float:
-    """Decode + apply + hand to the SQLite writer, until the writer has committed it all."""
-    from kvindex.store.sqlite import SQLiteStore
+def _ingest_with(store: Any, payloads: list[bytes]) -> float:
+    """Decode + apply + hand to `store`, until the store says everything is persisted."""
     from kvindex.subscriber.messages import Delivery
 
-    path = directory / f"ingest-{time.monotonic_ns()}.sqlite"
-    store = SQLiteStore(path)
     decoder, index, source = BatchDecoder(), FleetIndex(), SourceKey("bench")
     store.load(index)
     store.start()
+    store.save_instance(InstanceSpec("bench", "tcp://127.0.0.1:9"))
     try:
         start = time.perf_counter()
         for seq, payload in enumerate(payloads):
@@ -133,6 +131,13 @@ def ingest_sqlite(payloads: list[bytes], directory: Path) -> float:
         return time.perf_counter() - start
     finally:
         store.close(timeout=600)
+
+
+def ingest_sqlite(payloads: list[bytes], directory: Path) -> float:
+    """Ingest with the SQLite store, until the writer has committed it all."""
+    from kvindex.store.sqlite import SQLiteStore
+
+    return _ingest_with(SQLiteStore(directory / f"ingest-{time.monotonic_ns()}.sqlite"), payloads)
 
 
 @contextmanager
@@ -163,29 +168,12 @@ def _redis_server(directory: Path) -> Iterator[str | None]:
 
 
 def ingest_redis(payloads: list[bytes], directory: Path) -> float | None:
-    """Decode + apply + hand to the Redis store, until everything is in Redis (None if no
-    redis-server is installed)."""
+    """Ingest with the Redis store, until everything is in Redis (None if no redis-server
+    is installed)."""
     from kvindex.store.redis import RedisStore
-    from kvindex.subscriber.messages import Delivery
 
     with _redis_server(directory) as url:
-        if url is None:
-            return None
-        store = RedisStore(url)
-        decoder, index, source = BatchDecoder(), FleetIndex(), SourceKey("bench")
-        store.load(index)
-        store.start()
-        store.save_instance(InstanceSpec("bench", "tcp://127.0.0.1:9"))
-        try:
-            start = time.perf_counter()
-            for seq, payload in enumerate(payloads):
-                item = Delivery(source, seq, decoder.decode(payload), payload=payload)
-                index.handle(item)
-                store.record(item)
-            store.sync(timeout=600)
-            return time.perf_counter() - start
-        finally:
-            store.close(timeout=600)
+        return None if url is None else _ingest_with(RedisStore(url), payloads)
 
 
 def warm_restart(blocks: int, directory: Path) -> dict[str, float]:

@@ -59,7 +59,7 @@ def test_token_guards_every_endpoint_but_healthz_and_metrics(pub: Publisher) -> 
             ("POST", "/v1/lookup"),
             ("POST", "/v1/instances"),
             ("DELETE", "/v1/instances/a"),
-            ("GET", "/"),
+            ("GET", "/v1/dashboard/stream"),
             ("GET", "/docs"),
             ("GET", "/openapi.json"),
             ("GET", "/nothing"),
@@ -264,3 +264,18 @@ def test_serve_rejects_bad_security_flags_in_one_line(args: list[str]) -> None:
     )
     assert proc.returncode == 2, (args, proc.stderr)
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_dashboard_page_is_open_and_its_data_takes_the_token_cookie(pub: Publisher) -> None:
+    # A browser can't put a bearer header on an EventSource: the page (no data in it) is
+    # open, and the API accepts the token from the page's SameSite=Strict cookie.
+    with client_for(pub, HttpGuard(token=TOKEN)) as client:
+        assert client.get("/").status_code == 200
+        assert client.get("/dashboard/dashboard.js").status_code == 200
+        client.cookies.set("kvindex_token", "wrong")
+        assert client.get("/v1/instances").status_code == 401
+        client.cookies.set("kvindex_token", TOKEN)
+        assert client.get("/v1/instances").status_code == 200
+        assert client.post("/v1/lookup", json={"token_ids": [1]}).status_code == 200
+        # an explicit header wins over the cookie
+        assert client.get("/v1/instances", headers=bearer("wrong")).status_code == 401

@@ -16,6 +16,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 __all__ = ["BearerAuth", "HttpGuard", "RequestDeadline", "error_response"]
 
@@ -25,7 +26,10 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/healthz", "/"})
+# The dashboard's page and assets hold no data: a browser must load them to ask for a token.
+OPEN_PREFIXES = ("/dashboard/",)
+TOKEN_COOKIE = b"kvindex_token"
 METRICS_PATH = "/metrics"
 
 
@@ -48,12 +52,26 @@ async def error_response(
 
 
 def _bearer(scope: Scope) -> bytes | None:
+    """The token of an `Authorization: Bearer` header, else of the dashboard's cookie (a
+    browser's EventSource can't send headers; the cookie is SameSite=Strict, so no other
+    site can make a browser use it)."""
+    cookie: bytes | None = None
     for name, value in scope.get("headers") or ():
         if name == b"authorization":
             scheme, _, credentials = bytes(value).partition(b" ")
             if scheme.lower() == b"bearer" and credentials.strip():
                 return credentials.strip()
             return None
+        if name == b"cookie":
+            cookie = _cookie_token(bytes(value)) or cookie
+    return cookie
+
+
+def _cookie_token(header: bytes) -> bytes | None:
+    for part in header.split(b";"):
+        key, _, value = part.strip().partition(b"=")
+        if key == TOKEN_COOKIE and value:
+            return unquote_to_bytes(value)
     return None
 
 
@@ -75,7 +93,7 @@ class BearerAuth:
 
     def _tokens_for(self, path: str) -> list[bytes]:
         """The tokens any one of which opens `path` (empty: open to all)."""
-        if path in OPEN_PATHS:
+        if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             return []
         if path == METRICS_PATH:
             if self.metrics_token is None:

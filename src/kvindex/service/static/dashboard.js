@@ -55,6 +55,18 @@
 
   // -- the stream ------------------------------------------------------------------------
 
+  // A service started with --token: open the page once as /?token=SECRET. The token goes
+  // into a same-site cookie (which the API accepts) and out of the address bar.
+  function adoptToken() {
+    const url = new URL(window.location.href);
+    const token = url.searchParams.get("token");
+    if (!token) return;
+    document.cookie = "kvindex_token=" + encodeURIComponent(token) + "; path=/; SameSite=Strict";
+    url.searchParams.delete("token");
+    window.history.replaceState(null, "", url.pathname + url.search + url.hash);
+  }
+  adoptToken();
+
   function connect() {
     const source = new EventSource("/v1/dashboard/stream");
     source.addEventListener("init", (e) => onInit(JSON.parse(e.data)));

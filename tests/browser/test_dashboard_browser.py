@@ -201,4 +201,8 @@ def check_lookup_matches_the_api(page: Page, url: str) -> None:
         "trs => trs.map(tr => [tr.dataset.instance, Number(tr.dataset.matched)])",
     )
     assert shown == [[r["name"], r["matched_blocks"]] for r in answer["instances"]]
-    assert page.get_attribute("#lookup-result tr.pick", "data-instance") == answer["best"]
+    picks = page.locator("#lookup-result tr.pick")
+    if answer["best"] is None:  # the prompt was evicted everywhere meanwhile: no pick shown
+        assert picks.count() == 0
+    else:
+        assert picks.get_attribute("data-instance") == answer["best"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from browserutil import CHROMIUM_ARGS
 from clitools import kvindex
 
 from kvindex.analysis import analyze, curve, stack_distances
@@ -315,15 +316,5 @@ def test_report_renders_in_headless_chromium(stream: tuple[Path, Truth], tmp_pat
             image.convert("RGB").quantize(256).save(ROOT / "docs" / "analysis.png", optimize=True)
 
 
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 # KVINDEX_UPDATE_DOCS=1: also refresh the README's screenshot, docs/analysis.png.
 UPDATE_DOCS = os.environ.get("KVINDEX_UPDATE_DOCS") == "1"

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from browserutil import CHROMIUM_ARGS
 from clitools import ROOT, Proc, kvindex
 from netutil import wait_until
 
@@ -31,17 +32,6 @@ SCREENSHOT = (
     if os.environ.get("KVINDEX_UPDATE_DOCS") == "1"
     else Path(tempfile.gettempdir()) / "kvindex-dashboard.png"
 )
-# As root in a sandbox without network: no sandbox, no GPU, none of chromium's own traffic.
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 LOAD_SECONDS = 22.0
 
 if not Path(CHROMIUM).exists():

@@ -41,7 +41,7 @@ from kvindex.store.redis_load import advance, load_source, read_registry, read_s
 from kvindex.store.rows import BlockRow
 from kvindex.store.sqlite_db import StoreError
 from kvindex.store.state import Mirror, fold, restore_rows, row_key
-from kvindex.store.worker import WorkerLink
+from kvindex.store.worker import WorkerLink, WorkerStore
 from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted, SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 from kvindex.subscriber.state import Checkpoint
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["RedisStore", "current_rows"]
 
 
-class RedisStore:
+class RedisStore(WorkerStore):
     """The service's side: load, hand applied items to the worker, feed the Fleet."""
 
     def __init__(self, url: str) -> None:
@@ -178,25 +178,7 @@ class RedisStore:
         finally:
             self._muted = False
 
-    # -- control -----------------------------------------------------------------------
-
-    def sync(self, timeout: float = 30.0) -> None:
-        """Wait until everything handed over so far is in Redis."""
-        self._request("sync", timeout)
-
-    def compact(self, timeout: float = 60.0) -> None:
-        """Compact now (if this replica may) and wait for it."""
-        self._request("compact", timeout)
-
-    def _request(self, kind: str, timeout: float) -> None:
-        self._link.request(kind, timeout)
-
-    def _alive(self) -> bool:
-        return self._link.alive()
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Flush, compact and stop the worker."""
-        self._link.close(timeout)
+    # -- control: sync, compact, close come from WorkerStore ----------------------------
 
     def stats(self) -> dict[str, Any]:
         worker = self.subscriber.worker_stats if self.subscriber is not None else {}

@@ -48,7 +48,7 @@ from kvindex.store.sqlite_db import (
     snapshot_log_id,
 )
 from kvindex.store.state import DirtyKey, Mirror, fold, resolve, restore_rows, row_key
-from kvindex.store.worker import WorkerLink
+from kvindex.store.worker import WorkerLink, WorkerStore
 from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted, SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 
@@ -62,7 +62,7 @@ class WriterOptions:
     compact_log_rows: int = 20_000
 
 
-class SQLiteStore:
+class SQLiteStore(WorkerStore):
     """The service's side of a SQLite store: load at start, then hand items to the writer.
 
     The writer is a child process (`python -m kvindex.store.sqlite`) fed over a ZMQ PUSH
@@ -117,25 +117,7 @@ class SQLiteStore:
     def save_instance(self, spec: InstanceSpec) -> None:
         self._send([self._encode(("i", spec.name, spec.render()))])
 
-    # -- control -----------------------------------------------------------------------
-
-    def sync(self, timeout: float = 30.0) -> None:
-        """Wait until everything handed over so far is committed."""
-        self._request("sync", timeout)
-
-    def compact(self, timeout: float = 60.0) -> None:
-        """Write a snapshot now and wait for it."""
-        self._request("compact", timeout)
-
-    def _request(self, kind: str, timeout: float) -> None:
-        self._link.request(kind, timeout)
-
-    def _alive(self) -> bool:
-        return self._link.alive()
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Commit, snapshot and stop the writer."""
-        self._link.close(timeout)
+    # -- control: sync, compact, close come from WorkerStore ----------------------------
 
     def stats(self) -> dict[str, Any]:
         return {"url": self.url, "writer_alive": self._alive()}

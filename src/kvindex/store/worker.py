@@ -19,7 +19,7 @@ import zmq
 
 from kvindex.store.sqlite_db import StoreError
 
-__all__ = ["WorkerLink"]
+__all__ = ["WorkerLink", "WorkerStore"]
 
 
 class WorkerLink:
@@ -99,3 +99,25 @@ class WorkerLink:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+class WorkerStore:
+    """What a store whose work happens in a worker process offers for control: the rest
+    (load, start, record) is the store's own."""
+
+    _link: WorkerLink
+
+    def sync(self, timeout: float = 30.0) -> None:
+        """Wait until everything handed over so far is persisted by the worker."""
+        self._link.request("sync", timeout)
+
+    def compact(self, timeout: float = 60.0) -> None:
+        """Have the worker write a snapshot now (if it may), and wait for it."""
+        self._link.request("compact", timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Let the worker finish (commit, snapshot) and stop."""
+        self._link.close(timeout)
+
+    def _alive(self) -> bool:
+        return self._link.alive()

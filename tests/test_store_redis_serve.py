@@ -18,7 +18,13 @@ from typing import Any
 
 import pytest
 from netutil import wait_until
-from test_store_crash import Serve, Workload, assert_same, caught_up
+from test_store_crash import (
+    Serve,
+    Workload,
+    assert_same,
+    caught_up,
+    kill_mid_ingest_then_converge,
+)
 
 from kvindex.index import FleetIndex
 from kvindex.store.redis import RedisStore
@@ -58,31 +64,7 @@ def alike(a: Serve, b: Serve, work: Workload) -> bool:
 
 
 def test_killed_mid_ingest_converges_to_the_reference(tmp_path: Path, redis_server: Any) -> None:
-    work = Workload(["a", "b"])
-    try:
-        serve = Serve(redis_server.url, work.specs(), tmp_path)
-        feeder = threading.Thread(target=work.run, args=(1500,))
-        feeder.start()
-        assert wait_until(lambda: (serve.instances()["a"]["last_seq"] or 0) > 300, 30)
-        serve.stop(signal.SIGKILL)  # in the middle of ingest
-        time.sleep(0.3)
-        serve = Serve(redis_server.url, work.specs(), tmp_path)
-        assert "warm start" in serve.start_line
-        feeder.join()
-        assert wait_until(lambda: caught_up(serve, work), 60), serve.instances()
-        assert_same(serve, work)
-        rows = serve.instances()
-        assert all(r["lost_batches"] == 0 and r["status"] == "live" for r in rows.values())
-        serve.stop(signal.SIGTERM)
-        # Once more from a clean stop: everything comes back without any publisher help.
-        for pub in work.pubs.values():
-            pub.drop = lambda _seq: True
-            pub.replay_paused = True
-        serve = Serve(redis_server.url, work.specs(), tmp_path)
-        assert_same(serve, work)
-        serve.stop(signal.SIGTERM)
-    finally:
-        work.close()
+    kill_mid_ingest_then_converge(redis_server.url, tmp_path, signal.SIGKILL)
 
 
 def test_two_replicas_answer_alike_while_one_ingests(tmp_path: Path, redis_server: Any) -> None:

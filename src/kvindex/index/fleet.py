@@ -18,15 +18,18 @@ in their pool; they just can't be found by tokens.
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+
+import msgspec
 
 from kvindex.index.stats import CacheStats, RateWindow
 from kvindex.subscriber.messages import Delivery, Item, Restarted, SourceKey
 from kvindex.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 
-__all__ = ["FleetIndex", "LookupRow"]
+__all__ = ["FleetIndex", "LookupRow", "block_keys", "key_tokens"]
 
 DEFAULT_MEDIUM = "GPU"
 
@@ -34,39 +37,92 @@ PoolKey = tuple[int, str]  # (group_idx, medium)
 Namespace = tuple[str | None, int]  # (lora_name, block_size)
 
 
-class _Node:
-    """One block of tokens under its parent. Children are keyed by the block's token bytes."""
+class _Node(msgspec.Struct, gc=False):
+    """One block of tokens under its parent.
 
-    __slots__ = ("children", "key", "mask", "parent")
+    `children` is None for a leaf, the child itself when there is one (most nodes: a chain
+    costs no dict per block), else a dict of two or more keyed by the children's keys.
 
-    def __init__(self, parent: _Node | None, key: bytes) -> None:
-        self.parent = parent
-        self.key = key
-        self.children: dict[bytes, _Node] = {}
-        self.mask = 0
+    Not tracked by the cyclic garbage collector: millions of nodes would make every full
+    collection walk the whole tree. The parent <-> children cycle is broken by hand when a
+    node is pruned, and for the whole tree when the index goes away (`FleetIndex.__del__`).
+    """
+
+    parent: _Node | None
+    key: bytes
+    mask: int = 0
+    children: dict[bytes, _Node] | _Node | None = None
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
-    """Token ids as fixed-width bytes, so a block's key is a slice (cheap to hash)."""
+# A pool's value for a block that has no place in the tree (hash-only, unanchored).
+_LOOSE = _Node(None, b"")
+
+Pool = dict[BlockHash, _Node]
+
+
+def block_keys(tokens: Sequence[int], size: int, blocks: int) -> list[bytes]:
+    """The tree keys of the first `blocks` blocks of `size` tokens (fewer if a block's
+    tokens can't be keyed: a token id past 64 bits ends the list there).
+
+    A block whose token ids all fit in 32 bits (every real vocabulary) is keyed by them as
+    native uint32 bytes, so a whole prompt converts in one C call and keys stay small;
+    any other block by a marker byte and int64s, a length no uint32 key can have.
+    """
     try:
-        return array("q", tokens).tobytes()
+        data = array("I", tokens)
     except OverflowError:
-        raise ValueError("token ids must fit in 64 bits") from None
+        return _keys_slowly(tokens, size, blocks)
+    return _split(memoryview(data).cast("B"), size * 4, blocks)
+
+
+def _split(data: memoryview, width: int, blocks: int) -> list[bytes]:
+    """The first `blocks` runs of `width` bytes of `data` (fewer if it is shorter)."""
+    splitter = _SPLITTERS.get(width)
+    if splitter is None:
+        splitter = _SPLITTERS[width] = struct.Struct(f"{width}s")
+    blocks = min(blocks, len(data) // width)
+    # iter_unpack cuts in C: about twice as fast as slicing in a comprehension.
+    return [key for (key,) in splitter.iter_unpack(data[: blocks * width])]
+
+
+_SPLITTERS: dict[int, struct.Struct] = {}
+
+
+def _keys_slowly(tokens: Sequence[int], size: int, blocks: int) -> list[bytes]:
+    keys = []
+    for i in range(blocks):
+        block = tokens[i * size : (i + 1) * size]
+        try:
+            keys.append(array("I", block).tobytes())
+        except OverflowError:
+            try:
+                keys.append(b"\x00" + array("q", block).tobytes())
+            except OverflowError:
+                break  # no lookup can ask for a token id past 64 bits
+    return keys
+
+
+def key_tokens(key: bytes) -> list[int]:
+    """The token ids a tree key stands for (the inverse of `block_keys`)."""
+    if len(key) % 4 == 1:
+        return array("q", key[1:]).tolist()
+    return array("I", key).tolist()
 
 
 @dataclass(slots=True)
 class _Source:
     key: SourceKey
     bit: int
-    pools: dict[PoolKey, dict[BlockHash, int]] = field(default_factory=dict)
-    nodes: dict[BlockHash, _Node] = field(default_factory=dict)
+    # (group, medium) -> hash -> the block's tree node (or _LOOSE): one entry per block held.
+    pools: dict[PoolKey, Pool] = field(default_factory=dict)
+    # Copies beyond the first, for the few blocks vLLM holds more than once.
+    extra: dict[tuple[PoolKey, BlockHash], int] = field(default_factory=dict)
     stats: CacheStats = field(default_factory=CacheStats)
     last_seq: int | None = None
     last_ts: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class LookupRow:
+class LookupRow(msgspec.Struct, frozen=True, gc=False):
     """The longest cached prefix of a prompt on one instance (its best DP rank)."""
 
     instance: str
@@ -86,25 +142,55 @@ class FleetIndex:
         self._free_bits: list[int] = []
         self._roots: dict[Namespace, _Node] = {}
         self._all_mask = 0
+        self._layout: list[tuple[str, list[tuple[int, int]]]] | None = None
         self.rates = RateWindow(rate_window)
+
+    def __del__(self) -> None:
+        # The tree's nodes are invisible to the cyclic GC: unlink them so they are freed.
+        stack = list(getattr(self, "_roots", {}).values())
+        while stack:
+            node = stack.pop()
+            stack.extend(_kids(node))
+            node.parent = node.children = None
 
     # -- feeding -----------------------------------------------------------------------
 
     def apply(self, source: SourceKey, batch: EventBatch, seq: int | None = None) -> None:
         """Apply one delivered batch of `source`."""
-        src = self._source(source)
+        src = self._sources.get(source) or self._source(source)
         stats = src.stats
         stored = removed = clears = 0
+        # The common case runs inline: one pool, no extra copies, consecutive removals from
+        # the same pool. vLLM sends one event per evicted block, so per-event overhead is
+        # most of the cost; `fast` is the pool while that case holds, else None.
+        fast: Pool | None = None
+        medium: str | None = None
+        group: int | None = None
+        keep = ~(1 << src.bit)
         for event in batch.events:
-            if isinstance(event, BlockStored):
+            if isinstance(event, BlockRemoved):
+                hashes = event.block_hashes
+                removed += len(hashes)
+                if fast is None or event.medium != medium or event.group_idx != group:
+                    fast = self._fast_pool(src, event)
+                    if fast is None:
+                        self._remove(src, _pool_key(event), hashes)
+                        continue
+                    medium, group = event.medium, event.group_idx
+                for h in hashes:
+                    node = fast.pop(h, _LOOSE)
+                    if node is not _LOOSE:
+                        mask = node.mask = node.mask & keep
+                        if not mask and not node.children:
+                            _prune(node)
+            elif isinstance(event, BlockStored):
                 self._store(src, event)
                 stored += len(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                self._remove(src, event)
-                removed += len(event.block_hashes)
+                fast = None
             elif isinstance(event, AllBlocksCleared):
                 self._clear(src)
                 clears += 1
+                fast = None
         stats.stored += stored
         stats.removed += removed
         stats.clears += clears
@@ -112,6 +198,12 @@ class FleetIndex:
         src.last_seq = seq
         src.last_ts = batch.ts
         self.rates.add(stored, removed, clears)
+
+    def _fast_pool(self, src: _Source, event: BlockRemoved) -> Pool | None:
+        """The pool a removal may be applied to inline (see `apply`), or None."""
+        if src.extra or len(src.pools) != 1:
+            return None
+        return src.pools.get(_pool_key(event))
 
     def handle(self, item: Item) -> None:
         """Feed one item of a `Subscriber`: apply deliveries, drop state on restarts."""
@@ -134,110 +226,135 @@ class FleetIndex:
             del self._by_bit[src.bit]
             self._all_mask &= ~(1 << src.bit)
             self._free_bits.append(src.bit)
+        self._layout = None
 
     def _source(self, key: SourceKey) -> _Source:
-        src = self._sources.get(key)
-        if src is None:
-            bit = self._free_bits.pop() if self._free_bits else len(self._by_bit)
-            src = self._sources[key] = self._by_bit[bit] = _Source(key, bit)
-            self._all_mask |= 1 << bit
+        bit = self._free_bits.pop() if self._free_bits else len(self._by_bit)
+        src = self._sources[key] = self._by_bit[bit] = _Source(key, bit)
+        self._all_mask |= 1 << bit
+        self._layout = None
         return src
 
     def _store(self, src: _Source, event: BlockStored) -> None:
-        pool_key = (event.group_idx or 0, event.medium or DEFAULT_MEDIUM)
+        pool_key = _pool_key(event)
         pool = src.pools.get(pool_key)
         if pool is None:
             pool = src.pools[pool_key] = {}
         hashes = event.block_hashes
-        for h in hashes:
-            pool[h] = pool.get(h, 0) + 1
-        self._insert_chain(src, event)
+        parent = self._anchor(src, event, pool)
+        placed = 0
+        if parent is not None:
+            keys = block_keys(event.token_ids, event.block_size, len(hashes))
+            placed = len(keys)
+            self._insert_chain(src, pool_key, pool, parent, hashes, keys)
+        for h in hashes[placed:]:
+            if h in pool:
+                self._again(src, pool_key, pool, h, pool[h], pool[h])
+            else:
+                pool[h] = _LOOSE
 
-    def _insert_chain(self, src: _Source, event: BlockStored) -> None:
+    def _insert_chain(
+        self,
+        src: _Source,
+        pool_key: PoolKey,
+        pool: Pool,
+        node: _Node,
+        hashes: list[BlockHash],
+        keys: list[bytes],
+    ) -> None:
+        bit = 1 << src.bit
+        for h, key in zip(hashes, keys, strict=False):  # keys may end early
+            children = node.children
+            if children is None:
+                child = node.children = _Node(node, key, bit)
+            elif isinstance(children, _Node):
+                if children.key == key:
+                    child = children
+                    child.mask |= bit
+                else:
+                    child = _Node(node, key, bit)
+                    node.children = {children.key: children, key: child}
+            else:
+                found = children.get(key)
+                if found is None:
+                    child = children[key] = _Node(node, key, bit)
+                else:
+                    child = found
+                    child.mask |= bit
+            old = pool.get(h)
+            if old is None:
+                pool[h] = child
+            else:
+                self._again(src, pool_key, pool, h, old, child)
+            node = child
+
+    def _again(
+        self, src: _Source, pool_key: PoolKey, pool: Pool, h: BlockHash, old: _Node, new: _Node
+    ) -> None:
+        """A hash stored while already held in the pool: one more physical copy."""
+        extra_key = (pool_key, h)
+        src.extra[extra_key] = src.extra.get(extra_key, 0) + 1
+        if old is new or new is _LOOSE:
+            return
+        pool[h] = new
+        if old is not _LOOSE and not _kept_elsewhere(src, pool, h, old):
+            # The same hash announced for other tokens (never from a sane publisher): the
+            # hash now means these tokens; the old node must not stay matched.
+            old.mask &= ~(1 << src.bit)
+            if not old.mask and not old.children:
+                _prune(old)
+
+    def _anchor(self, src: _Source, event: BlockStored, pool: Pool) -> _Node | None:
+        """The node the event's first block hangs from, or None if it can't be placed."""
         size = event.block_size
-        hashes = event.block_hashes
-        tokens = event.token_ids
-        if size <= 0 or len(tokens) < size * len(hashes):
-            return  # hash-only (offloading) or partial (a sliding-window group): no tokens
+        if size <= 0 or len(event.token_ids) < size * len(event.block_hashes):
+            return None  # hash-only (offloading) or partial (a sliding-window group)
         if event.extra_keys and not only_lora(event.extra_keys, event.lora_name):
-            return  # keyed by multimodal inputs or a cache salt: not findable by tokens alone
+            return None  # keyed by multimodal inputs or a cache salt: not findable by tokens
         parent_hash = event.parent_block_hash
         if parent_hash is None:
             namespace = (event.lora_name, size)
-            node = self._roots.get(namespace)
-            if node is None:
-                node = self._roots[namespace] = _Node(None, b"")
-        else:
-            found = src.nodes.get(parent_hash)
-            if found is None:
-                return  # the parent is unknown to us: the chain can't be placed
-            node = found
-        try:
-            data = _token_bytes(tokens)
-        except ValueError:
-            return  # a token id past 64 bits (no lookup can ask for it): blocks only
-        width = size * 8
-        bit = 1 << src.bit
-        nodes = src.nodes
-        for i, h in enumerate(hashes):
-            key = data[i * width : (i + 1) * width]
-            child = node.children.get(key)
-            if child is None:
-                child = node.children[key] = _Node(node, key)
-            old = nodes.get(h)
-            if old is not None and old is not child:
-                # The same hash announced for other tokens (never from a sane publisher):
-                # the hash now means these tokens; the old node must not stay matched.
-                old.mask &= ~bit
-                if old is not node:
-                    self._prune(old)
-            child.mask |= bit
-            nodes[h] = child
-            node = child
+            root = self._roots.get(namespace)
+            if root is None:
+                root = self._roots[namespace] = _Node(None, b"")
+            return root
+        node = pool.get(parent_hash)
+        if node is None or node is _LOOSE:
+            node = _placed_elsewhere(src, parent_hash)
+        return node  # None: the parent is unknown to us, the chain can't be placed
 
-    def _remove(self, src: _Source, event: BlockRemoved) -> None:
-        pool_key = (event.group_idx or 0, event.medium or DEFAULT_MEDIUM)
+    def _remove(self, src: _Source, pool_key: PoolKey, hashes: list[BlockHash]) -> None:
         pool = src.pools.get(pool_key)
         if pool is None:
             return
-        for h in event.block_hashes:
-            count = pool.get(h)
-            if count is None:
+        extra = src.extra
+        several = len(src.pools) > 1
+        keep = ~(1 << src.bit)
+        for h in hashes:
+            node = pool.pop(h, None)
+            if node is None:
                 continue  # not known to be held (e.g. stored before a loss): nothing to drop
-            if count > 1:
-                pool[h] = count - 1
+            if extra and (pool_key, h) in extra:
+                _drop_copy(extra, (pool_key, h))
+                pool[h] = node
                 continue
-            del pool[h]
-            if not self._held_elsewhere(src, h):
-                self._untree(src, h)
-
-    def _held_elsewhere(self, src: _Source, h: BlockHash) -> bool:
-        return len(src.pools) > 1 and any(h in pool for pool in src.pools.values())
-
-    def _untree(self, src: _Source, h: BlockHash) -> None:
-        node = src.nodes.pop(h, None)
-        if node is None:
-            return
-        node.mask &= ~(1 << src.bit)
-        self._prune(node)
-
-    def _prune(self, node: _Node) -> None:
-        # Free nodes nobody holds and nothing hangs from, so memory follows what is cached.
-        while node.mask == 0 and not node.children and node.parent is not None:
-            parent = node.parent
-            if parent.children.get(node.key) is node:
-                del parent.children[node.key]
-            node.parent = None
-            node = parent
+            if node is _LOOSE or (several and _kept_elsewhere(src, pool, h, node)):
+                continue
+            mask = node.mask & keep
+            node.mask = mask
+            if not mask and not node.children:
+                _prune(node)
 
     def _clear(self, src: _Source) -> None:
-        bit = ~(1 << src.bit)
-        for node in src.nodes.values():
-            node.mask &= bit
-        for node in list(src.nodes.values()):
-            self._prune(node)
-        src.nodes.clear()
+        keep = ~(1 << src.bit)
+        nodes = [n for pool in src.pools.values() for n in pool.values() if n is not _LOOSE]
+        for node in nodes:
+            node.mask &= keep
+        for node in nodes:
+            if not node.mask and not node.children:
+                _prune(node)
         src.pools.clear()
+        src.extra.clear()
 
     # -- questions ---------------------------------------------------------------------
 
@@ -262,13 +379,22 @@ class FleetIndex:
     def copies(self, source: SourceKey) -> dict[PoolKey, dict[BlockHash, int]]:
         """The pools of one publisher: (group, medium) -> hash -> copies (a snapshot)."""
         src = self._sources.get(source)
-        return {} if src is None else {k: dict(v) for k, v in src.pools.items()}
+        if src is None:
+            return {}
+        extra = src.extra
+        return {
+            pk: {h: 1 + extra.get((pk, h), 0) for h in pool} if extra else dict.fromkeys(pool, 1)
+            for pk, pool in src.pools.items()
+        }
 
     def count(self, source: SourceKey, group: int, medium: str, block_hash: BlockHash) -> int:
         """Copies of one hash in one pool of one publisher (0 if not held)."""
         src = self._sources.get(source)
         pool = None if src is None else src.pools.get((group, medium))
-        return 0 if pool is None else pool.get(block_hash, 0)
+        if pool is None or block_hash not in pool:
+            return 0
+        assert src is not None
+        return 1 + src.extra.get(((group, medium), block_hash), 0)
 
     def blocks_by_medium(self, instance: str) -> dict[str, int]:
         """Distinct hashes held per medium (union over ranks and groups)."""
@@ -300,9 +426,9 @@ class FleetIndex:
         count = 0
         stack = list(self._roots.values())
         while stack:
-            node = stack.pop()
-            count += len(node.children)
-            stack.extend(node.children.values())
+            kids = _kids(stack.pop())
+            count += len(kids)
+            stack.extend(kids)
         return count
 
     # Read-only views of the prefix tree, for analyses such as `kvindex.index.sharing`.
@@ -310,14 +436,14 @@ class FleetIndex:
     def walk_tree(self) -> Iterator[tuple[Namespace, int, bytes, int]]:
         """Every node of the prefix tree, depth first with parents before children: its
         namespace (LoRA name, block size), depth (1 = a prompt's first block), the block's
-        tokens (native int64 bytes) and the bit mask of the publishers holding it (bits as in
-        `source_bits`). Don't change the index while walking."""
+        tree key (`key_tokens` gives its token ids) and the bit mask of the publishers
+        holding it (bits as in `source_bits`). Don't change the index while walking."""
         for namespace, root in self._roots.items():
-            stack = [(child, 1) for child in root.children.values()]
+            stack = [(child, 1) for child in _kids(root)]
             while stack:
                 node, depth = stack.pop()
                 yield namespace, depth, node.key, node.mask
-                stack.extend((child, depth + 1) for child in node.children.values())
+                stack.extend((child, depth + 1) for child in _kids(node))
 
     def source_bits(self) -> dict[int, SourceKey]:
         """Bit number (as in the tree's masks) -> the publisher it stands for."""
@@ -330,32 +456,44 @@ class FleetIndex:
         """Per instance, the longest run of cached blocks from the prompt's first token."""
         depth_by_bit: dict[int, int] = {}
         size_by_bit: dict[int, int] = {}
-        data = _token_bytes(token_ids) if token_ids else b""
+        keys_by_size: dict[int, list[bytes]] = {}
         for (lora, size), root in self._roots.items():
-            if lora != lora_name:
+            if lora != lora_name or not root.children:
                 continue
-            for bit, depth in self._walk(root, data, size).items():
+            keys = keys_by_size.get(size)
+            if keys is None:
+                keys = keys_by_size[size] = block_keys(token_ids, size, len(token_ids) // size)
+            for bit, depth in self._walk(root, keys).items():
                 if depth >= depth_by_bit.get(bit, -1):
                     depth_by_bit[bit] = depth
                     size_by_bit[bit] = size
         return self._rows(depth_by_bit, size_by_bit)
 
-    def _walk(self, root: _Node, data: bytes, size: int) -> dict[int, int]:
-        width = size * 8
-        blocks = len(data) // width
+    def _walk(self, root: _Node, keys: list[bytes]) -> dict[int, int]:
+        """Per publisher bit, how many of these blocks from the root it holds in a row."""
         alive = self._all_mask
         depths: dict[int, int] = {}
-        node = root
         depth = 0
-        children = node.children
-        while depth < blocks and alive:
-            child = children.get(data[depth * width : (depth + 1) * width])
-            if child is None:
+        children = root.children
+        for key in keys:
+            if children is None:
                 break
-            dropped = alive & ~child.mask
+            if isinstance(children, _Node):
+                child = children
+                if child.key != key:
+                    break
+            else:
+                found = children.get(key)
+                if found is None:
+                    break
+                child = found
+            mask = child.mask
+            dropped = alive & ~mask
             if dropped:
                 _record(depths, dropped, depth)
-                alive &= child.mask
+                alive &= mask
+                if not alive:
+                    break
             depth += 1
             children = child.children
         if alive:
@@ -366,35 +504,39 @@ class FleetIndex:
         """Per instance, how many of these hashes, from the first, it holds now."""
         depth_by_bit: dict[int, int] = {}
         for src in self._sources.values():
+            pools = list(src.pools.values())
             depth = 0
             for h in block_hashes:
-                if not any(h in pool for pool in src.pools.values()):
+                if not any(h in pool for pool in pools):
                     break
                 depth += 1
             depth_by_bit[src.bit] = depth
         return self._rows(depth_by_bit, {})
 
     def _rows(self, depth_by_bit: dict[int, int], size_by_bit: dict[int, int]) -> list[LookupRow]:
-        per_instance: dict[str, dict[int, tuple[int, int]]] = {}
-        for src in self._sources.values():
-            depth = depth_by_bit.get(src.bit, 0)
-            size = size_by_bit.get(src.bit, 0)
-            per_instance.setdefault(src.key.instance, {})[src.key.rank] = (depth, size)
         rows = []
-        for name, ranks in sorted(per_instance.items()):
-            best_rank = max(ranks, key=lambda r: (ranks[r][0], -r))
-            depth, size = ranks[best_rank]
-            rows.append(
-                LookupRow(
-                    instance=name,
-                    matched_blocks=depth,
-                    matched_tokens=depth * size,
-                    block_size=size,
-                    best_rank=best_rank,
-                    ranks={r: d for r, (d, _) in sorted(ranks.items())},
-                )
-            )
+        for name, ranks in self._layout or self._lay_out():
+            if len(ranks) == 1:
+                rank, bit = ranks[0]
+                depth = depth_by_bit.get(bit, 0)
+                size = size_by_bit.get(bit, 0)
+                rows.append(LookupRow(name, depth, depth * size, size, rank, {rank: depth}))
+                continue
+            per_rank = {rank: depth_by_bit.get(bit, 0) for rank, bit in ranks}
+            best_rank, best_bit = max(ranks, key=lambda rb: (per_rank[rb[0]], -rb[0]))
+            depth = per_rank[best_rank]
+            size = size_by_bit.get(best_bit, 0)
+            rows.append(LookupRow(name, depth, depth * size, size, best_rank, per_rank))
         return rows
+
+    def _lay_out(self) -> list[tuple[str, list[tuple[int, int]]]]:
+        """Instances by name, each with its (DP rank, bit) pairs by rank: what a lookup
+        answer is shaped like, kept until the set of publishers changes."""
+        by_name: dict[str, list[tuple[int, int]]] = {}
+        for key, src in self._sources.items():
+            by_name.setdefault(key.instance, []).append((key.rank, src.bit))
+        self._layout = [(name, sorted(ranks)) for name, ranks in sorted(by_name.items())]
+        return self._layout
 
 
 def _record(depths: dict[int, int], mask: int, depth: int) -> None:
@@ -402,6 +544,70 @@ def _record(depths: dict[int, int], mask: int, depth: int) -> None:
         low = mask & -mask
         depths[low.bit_length() - 1] = depth
         mask ^= low
+
+
+def _prune(node: _Node) -> None:
+    """Free a node nobody holds and nothing hangs from, then its parents likewise, so
+    memory follows what is cached. Roots stay."""
+    while True:
+        parent = node.parent
+        if parent is None:
+            return  # a root, or already unlinked
+        siblings = parent.children
+        if siblings is node:
+            parent.children = None
+        elif isinstance(siblings, dict) and siblings.get(node.key) is node:
+            del siblings[node.key]
+            if len(siblings) == 1:
+                parent.children = next(iter(siblings.values()))
+        node.parent = None
+        if parent.mask or parent.children:
+            return
+        node = parent
+
+
+def _pool_key(event: BlockStored | BlockRemoved) -> PoolKey:
+    return (event.group_idx or 0, event.medium or DEFAULT_MEDIUM)
+
+
+def _kids(node: _Node) -> list[_Node]:
+    children = node.children
+    if children is None:
+        return []
+    if isinstance(children, _Node):
+        return [children]
+    return list(children.values())
+
+
+def _kept_elsewhere(src: _Source, pool: Pool, h: BlockHash, node: _Node) -> bool:
+    """Whether another of the publisher's pools still places `h` at `node` (then the
+    node keeps the publisher's bit). A pool holding `h` without a place takes it over."""
+    for other in src.pools.values():
+        if other is pool:
+            continue
+        held = other.get(h)
+        if held is _LOOSE:
+            other[h] = node
+            return True
+        if held is node:
+            return True
+    return False
+
+
+def _placed_elsewhere(src: _Source, h: BlockHash) -> _Node | None:
+    for pool in src.pools.values():
+        node = pool.get(h)
+        if node is not None and node is not _LOOSE:
+            return node
+    return None
+
+
+def _drop_copy(extra: dict[tuple[PoolKey, BlockHash], int], key: tuple[PoolKey, BlockHash]) -> None:
+    left = extra[key] - 1
+    if left:
+        extra[key] = left
+    else:
+        del extra[key]
 
 
 def only_lora(extra_keys: list[object], lora_name: str | None) -> bool:

@@ -15,11 +15,10 @@ The walk is bounded (`max_nodes`); a partial answer says so (`complete` is False
 from __future__ import annotations
 
 import heapq
-from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvindex.index.fleet import FleetIndex, Namespace
+from kvindex.index.fleet import FleetIndex, Namespace, key_tokens
 
 __all__ = ["SharedPrefix", "Sharing", "sharing"]
 
@@ -100,12 +99,12 @@ class _Walk:
         score = frame.depth * len(frame.holders)
         if len(self.best) >= self.top and score <= self.best[0][0]:
             return
-        tokens = array("q")
+        tokens: list[int] = []
         for f in self.stack:
-            tokens.frombytes(f.key)
+            tokens.extend(key_tokens(f.key))
         lora, size = frame.namespace
         holders = tuple(sorted(frame.holders))
-        prefix = SharedPrefix(lora, size, frame.depth, holders, tokens.tolist())
+        prefix = SharedPrefix(lora, size, frame.depth, holders, tokens)
         self.serial += 1
         entry = (score, -self.serial, prefix)
         if len(self.best) < self.top:

@@ -52,6 +52,11 @@ class _Node(msgspec.Struct, gc=False):
     key: bytes
     mask: int = 0
     children: dict[bytes, _Node] | _Node | None = None
+    # The hash of the block's first placement. A fleet whose engines share a hash seed
+    # (PYTHONHASHSEED, as KV-aware routing needs) announces the same hash for the same
+    # block, so every publisher's pool can key it by this one object (saves ~48 bytes per
+    # extra holder).
+    hash: BlockHash | None = None
 
 
 # A pool's value for a block that has no place in the tree (hash-only, unanchored).
@@ -266,24 +271,25 @@ class FleetIndex:
         for h, key in zip(hashes, keys, strict=False):  # keys may end early
             children = node.children
             if children is None:
-                child = node.children = _Node(node, key, bit)
+                child = node.children = _Node(node, key, bit, None, h)
             elif isinstance(children, _Node):
                 if children.key == key:
                     child = children
                     child.mask |= bit
                 else:
-                    child = _Node(node, key, bit)
+                    child = _Node(node, key, bit, None, h)
                     node.children = {children.key: children, key: child}
             else:
                 found = children.get(key)
                 if found is None:
-                    child = children[key] = _Node(node, key, bit)
+                    child = children[key] = _Node(node, key, bit, None, h)
                 else:
                     child = found
                     child.mask |= bit
             old = pool.get(h)
             if old is None:
-                pool[h] = child
+                shared = child.hash
+                pool[shared if shared == h else h] = child
             else:
                 self._again(src, pool_key, pool, h, old, child)
             node = child

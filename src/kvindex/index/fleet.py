@@ -148,6 +148,7 @@ class FleetIndex:
         self._roots: dict[Namespace, _Node] = {}
         self._all_mask = 0
         self._layout: list[tuple[str, list[tuple[int, int]]]] | None = None
+        self._empty_rows: dict[int, list[LookupRow]] = {}
         self.rates = RateWindow(rate_window)
 
     def __del__(self) -> None:
@@ -463,9 +464,11 @@ class FleetIndex:
         depth_by_bit: dict[int, int] = {}
         size_by_bit: dict[int, int] = {}
         keys_by_size: dict[int, list[bytes]] = {}
+        default_size = 0  # what an instance matching nothing reports as its block size
         for (lora, size), root in self._roots.items():
             if lora != lora_name or not root.children:
                 continue
+            default_size = size
             keys = keys_by_size.get(size)
             if keys is None:
                 keys = keys_by_size[size] = block_keys(token_ids, size, len(token_ids) // size)
@@ -473,7 +476,7 @@ class FleetIndex:
                 if depth >= depth_by_bit.get(bit, -1):
                     depth_by_bit[bit] = depth
                     size_by_bit[bit] = size
-        return self._rows(depth_by_bit, size_by_bit)
+        return self._rows(depth_by_bit, size_by_bit, default_size)
 
     def _walk(self, root: _Node, keys: list[bytes]) -> dict[int, int]:
         """Per publisher bit, how many of these blocks from the root it holds in a row."""
@@ -496,13 +499,14 @@ class FleetIndex:
             mask = child.mask
             dropped = alive & ~mask
             if dropped:
-                _record(depths, dropped, depth)
+                if depth:  # publishers matching nothing are left out: most of a big fleet
+                    _record(depths, dropped, depth)
                 alive &= mask
                 if not alive:
                     break
             depth += 1
             children = child.children
-        if alive:
+        if alive and depth:
             _record(depths, alive, depth)
         return depths
 
@@ -519,19 +523,28 @@ class FleetIndex:
             depth_by_bit[src.bit] = depth
         return self._rows(depth_by_bit, {})
 
-    def _rows(self, depth_by_bit: dict[int, int], size_by_bit: dict[int, int]) -> list[LookupRow]:
+    def _rows(
+        self, depth_by_bit: dict[int, int], size_by_bit: dict[int, int], default_size: int = 0
+    ) -> list[LookupRow]:
+        """One row per instance, by name; a publisher missing from `depth_by_bit` matched
+        nothing (its row is shared between answers: rows are immutable)."""
+        layout = self._layout or self._lay_out()
+        empty = self._empty_rows.get(default_size) or self._make_empty_rows(default_size)
         rows = []
-        for name, ranks in self._layout or self._lay_out():
+        for (name, ranks), nothing in zip(layout, empty, strict=True):
             if len(ranks) == 1:
                 rank, bit = ranks[0]
-                depth = depth_by_bit.get(bit, 0)
-                size = size_by_bit.get(bit, 0)
+                depth = depth_by_bit.get(bit)
+                if not depth:
+                    rows.append(nothing)
+                    continue
+                size = size_by_bit.get(bit, default_size)
                 rows.append(LookupRow(name, depth, depth * size, size, rank, {rank: depth}))
                 continue
             per_rank = {rank: depth_by_bit.get(bit, 0) for rank, bit in ranks}
             best_rank, best_bit = max(ranks, key=lambda rb: (per_rank[rb[0]], -rb[0]))
             depth = per_rank[best_rank]
-            size = size_by_bit.get(best_bit, 0)
+            size = size_by_bit.get(best_bit, default_size)
             rows.append(LookupRow(name, depth, depth * size, size, best_rank, per_rank))
         return rows
 
@@ -542,7 +555,17 @@ class FleetIndex:
         for key, src in self._sources.items():
             by_name.setdefault(key.instance, []).append((key.rank, src.bit))
         self._layout = [(name, sorted(ranks)) for name, ranks in sorted(by_name.items())]
+        self._empty_rows = {}
         return self._layout
+
+    def _make_empty_rows(self, size: int) -> list[LookupRow]:
+        layout = self._layout or self._lay_out()
+        rows = [
+            LookupRow(name, 0, 0, size, ranks[0][0], {rank: 0 for rank, _ in ranks})
+            for name, ranks in layout
+        ]
+        self._empty_rows[size] = rows
+        return rows
 
 
 def _record(depths: dict[int, int], mask: int, depth: int) -> None:

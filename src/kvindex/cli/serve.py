@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -323,6 +324,9 @@ async def _serve(server: uvicorn.Server, sock: socket.socket, summary: str) -> N
     if server.started:
         url = _url(sock, server.config.is_ssl)
         print(f"kvindex serve: listening on {url} ({summary})", flush=True)
+        # What exists now (the app, the warm-loaded state) lives as long as the process:
+        # keep it out of every later full collection, which would only walk it again.
+        gc.freeze()
     await task
 
 

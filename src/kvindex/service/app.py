@@ -368,6 +368,30 @@ def _spec_from(body: AddInstanceRequest) -> InstanceSpec:
 # -- the app ---------------------------------------------------------------------------
 
 
+class LookupPriority:
+    """Counts lookups in flight in `Fleet.urgent`, so ingest slices shrink while a router
+    waits for an answer."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], fleet: Fleet) -> None:
+        self.app = app
+        self.fleet = fleet
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+        send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/lookup"):
+            await self.app(scope, receive, send)
+            return
+        self.fleet.urgent += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.fleet.urgent -= 1
+
+
 class BodyLimit:
     """Refuses request bodies over `limit` bytes (413) before anything parses them."""
 
@@ -441,7 +465,8 @@ def create_app(
     _add_routes(app, fleet, metrics)
     install_dashboard(app, fleet)  # GET /, its assets and /v1/dashboard/*
     app.add_middleware(BodyLimit, limit=max_body_bytes)
-    guard.install(app)  # outermost: refuse bad tokens before reading any body
+    guard.install(app)  # refuse bad tokens before reading any body
+    app.add_middleware(LookupPriority, fleet=fleet)  # outermost: counts from the start
     return app
 
 

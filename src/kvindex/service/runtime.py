@@ -188,6 +188,10 @@ class Fleet:
         self.on_add: list[Callable[[InstanceSpec], None]] = []  # runtime additions only
         self.ingest = IngestStats()
         self._slice = slice_seconds
+        # Requests waiting for the loop that ingest should make way for (lookups, counted
+        # by the HTTP layer): while there are any, slices are a tenth as long, so a lookup
+        # needing several loop turns does not wait a whole slice at each.
+        self.urgent = 0
         self._idle_wait = idle_wait  # also how often replay deadlines are checked when idle
         self._specs: dict[str, InstanceSpec] = {}  # the Subscriber's own map is copied per read
         self._ranks: dict[str, list[SourceKey]] = {}
@@ -350,7 +354,7 @@ class Fleet:
         slice ends as soon as it is used up; what is left stays in the backlog, in order.
         """
         start = time.perf_counter()
-        deadline = start + self._slice
+        deadline = start + (self._slice / 10 if self.urgent else self._slice)
         self.ingest.slices += 1
         try:
             while True:

@@ -166,10 +166,13 @@ class FleetIndex:
         src = self._sources.get(source) or self._source(source)
         stats = src.stats
         stored = removed = clears = 0
-        # The common case runs inline: one pool, no extra copies, consecutive removals from
-        # the same pool. vLLM sends one event per evicted block, so per-event overhead is
-        # most of the cost; `fast` is the pool while that case holds, else None.
+        # The common case runs inline: removals from a publisher with one pool (vLLM sends
+        # one event per evicted block, so per-event overhead is most of the cost). `fast`
+        # is that pool while the case holds (same medium and group as the last), else None.
+        pools = src.pools
+        extra = src.extra
         fast: Pool | None = None
+        fast_key: PoolKey = (0, DEFAULT_MEDIUM)
         medium: str | None = None
         group: int | None = None
         keep = ~(1 << src.bit)
@@ -178,21 +181,28 @@ class FleetIndex:
                 hashes = event.block_hashes
                 removed += len(hashes)
                 if fast is None or event.medium != medium or event.group_idx != group:
-                    fast = self._fast_pool(src, event)
+                    fast_key = (event.group_idx or 0, event.medium or DEFAULT_MEDIUM)
+                    fast = pools.get(fast_key) if len(pools) == 1 else None
                     if fast is None:
-                        self._remove(src, _pool_key(event), hashes)
+                        self._remove(src, fast_key, hashes)
                         continue
                     medium, group = event.medium, event.group_idx
                 for h in hashes:
-                    node = fast.pop(h, _LOOSE)
-                    if node is not _LOOSE:
+                    node = fast.pop(h, None)
+                    if node is None:
+                        continue  # not known to be held (e.g. stored before a loss)
+                    if extra and (fast_key, h) in extra:
+                        _drop_copy(extra, (fast_key, h))  # one of several copies went
+                        fast[h] = node
+                    elif node is not _LOOSE:
                         mask = node.mask = node.mask & keep
                         if not mask and not node.children:
                             _prune(node)
             elif isinstance(event, BlockStored):
                 self._store(src, event)
                 stored += len(event.block_hashes)
-                fast = None
+                if len(pools) != 1:
+                    fast = None
             elif isinstance(event, AllBlocksCleared):
                 self._clear(src)
                 clears += 1
@@ -204,12 +214,6 @@ class FleetIndex:
         src.last_seq = seq
         src.last_ts = batch.ts
         self.rates.add(stored, removed, clears)
-
-    def _fast_pool(self, src: _Source, event: BlockRemoved) -> Pool | None:
-        """The pool a removal may be applied to inline (see `apply`), or None."""
-        if src.extra or len(src.pools) != 1:
-            return None
-        return src.pools.get(_pool_key(event))
 
     def handle(self, item: Item) -> None:
         """Feed one item of a `Subscriber`: apply deliveries, drop state on restarts."""
@@ -242,18 +246,33 @@ class FleetIndex:
         return src
 
     def _store(self, src: _Source, event: BlockStored) -> None:
-        pool_key = _pool_key(event)
+        pool_key = (event.group_idx or 0, event.medium or DEFAULT_MEDIUM)
         pool = src.pools.get(pool_key)
         if pool is None:
             pool = src.pools[pool_key] = {}
         hashes = event.block_hashes
         parent = self._anchor(src, event, pool)
-        placed = 0
-        if parent is not None:
-            keys = block_keys(event.token_ids, event.block_size, len(hashes))
-            placed = len(keys)
-            self._insert_chain(src, pool_key, pool, parent, hashes, keys)
-        for h in hashes[placed:]:
+        if parent is None:
+            self._store_loose(src, pool_key, pool, hashes)
+            return
+        tokens = event.token_ids
+        if len(hashes) == 1 and len(tokens) == event.block_size:
+            # One block (a decode step's new block, the commonest store): no splitting.
+            try:
+                keys = [array("I", tokens).tobytes()]
+            except OverflowError:
+                keys = _keys_slowly(tokens, event.block_size, 1)
+        else:
+            keys = block_keys(tokens, event.block_size, len(hashes))
+        self._insert_chain(src, pool_key, pool, parent, hashes, keys)
+        if len(keys) < len(hashes):
+            self._store_loose(src, pool_key, pool, hashes[len(keys) :])
+
+    def _store_loose(
+        self, src: _Source, pool_key: PoolKey, pool: Pool, hashes: list[BlockHash]
+    ) -> None:
+        """Blocks held without a place in the tree (hash-only, unanchored, unkeyable)."""
+        for h in hashes:
             if h in pool:
                 self._again(src, pool_key, pool, h, pool[h], pool[h])
             else:
@@ -316,7 +335,8 @@ class FleetIndex:
         size = event.block_size
         if size <= 0 or len(event.token_ids) < size * len(event.block_hashes):
             return None  # hash-only (offloading) or partial (a sliding-window group)
-        if event.extra_keys and not only_lora(event.extra_keys, event.lora_name):
+        extra = event.extra_keys
+        if extra and any(extra) and not only_lora(extra, event.lora_name):
             return None  # keyed by multimodal inputs or a cache salt: not findable by tokens
         parent_hash = event.parent_block_hash
         if parent_hash is None:
@@ -593,10 +613,6 @@ def _prune(node: _Node) -> None:
         if parent.mask or parent.children:
             return
         node = parent
-
-
-def _pool_key(event: BlockStored | BlockRemoved) -> PoolKey:
-    return (event.group_idx or 0, event.medium or DEFAULT_MEDIUM)
 
 
 def _kids(node: _Node) -> list[_Node]:

@@ -125,6 +125,12 @@ class _Source:
     stats: CacheStats = field(default_factory=CacheStats)
     last_seq: int | None = None
     last_ts: float | None = None
+    # 1 << bit, made once: every node only this publisher holds shares this int object
+    # as its mask (an int past 2**8 is otherwise a 32-byte object per node).
+    flag: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.flag = 1 << self.bit
 
 
 class LookupRow(msgspec.Struct, frozen=True, gc=False):
@@ -287,7 +293,7 @@ class FleetIndex:
         hashes: list[BlockHash],
         keys: list[bytes],
     ) -> None:
-        bit = 1 << src.bit
+        bit = src.flag
         for h, key in zip(hashes, keys, strict=False):  # keys may end early
             children = node.children
             if children is None:

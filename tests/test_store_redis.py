@@ -8,10 +8,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
-from test_store_sqlite import B0, B1, BS, PROMPTS, A, chain_hash, ops, same_state
+from hypothesis import strategies as st
+from test_store_sqlite import (
+    B0,
+    B1,
+    BS,
+    PROMPTS,
+    A,
+    apply_rich,
+    chain_hash,
+    ops,
+    rich_ops,
+    same_pools,
+    same_state,
+)
 
 from kvindex.index import FleetIndex
 from kvindex.store import StoreError, open_store
@@ -31,6 +45,8 @@ from kvindex.store.redis_keys import (
     log_key,
     row_field,
     row_value,
+    snap_key,
+    snapshot_format,
 )
 from kvindex.store.redis_reader import Reader
 from kvindex.store.rows import BlockRow
@@ -206,3 +222,81 @@ def test_unreachable_redis_is_one_line_and_exit_2(tmp_path: Path, port: int) -> 
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "cannot reach Redis" in proc.stderr
+
+
+class Replica:
+    """Another replica's worker parts on the same Redis: its own mirror and compactor."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.mirror = Mirror()
+        self.reader = Reader(self.mirror, IngestPolicy(), lambda frames: None)
+        self.reader.load(client, {}, ZERO)
+        self.compactor = Compactor(self.mirror, self.reader.cursors, 1e9)
+
+    def compact(self) -> None:
+        while self.reader.step(self.client, None):
+            pass
+        self.compactor.compact(self.client)
+        self.compactor.release(self.client)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rich_ops, st.lists(st.integers(0, 49), max_size=4), st.lists(st.integers(0, 49), max_size=2))
+def test_runs_cut_continued_and_compacted_by_turns_load_back_exactly(
+    server: Any, plan: list[Any], compact_at: list[int], other_at: list[int]
+) -> None:
+    """Snapshots of runs, written by one replica then another (each then rewrites a
+    publisher's snapshot whole once), load back exactly."""
+    h = Harness(server.url)
+    other = Replica(h.client)
+    for i, op in enumerate(plan):
+        apply_rich(h, [op])  # type: ignore[arg-type]
+        if i in compact_at:
+            h.compact()
+            h.compactor.release(h.client)
+        if i in other_at:
+            h.appender.flush(h.client)
+            other.compact()
+    loaded, _ = h.reload()  # snapshot + log tail
+    same_pools(loaded, h.reference)
+    h.compact()
+    loaded, result = h.reload()  # snapshot only
+    same_state(loaded, h.reference, PROMPTS)
+    assert result.log_batches_replayed == 0
+    rows, _ = current_rows(server.url)
+    assert {(r.source, r.group, r.medium, r.block_hash): r.copies for r in rows} == {
+        (s, g, m, b): n
+        for s in (A, B0, B1)
+        for (g, m), pool in h.reference.copies(s).items()
+        for b, n in pool.items()
+    }
+
+
+def test_a_format_1_snapshot_loads_and_is_rewritten_as_runs(server: Any) -> None:
+    """A snapshot written by kvindex before runs (one field per block) still loads, and
+    the next compaction rewrites it as runs."""
+    h = Harness(server.url)
+    h.batch(A, BlockStored([1, 2], None, list(range(8)), BS))
+    h.batch(A, BlockStored([1], None, list(range(4)), BS))  # a second copy
+    h.appender.flush(h.client)
+    old = [
+        BlockRow(A, 0, "GPU", 1, None, [0, 1, 2, 3], BS, None, 2, 1.0),
+        BlockRow(A, 0, "GPU", 2, 1, [4, 5, 6, 7], BS, None, 1, 1.0),
+    ]
+    last = h.client.xrevrange(log_key(A), count=1)[0][0].decode()
+    cursor = msgspec.msgpack.encode([last, 2, None, 0, 1])  # format 1: five fields
+    fields = {row_field(r.group, r.medium, r.block_hash): row_value(r) for r in old}
+    h.client.hset(snap_key(A), mapping={b"": cursor, **fields})
+    loaded, result = h.reload()
+    assert result.log_batches_replayed == 0 and result.blocks_restored == 2
+    assert loaded.count(A, 0, "GPU", 1) == 2
+    assert loaded.lookup(list(range(8)))[0].matched_blocks == 2
+    fresh = Replica(h.client)
+    h.batch(A, BlockRemoved([2]))
+    h.appender.flush(h.client)
+    fresh.compact()
+    assert snapshot_format(h.client.hgetall(snap_key(A))) == 2
+    loaded, _ = h.reload()
+    assert loaded.count(A, 0, "GPU", 1) == 2 and loaded.count(A, 0, "GPU", 2) == 0
+    assert loaded.lookup(list(range(8)))[0].matched_blocks == 1

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 from kvindex.index import FleetIndex
 from kvindex.store import StoreError, open_store
 from kvindex.store.rows import BlockRow, events_from_rows, hash_key, key_hash
-from kvindex.store.sqlite import SQLiteStore, WriterOptions, _Writer
+from kvindex.store.sqlite import SQLiteStore, WriterOptions, _Writer, current_rows
 from kvindex.subscriber import Delivery, Lost, Restarted, SourceKey
 from kvindex.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from kvindex.wire.publisher import encode_batch
@@ -269,3 +271,222 @@ def test_hash_only_copy_keeps_the_tokens_of_the_first_store(tmp_path: Path) -> N
     assert h2.reference.lookup([1, 2, 3, 4])[0].matched_blocks == 1
     assert loaded.lookup([1, 2, 3, 4])[0].matched_blocks == 1
     assert loaded.count(A, 0, "GPU", 1) == 2
+
+
+# Richer plans: chains continued from a parent, hash-only copies (a block held in two
+# pools, placed by one), any block removed (so runs are cut), several events in a batch.
+rich_ops = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["store", "store", "store", "remove", "remove", "pair", "clear", "restart"]
+        ),
+        st.sampled_from([A, B0, B1]),
+        st.integers(0, 2),  # prompt
+        st.integers(0, 3),  # first block
+        st.integers(1, 4),  # blocks
+        st.sampled_from([None, "x"]),
+        st.sampled_from(["GPU", "CPU"]),
+        st.booleans(),  # with tokens
+    ),
+    max_size=50,
+)
+
+
+def rich_store(p: int, start: int, n: int, lora: str | None, medium: str, tokens: bool) -> Any:
+    prompt = PROMPTS[p]
+    end = min(start + n, len(prompt) // BS)
+    start = min(start, end - 1)
+    hashes = [chain_hash(prompt, i, lora) for i in range(start, end)]
+    parent = chain_hash(prompt, start - 1, lora) if start else None
+    own = prompt[start * BS : end * BS] if tokens else []
+    extra = [[lora]] * len(hashes) if lora and tokens else None
+    return BlockStored(
+        hashes, parent, own, BS if tokens else 0, medium=medium, lora_name=lora, extra_keys=extra
+    )
+
+
+def apply_rich(h: Harness, plan: list[Any]) -> None:
+    for kind, source, p, start, n, lora, medium, tokens in plan:
+        remove = BlockRemoved([chain_hash(PROMPTS[p], start, lora)], medium=medium)
+        if kind == "store":
+            h.batch(source, rich_store(p, start, n, lora, medium, tokens))
+        elif kind == "remove":
+            h.batch(source, remove)
+        elif kind == "pair":
+            h.batch(source, rich_store(p, 0, n, lora, medium, tokens), remove)
+        elif kind == "restart":
+            h.restart(source)
+        else:
+            h.batch(source, AllBlocksCleared())
+
+
+def same_pools(a: FleetIndex, b: FleetIndex) -> None:
+    for source in (A, B0, B1):
+        assert nonempty(a.copies(source)) == nonempty(b.copies(source)), source
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(rich_ops, st.lists(st.integers(0, 49), max_size=3))
+def test_runs_cut_and_continued_load_back_exactly(
+    tmp_path_factory: pytest.TempPathFactory, plan: list[Any], compact_at: list[int]
+) -> None:
+    h = Harness(tmp_path_factory.mktemp("db") / "s.sqlite")
+    for i, op in enumerate(plan):
+        apply_rich(h, [op])
+        if i in compact_at:
+            h.writer.compact()
+    loaded, _ = h.reload()  # snapshot + log tail
+    same_pools(loaded, h.reference)
+    h.writer.compact()
+    loaded, _ = h.reload()  # snapshot only: the prefix tree too
+    same_state(loaded, h.reference, PROMPTS)
+    rows, _ = current_rows(h.path)  # what `kvindex export` reads
+    assert {(r.source, r.group, r.medium, r.block_hash): r.copies for r in rows} == {
+        (s, g, m, b): n
+        for s in (A, B0, B1)
+        for (g, m), pool in h.reference.copies(s).items()
+        for b, n in pool.items()
+    }
+    h.writer.close()
+
+
+V1_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE sources (instance TEXT NOT NULL, rank INTEGER NOT NULL, next_seq INTEGER NOT NULL,
+    last_digest INTEGER, lost_since_restart INTEGER NOT NULL DEFAULT 0,
+    restarts INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (instance, rank));
+CREATE TABLE log (id INTEGER PRIMARY KEY, instance TEXT NOT NULL, rank INTEGER NOT NULL,
+    kind INTEGER NOT NULL, seq INTEGER, payload BLOB);
+CREATE TABLE blocks (instance TEXT NOT NULL, rank INTEGER NOT NULL, grp INTEGER NOT NULL,
+    medium TEXT NOT NULL, hkey BLOB NOT NULL, block_hash TEXT NOT NULL, parent_key BLOB,
+    parent_hash TEXT, token_ids TEXT, block_size INTEGER NOT NULL, lora_name TEXT,
+    copies INTEGER NOT NULL, stored_at REAL,
+    PRIMARY KEY (instance, rank, grp, medium, hkey)) WITHOUT ROWID;
+CREATE TABLE instances (name TEXT PRIMARY KEY, spec TEXT NOT NULL);
+CREATE VIEW cache_blocks AS SELECT instance, rank, grp AS group_idx, medium, block_hash,
+    parent_hash, token_ids, block_size, lora_name AS lora, copies,
+    datetime(stored_at, 'unixepoch') AS stored_at FROM blocks;
+INSERT INTO meta VALUES ('schema', '1'), ('snapshot_log_id', '7');
+"""
+
+
+def v1_store(path: Path) -> None:
+    """A store as kvindex wrote it before runs: blocks rows, and a batch in the log tail."""
+    db = sqlite3.connect(path)
+    db.executescript(V1_SCHEMA)
+    rows = [
+        ("a", 0, 0, "GPU", hash_key(1), "1", None, None, "[0,1,2,3]", BS, None, 2, 1.0),
+        ("a", 0, 0, "GPU", hash_key(2), "2", hash_key(1), "1", "[4,5,6,7]", BS, None, 1, 1.0),
+        ("a", 0, 0, "CPU", hash_key(b"\xff" * 8), "ff" * 8, None, None, None, 0, None, 1, 1.0),
+    ]
+    db.executemany("INSERT INTO blocks VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+    payload = encode_batch([BlockStored([-7], None, [9] * BS, BS)])
+    db.execute("INSERT INTO log VALUES (8, 'b', 0, 0, 0, ?)", (payload,))
+    db.execute("INSERT INTO sources VALUES ('a', 0, 5, 1, 0, 0), ('b', 0, 1, 2, 0, 0)")
+    db.commit()
+    db.close()
+
+
+def test_a_schema_1_store_is_read_as_is_and_migrated_by_serve(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite"
+    v1_store(path)
+    rows, result = current_rows(path)  # `kvindex export` / `stats`: read-only
+    got = {(r.source.instance, r.medium, r.block_hash): (r.copies, r.token_ids) for r in rows}
+    assert got == {
+        ("a", "GPU", 1): (2, [0, 1, 2, 3]),
+        ("a", "GPU", 2): (1, [4, 5, 6, 7]),
+        ("a", "CPU", b"\xff" * 8): (1, None),
+        ("b", "GPU", -7): (1, [9] * BS),
+    }
+    assert result.log_batches_replayed == 1
+    schema = "SELECT value FROM meta WHERE key = 'schema'"
+    assert sqlite3.connect(path).execute(schema).fetchone() == ("1",)
+    index = FleetIndex()
+    result = SQLiteStore(path).load(index)  # what serve does: migrated, then loaded
+    assert sqlite3.connect(path).execute(schema).fetchone() == ("2",)
+    assert result.blocks_restored == 3 and result.log_batches_replayed == 1
+    assert index.count(A, 0, "GPU", 1) == 2 and index.count(A, 0, "CPU", b"\xff" * 8) == 1
+    assert index.lookup([0, 1, 2, 3, 4, 5, 6, 7])[0].matched_blocks == 2
+    assert result.checkpoints[A].next_seq == 5
+    view = sqlite3.connect(path).execute(
+        "SELECT block_hash, parent_hash, token_ids, copies FROM cache_blocks ORDER BY 1"
+    )
+    assert view.fetchall() == [
+        ("1", None, "[0,1,2,3]", 2),
+        ("2", "1", "[4,5,6,7]", 1),
+        ("ff" * 8, None, None, 1),
+    ]
+    writer = _Writer(str(path), WriterOptions(0.01, 1e9, 10**6))  # and written on
+    writer.compact()
+    writer.close()
+    loaded = FleetIndex()
+    assert SQLiteStore(path).load(loaded).log_batches_replayed == 0
+    assert loaded.count(B0, 0, "GPU", -7) == 1
+
+
+def test_a_store_of_a_newer_schema_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "new.sqlite"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    db.execute("INSERT INTO meta VALUES ('schema', '3')")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="unsupported store schema '3'") as info:
+        SQLiteStore(path).load(FleetIndex())
+    assert "\n" not in str(info.value)
+
+
+def test_in_an_event_loop_items_reach_the_writer_and_are_folded_unasked(tmp_path: Path) -> None:
+    """Items recorded by the service's event loop are handed over at the next turn of the
+    loop (no sync needed), and the writer folds them into the snapshot once it is idle."""
+    path = tmp_path / "s.sqlite"
+    store = SQLiteStore(path, WriterOptions(0.01, 0.2, 100))
+    store.load(FleetIndex())
+    store.start()
+
+    def logged() -> tuple[int, int]:
+        db = sqlite3.connect(path)
+        try:
+            seq = db.execute("SELECT coalesce(max(next_seq), 0) FROM sources").fetchone()[0]
+            return seq, db.execute("SELECT count(*) FROM log").fetchone()[0]
+        finally:
+            db.close()
+
+    async def feed() -> None:
+        for seq in range(3):
+            payload = encode_batch([BlockStored([seq], None, [seq] * BS, BS)])
+            store.record(Delivery(A, seq, decode_batch(payload), payload=payload))
+        await asyncio.sleep(0)  # a turn of the loop: the group goes
+        for _ in range(200):
+            if logged() == (3, 0):  # persisted, and folded into the snapshot
+                return
+            await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(feed())
+        assert logged() == (3, 0)
+    finally:
+        store.close()
+    loaded = FleetIndex()
+    assert SQLiteStore(path).load(loaded).blocks_restored == 3
+
+
+def test_a_backlog_past_the_payloads_kept_in_memory_is_folded_from_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvindex.store.sqlite as sqlite_store
+
+    monkeypatch.setattr(sqlite_store, "PENDING_PAYLOADS", 2)
+    h = Harness(tmp_path / "s.sqlite")
+    for i in range(10):
+        h.batch(A, BlockStored([i], None, [i] * BS, BS), BlockRemoved([i - 3]))
+    h.restart(B0)
+    h.batch(B0, BlockStored([7], None, [7] * BS, BS))
+    assert sum(entry[4] is None for entry in h.writer.pending) > 5
+    h.writer.compact()
+    loaded, result = h.reload()
+    assert result.log_batches_replayed == 0  # type: ignore[attr-defined]
+    same_state(loaded, h.reference, PROMPTS)
+    h.writer.close()

@@ -34,10 +34,8 @@ def open_store(url: str) -> Store:
             raise StoreError(f"store URL {url!r} has no path (sqlite:///PATH)")
         return SQLiteStore(Path(path))
     if url.startswith("redis://"):
-        try:
-            from kvindex.store.redis import RedisStore
-        except ImportError:
-            raise StoreError("the Redis store is not available in this build") from None
+        from kvindex.store.redis import RedisStore  # redis is a dependency: no fallback
+
         store: Store = RedisStore(url)
         return store
     raise StoreError(f"unknown store URL {url!r} (memory, sqlite:///PATH, redis://HOST:PORT/DB)")

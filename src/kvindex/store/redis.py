@@ -37,10 +37,17 @@ from kvindex.index import FleetIndex
 from kvindex.store.base import LoadResult
 from kvindex.store.redis_feed import SharedSubscriber
 from kvindex.store.redis_keys import Cursor, RedisConfig, render_id, tag
-from kvindex.store.redis_load import advance, load_source, read_registry, read_source
+from kvindex.store.redis_load import (
+    advance,
+    load_source,
+    read_registry,
+    read_source,
+    snapshot_into_mirror,
+)
 from kvindex.store.rows import BlockRow
+from kvindex.store.snapshot import mirror_rows
 from kvindex.store.sqlite_db import StoreError
-from kvindex.store.state import Mirror, fold, restore_rows, row_key
+from kvindex.store.state import Mirror
 from kvindex.store.worker import WorkerLink, WorkerStore
 from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted, SourceKey
 from kvindex.subscriber.spec import InstanceSpec
@@ -64,7 +71,7 @@ class RedisStore(WorkerStore):
         self._specs: list[InstanceSpec] = []
         self._link = WorkerLink("the Redis store")
         self._encode = self._link.encode
-        self._send = self._link.send
+        self._post = self._link.post
         self._muted = False
 
     @property
@@ -89,10 +96,9 @@ class RedisStore(WorkerStore):
         client = self.connect()
         try:
             registry = read_registry(client)
-            mirror = Mirror(index)
             rows = batches = 0
             for source in registry.sources():
-                cursor, n_rows, n_batches = load_source(mirror, client, source)
+                cursor, n_rows, n_batches = load_source(index, client, source)
                 self._cursors[source] = cursor
                 rows, batches = rows + n_rows, batches + n_batches
         except redis.RedisError as exc:
@@ -102,7 +108,7 @@ class RedisStore(WorkerStore):
         self._ctl = render_id(registry.ctl_pos)
         checkpoints = {s: c.checkpoint() for s, c in self._cursors.items()}
         self.subscriber = SharedSubscriber(
-            self.config.ingest, self._send, checkpoints, self._cursors
+            self.config.ingest, self._post, checkpoints, self._cursors
         )
         self.subscriber.membership.mute = self._mute
         return LoadResult(
@@ -124,7 +130,7 @@ class RedisStore(WorkerStore):
             [sys.executable, "-m", "kvindex.store.redis_worker"], stdin=self._worker_config(base)
         )
         for spec in self._specs:
-            self._send([self._encode(("i", spec.name, spec.render()))])
+            self._post(("i", spec.name, spec.render()))
 
     def _worker_config(self, base: str) -> bytes:
         import os
@@ -154,20 +160,20 @@ class RedisStore(WorkerStore):
         if isinstance(item, Delivery):
             if item.payload is None:
                 raise StoreError("the Subscriber must keep payloads for a persistent store")
-            header = self._encode(("b", source.instance, source.rank, item.seq))
-            self._send([header, item.payload])
+            payload = item.payload
+            self._post(("b", source[0], source[1], item.seq, payload), len(payload))
         elif isinstance(item, Restarted):
-            self._send([self._encode(("r", source.instance, source.rank))])
+            self._post(("r", source[0], source[1]))
         elif isinstance(item, Lost):
-            self._send([self._encode(("l", source.instance, source.rank, item.first, item.last))])
+            self._post(("l", source[0], source[1], item.first, item.last))
 
     def save_instance(self, spec: InstanceSpec) -> None:
         if not self._muted:
-            self._send([self._encode(("i", spec.name, spec.render()))])
+            self._post(("i", spec.name, spec.render()))
 
     def remove_instance(self, name: str) -> None:
         if not self._muted:
-            self._send([self._encode(("x", name))])
+            self._post(("x", name))
 
     @contextlib.contextmanager
     def _mute(self) -> Iterator[None]:
@@ -186,9 +192,9 @@ class RedisStore(WorkerStore):
 
 
 def current_rows(url: str) -> tuple[list[BlockRow], LoadResult]:
-    """Every block the store holds now (each publisher's snapshot with its log tail folded
-    in) and its checkpoints: what `kvindex export` and `kvindex stats` read, without a
-    service and without writing anything."""
+    """Every block the store holds now (each publisher's snapshot with its log tail applied)
+    and its checkpoints: what `kvindex export` and `kvindex stats` read, without a service
+    and without writing anything."""
     store = RedisStore(url)
     client = store.connect()
     out: list[BlockRow] = []
@@ -198,14 +204,12 @@ def current_rows(url: str) -> tuple[list[BlockRow], LoadResult]:
         registry = read_registry(client)
         for source in registry.sources():
             state = read_source(client, source)
-            rows = {row_key(row): row for row in state.rows}
             mirror = Mirror()
-            restore_rows(mirror.index, state.rows)
+            snapshot_into_mirror(mirror, source, state)
             for entry in state.entries:
                 advance(mirror, source, state.cursor, entry)
                 batches += entry.kind == "b"
-            fold(rows, mirror.take_changes(), mirror.index)
-            out.extend(rows.values())
+            out.extend(mirror_rows(mirror))
             checkpoints[source] = state.cursor.checkpoint()
     except redis.RedisError as exc:
         raise StoreError(f"cannot read Redis at {store.config.where}: {exc}") from None

@@ -1,12 +1,17 @@
 """Compaction: fold each publisher's log into its snapshot, then trim the log.
 
 Every replica keeps a mirror, but only the one holding the `compactor` lock (a key with an
-expiry, renewed while it works) writes: what changed in its mirror since its last
+expiry, renewed while it works) writes: the runs that changed in its mirror since its last
 compaction, per publisher, in one MULTI together with the cursor it is current as of. A
 WATCH on the snapshot makes the write conditional: if another compactor wrote a later
-position meanwhile, this one keeps its changes for next time. The log is then trimmed
-below the *previous* snapshot's position, and never of the last minute, so a replica
-that is loading or reading a little behind still finds the entries it needs.
+position meanwhile, this one leaves it be.
+
+Runs are the mirror's own (their ids are its own), so only changes are written only while
+the snapshot is still the one the mirror's runs were saved in or loaded from (its writer
+and position say so); otherwise, and after a restart of the publisher, the publisher's
+snapshot is rewritten whole. The log is then trimmed below the *previous* snapshot's
+position, and never of the last minute, so a replica that is loading or reading a little
+behind still finds the entries it needs.
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ from kvindex.store.redis_keys import (
     Cursor,
     StreamId,
     log_key,
+    record_field,
     render_id,
-    row_field,
-    row_value,
+    run_field,
     snap_key,
+    snapshot_id,
 )
-from kvindex.store.rows import BlockRow
-from kvindex.store.state import Changes, DirtyKey, Mirror, resolve
+from kvindex.store.snapshot import Plan, plan_source
+from kvindex.store.state import Mirror, Run, SourceState
 from kvindex.subscriber.messages import SourceKey
 
 TRIM_SLACK_MS = 60_000
@@ -48,7 +54,7 @@ class Compactor:
     skipped: int = 0
 
     def due(self) -> bool:
-        return bool(self.mirror.changes) and time.monotonic() - self.last >= self.interval
+        return time.monotonic() - self.last >= self.interval and self.mirror.changed()
 
     def holds_lock(self, client: redis.Redis) -> bool:
         ms = int(max(self.interval * 5, 10) * 1000)
@@ -61,22 +67,20 @@ class Compactor:
     def compact(self, client: redis.Redis) -> bool:
         """Write the mirror's changes if this replica holds the lock; True if it wrote."""
         self.last = time.monotonic()
-        if not self.mirror.changes or not self.holds_lock(client):
+        if not self.mirror.changed():
             return False
-        changes = self.mirror.take_changes()
-        by_source = _by_source(changes)
-        kept = Changes()
-        for source in by_source.keys() | changes.cleared:
+        if not self.holds_lock(client):
+            self.mirror.forget(self.mirror.take())  # another replica writes them
+            return False
+        changes = self.mirror.take()
+        for source in changes.dirty.keys() | changes.cleared | changes.touched:
             cursor = self.cursors.get(source)
-            if cursor is None:
+            src = self.mirror.sources.get(source)
+            if cursor is None or src is None:
                 continue  # removed meanwhile
-            dirty = by_source.get(source, {})
-            cleared = source in changes.cleared
-            if not self._write(client, source, cursor, dirty, cleared):
-                kept.dirty.update(dirty)
-                if cleared:
-                    kept.cleared.add(source)
-        _merge_back(self.mirror, kept)
+            dirty = changes.dirty.get(source, set())
+            if not self._write(client, source, cursor, src, dirty, source in changes.cleared):
+                self.mirror.snapshot_of[source] = None  # the next write is whole
         self.compactions += 1
         return True
 
@@ -85,11 +89,11 @@ class Compactor:
         client: redis.Redis,
         source: SourceKey,
         cursor: Cursor,
-        dirty: dict[DirtyKey, BlockRow | None],
+        src: SourceState,
+        dirty: set[Run],
         cleared: bool,
     ) -> bool:
         key = snap_key(source)
-        index = self.mirror.index
         with client.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(key)  # type: ignore[no-untyped-call]
@@ -98,59 +102,32 @@ class Compactor:
                 if before is not None and before.pos > cursor.pos:
                     self.skipped += 1
                     return False
-                sets, dels, updates = _plan(index, dirty)
-                if not cleared and updates:
-                    _refresh(pipe, key, updates, sets)
+                current = snapshot_id(stored)
+                whole = cleared or current is None or current != self.mirror.snapshot_of.get(source)
+                plan = plan_source(
+                    self.mirror, src, list(src.runs.values()) if whole else dirty, False
+                )
                 pipe.multi()
-                if cleared:
+                if whole:
                     pipe.delete(key)
-                _chunked(pipe, key, sets, dels)
-                pipe.hset(key, "", cursor.pack())
+                _write_plan(pipe, key, plan, whole)
+                pipe.hset(key, "", cursor.pack(self.owner))
                 pipe.execute()
             except redis.WatchError:
                 self.skipped += 1
                 return False
+        plan.done()
+        self.mirror.snapshot_of[source] = (self.owner, cursor.pos)
         if before is not None:
             _trim(client, source, before.pos, cursor.pos)
         return True
 
 
-def _by_source(changes: Changes) -> dict[SourceKey, dict[DirtyKey, BlockRow | None]]:
-    out: dict[SourceKey, dict[DirtyKey, BlockRow | None]] = {}
-    for k, row in changes.dirty.items():
-        out.setdefault(k[0], {})[k] = row
-    return out
-
-
-def _plan(
-    index: Any, dirty: dict[DirtyKey, BlockRow | None]
-) -> tuple[dict[bytes, bytes], list[bytes], dict[bytes, int]]:
-    """Fields to set, to delete, and whose copies changed (rows we don't hold in full)."""
-    resolved = resolve(Changes(dirty=dirty), index)
-    sets = {row_field(r.group, r.medium, r.block_hash): row_value(r) for r in resolved.upserts}
-    dels = [row_field(k[1], k[2], k[3]) for k in resolved.deletes]
-    updates = {row_field(k[1], k[2], k[3]): copies for k, copies in resolved.updates}
-    return sets, dels, updates
-
-
-def _refresh(pipe: Any, key: str, updates: dict[bytes, int], sets: dict[bytes, bytes]) -> None:
-    """Rows whose copies changed but whose content only the snapshot holds: re-encoded."""
-    from kvindex.store.redis_keys import pack, unpack
-
-    names = list(updates)
-    for i in range(0, len(names), CHUNK):
-        part = names[i : i + CHUNK]
-        for name, value in zip(part, pipe.hmget(key, part), strict=True):
-            if value is not None:
-                fields = unpack(value)
-                fields[4] = updates[name]
-                sets[name] = pack(fields)
-
-
-def _chunked(pipe: Any, key: str, sets: dict[bytes, bytes], dels: list[bytes]) -> None:
-    items = list(sets.items())
+def _write_plan(pipe: Any, key: str, plan: Plan, whole: bool) -> None:
+    items = [record_field(record) for record in plan.records]
     for i in range(0, len(items), CHUNK):
         pipe.hset(key, mapping=dict(items[i : i + CHUNK]))
+    dels = [] if whole else [run_field(run_id) for run_id in plan.deletes]
     for i in range(0, len(dels), CHUNK):
         pipe.hdel(key, *dels[i : i + CHUNK])
 
@@ -160,11 +137,3 @@ def _trim(client: redis.Redis, source: SourceKey, before: StreamId, now: StreamI
     limit = min(before, (max(0, now[0] - TRIM_SLACK_MS), 0))
     if limit > (0, 0):
         client.xtrim(log_key(source), minid=render_id(limit), approximate=False)
-
-
-def _merge_back(mirror: Mirror, kept: Changes) -> None:
-    """Changes not written stay pending; newer ones noted meanwhile take precedence."""
-    changes = mirror.changes
-    for k, row in kept.dirty.items():
-        changes.dirty.setdefault(k, row)
-    changes.cleared |= kept.cleared

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from kvindex.store.redis_keys import Cursor, IngestPolicy, decode_rows, tag, unpack
-from kvindex.store.rows import events_from_rows
+from kvindex.store.redis_keys import Cursor, IngestPolicy, tag, unpack
+from kvindex.store.redis_load import snapshot_batches
 from kvindex.subscriber import (
     Checkpoint,
     DecodeFailed,
@@ -105,7 +105,7 @@ class SharedSubscriber(Subscriber):
     def __init__(
         self,
         ingest: IngestPolicy,
-        send: Callable[[list[bytes]], None],
+        send: Callable[[tuple[Any, ...]], None],
         resume: Mapping[SourceKey, Checkpoint],
         cursors: Mapping[SourceKey, Cursor],
     ) -> None:
@@ -258,10 +258,9 @@ class SharedSubscriber(Subscriber):
             cursor.last_seq,
         )
         yield Restarted(source, reason="reloaded from the shared snapshot")
-        rows = decode_rows(source, msgspec.msgpack.decode(rest[0]))
         seq = cursor.last_seq or 0
-        for row_source, batch in events_from_rows(rows):
-            yield Delivery(row_source, seq, batch)
+        for batch in snapshot_batches(source, msgspec.msgpack.decode(rest[0])):
+            yield Delivery(source, seq, batch)
 
     def _membership(self, op: str, name: str, spec: str) -> None:
         fleet = self.membership.fleet
@@ -286,7 +285,7 @@ class SharedSubscriber(Subscriber):
             tag(s): _published(Subscriber.stats(self, s), Subscriber.status(self, s)) for s in local
         }
         if report:
-            self._send([msgspec.msgpack.encode(["s", report])])
+            self._send(("s", report))
 
 
 def _published(stats: SourceStats, status: Status) -> dict[str, Any]:

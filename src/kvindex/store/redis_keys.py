@@ -8,10 +8,12 @@ Keys (all under `kvindex:`), per publisher `S` = (instance, rank) written `{rank
 - `cp:S` (hash): where the log of S stands (`n` next seq, `d` digest of the last batch,
   `l` lost since the last restart). The append script checks and moves it atomically with
   each XADD, which is what makes appends idempotent by seq across replicas.
-- `snap:S` (hash): the compacted state of S as of log entry `pos`: one field per block
-  (group, medium, hash) -> (parent, tokens, size, lora, copies, stored at), and the field
-  "" -> the cursor (pos, next seq, digest, lost, last seq) at that entry. One HGETALL
-  reads both consistently.
+- `snap:S` (hash): the compacted state of S as of log entry `pos`: one field per run of
+  blocks (see snapshot.py), run id -> its record, and the field "" -> the cursor (pos,
+  next seq, digest, lost, last seq) at that entry, with the format (2) and which replica
+  wrote it. One HGETALL reads both consistently. (Format 1, before runs: one field per
+  block (group, medium, hash) -> (parent, tokens, size, lora, copies, stored at); still
+  read, and rewritten as runs by the next compaction.)
 - `status` (hash): S -> what the replica ingesting S last said about it (status, counters).
 - `compactor` (string with expiry): which replica compacts now.
 """
@@ -25,6 +27,7 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import msgspec
 
 from kvindex.store.rows import BlockRow
+from kvindex.store.snapshot import MirrorRow, Record
 from kvindex.store.sqlite_db import StoreError
 from kvindex.subscriber.messages import SourceKey
 from kvindex.subscriber.spec import InstanceSpec, SpecError
@@ -174,13 +177,40 @@ class Cursor:
     def checkpoint(self) -> Checkpoint:
         return Checkpoint(self.next_seq, self.digest, self.lost)
 
-    def pack(self) -> bytes:
-        return _encode([render_id(self.pos), self.next_seq, self.digest, self.lost, self.last_seq])
+    def pack(self, writer: str = "") -> bytes:
+        """As a snapshot's "" field: with the format and the replica that wrote it."""
+        fields = [render_id(self.pos), self.next_seq, self.digest, self.lost, self.last_seq]
+        return _encode([*fields, SNAPSHOT_FORMAT, writer])
 
     @classmethod
     def unpack(cls, data: bytes) -> Cursor:
-        pos, next_seq, digest, lost, last_seq = msgspec.msgpack.decode(data)
+        pos, next_seq, digest, lost, last_seq, *_ = msgspec.msgpack.decode(data)
         return cls(parse_id(pos), next_seq, digest, lost, last_seq)
+
+
+SNAPSHOT_FORMAT = 2  # runs (1: one field per block)
+
+# Which snapshot of a publisher a mirror's saved runs are: its writer and position.
+SnapshotId = tuple[str, StreamId]
+
+
+def snapshot_id(cursor_field: bytes | None) -> SnapshotId | None:
+    """The writer and position of a snapshot, from its "" field; None for none or for a
+    format 1 snapshot (its fields are blocks, not runs: it must be rewritten whole)."""
+    if not cursor_field:
+        return None
+    fields = msgspec.msgpack.decode(cursor_field)
+    if len(fields) < 7 or fields[5] != SNAPSHOT_FORMAT:
+        return None
+    return str(fields[6]), parse_id(fields[0])
+
+
+def snapshot_format(fields: dict[bytes, bytes]) -> int:
+    cursor = fields.get(b"")
+    if cursor is None:
+        return SNAPSHOT_FORMAT if len(fields) == 0 else 1
+    decoded = msgspec.msgpack.decode(cursor)
+    return int(decoded[5]) if len(decoded) >= 7 else 1
 
 
 # -- log entries ------------------------------------------------------------------------
@@ -243,6 +273,36 @@ def decode_rows(source: SourceKey, fields: dict[bytes, bytes]) -> list[BlockRow]
                 )
             )
     return rows
+
+
+# A run record as a field: run id -> (rank, group, medium, size, lora, ts, keys, n_events,
+# events); see snapshot.Record.
+_RecordValue = tuple[int, int, str, int, str | None, float, bytes, int, bytes]
+_decode_record = msgspec.msgpack.Decoder(_RecordValue).decode  # type: ignore[arg-type]
+_decode_run_id = msgspec.msgpack.Decoder(int).decode
+
+
+def record_field(record: Record) -> tuple[bytes, bytes]:
+    value = (
+        record.rank, record.group, record.medium, record.size, record.lora, record.ts,
+        record.keys, record.n_events, record.events,
+    )  # fmt: skip
+    return _encode(record.id), _encode(value)
+
+
+def run_field(run_id: int) -> bytes:
+    return _encode(run_id)
+
+
+def decode_records(fields: dict[bytes, bytes]) -> list[MirrorRow]:
+    """A format 2 snapshot's records (the cursor field excluded), oldest run first."""
+    out: list[MirrorRow] = []
+    for name, value in fields.items():
+        if name:
+            rank, group, medium, size, lora, ts, keys, n, events = _decode_record(value)
+            out.append((_decode_run_id(name), rank, group, medium, size, lora, ts, keys, events, n))
+    out.sort(key=lambda row: row[0])
+    return out
 
 
 def pack(value: Any) -> bytes:

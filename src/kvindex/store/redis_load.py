@@ -1,8 +1,9 @@
 """Reading the Redis store back: the fleet's registry, and each publisher's snapshot + log.
 
-Both the service (its warm start) and the store's worker process (its mirror) load this
-way. A publisher's snapshot and cursor come from one HGETALL, so they agree; its log is
-then read from the cursor on. A compaction running meanwhile may trim the log, but only
+Both the service (its warm start: snapshot records replayed into its index, see
+snapshot.py) and the store's worker process (its mirror) load this way. A publisher's
+snapshot and cursor come from one HGETALL, so they agree; its log is then read from the
+cursor on. A compaction running meanwhile may trim the log, but only
 below the *previous* snapshot's position, so a reader is caught out only if two
 compactions pass during its read: the log's `max-deleted-entry-id` tells, and the
 publisher is read again.
@@ -17,6 +18,7 @@ from typing import Any, cast
 
 import redis
 
+from kvindex.index import FleetIndex
 from kvindex.store.redis_keys import (
     CTL,
     INSTANCES,
@@ -25,19 +27,26 @@ from kvindex.store.redis_keys import (
     Entry,
     Fields,
     RawEntry,
+    SnapshotId,
     StreamId,
+    decode_records,
     decode_rows,
     log_key,
     parse_entry,
     parse_id,
     render_id,
     snap_key,
+    snapshot_format,
+    snapshot_id,
     sources_of,
 )
-from kvindex.store.rows import BlockRow
+from kvindex.store.rows import events_from_rows
+from kvindex.store.snapshot import IndexTarget, MirrorRow, Stored, Target, load_runs, replay
+from kvindex.store.snapshot import snapshot_batches as runs_batches
 from kvindex.store.sqlite_db import StoreError
-from kvindex.store.state import Mirror, restore_rows
+from kvindex.store.state import Mirror
 from kvindex.subscriber.messages import SourceKey
+from kvindex.wire import EventBatch
 
 CHUNK = 5_000
 
@@ -66,10 +75,13 @@ def read_registry(client: redis.Redis) -> Registry:
 
 @dataclass(slots=True)
 class SourceState:
-    rows: list[BlockRow]
+    fields: dict[bytes, bytes]  # the snapshot as stored (forwarded as is to a service)
     cursor: Cursor  # the snapshot's position; `advance` moves it over `entries`
     entries: list[Entry]
-    raw: dict[bytes, bytes]  # the snapshot as stored (forwarded as is to a service)
+
+    @property
+    def snapshot(self) -> SnapshotId | None:
+        return snapshot_id(self.fields.get(b""))
 
 
 def read_source(client: redis.Redis, source: SourceKey, attempts: int = 5) -> SourceState:
@@ -79,7 +91,7 @@ def read_source(client: redis.Redis, source: SourceKey, attempts: int = 5) -> So
         cursor = Cursor.unpack(snap[b""]) if b"" in snap else Cursor()
         entries = list(read_log(client, source, cursor.pos))
         if not trimmed_past(client, source, cursor.pos):
-            return SourceState(decode_rows(source, snap), cursor, entries, snap)
+            return SourceState(snap, cursor, entries)
     raise StoreError(f"the log of {source!r} kept being compacted while it was read")
 
 
@@ -112,14 +124,55 @@ def trimmed_past(client: redis.Redis, source: SourceKey, pos: StreamId) -> bool:
     return deleted is not None and parse_id(deleted) > pos
 
 
-def advance(mirror: Mirror, source: SourceKey, cursor: Cursor, entry: Entry) -> None:
-    """Apply one log entry to a mirror and move the cursor over it."""
+# -- a snapshot into an index, a mirror, or batches ------------------------------------------
+
+
+def snapshot_batches(source: SourceKey, fields: dict[bytes, bytes]) -> Iterator[EventBatch]:
+    """The batches that rebuild a snapshot (either format), parents first."""
+    if snapshot_format(fields) == 1:
+        for _, batch in events_from_rows(decode_rows(source, fields)):
+            yield batch
+        return
+    yield from runs_batches([_stored(r) for r in decode_records(fields)])
+
+
+def snapshot_into_index(index: FleetIndex, source: SourceKey, fields: dict[bytes, bytes]) -> int:
+    """Load a snapshot into `index`; returns the blocks it holds."""
+    if snapshot_format(fields) == 1:
+        rows = decode_rows(source, fields)
+        for row_source, batch in events_from_rows(rows):
+            index.apply(row_source, batch)
+        return len(rows)
+    return replay(index, source, [_stored(r) for r in decode_records(fields)])
+
+
+def snapshot_into_mirror(mirror: Mirror, source: SourceKey, state: SourceState) -> int:
+    """Load a snapshot into a mirror, and note which snapshot its saved runs are."""
+    fields = state.fields
+    if snapshot_format(fields) == 2:
+        blocks = load_runs(mirror, source, decode_records(fields))
+        mirror.snapshot_of[source] = state.snapshot
+        return blocks
+    rows = decode_rows(source, fields)
+    for row_source, batch in events_from_rows(rows):
+        mirror.apply_batch(row_source, batch)
+    mirror.snapshot_of[source] = None  # blocks, not runs: the next compaction rewrites it
+    return len(rows)
+
+
+def _stored(row: MirrorRow) -> Stored:
+    _id, rank, _group, _medium, _size, _lora, ts, keys, events, n = row
+    return rank, keys, events, n, ts
+
+
+def advance(target: Target, source: SourceKey, cursor: Cursor, entry: Entry) -> None:
+    """Apply one log entry to a mirror (or an index) and move the cursor over it."""
     if entry.kind == "b":
-        mirror.apply_payload(source, entry.payload)
+        target.apply_payload(source, entry.payload)
         cursor.next_seq, cursor.digest = entry.seq + 1, zlib.crc32(entry.payload)
         cursor.last_seq = entry.seq
     elif entry.kind == "r":
-        mirror.restart(source)
+        target.restart(source)
         cursor.next_seq, cursor.digest, cursor.lost = 0, None, 0
     elif entry.kind == "l":
         cursor.lost += entry.last - entry.seq + 1
@@ -127,14 +180,16 @@ def advance(mirror: Mirror, source: SourceKey, cursor: Cursor, entry: Entry) -> 
     cursor.pos = entry.id
 
 
-def load_source(mirror: Mirror, client: redis.Redis, source: SourceKey) -> tuple[Cursor, int, int]:
-    """Snapshot + log of one publisher into a mirror: (cursor, rows, log batches)."""
+def load_source(
+    index: FleetIndex, client: redis.Redis, source: SourceKey
+) -> tuple[Cursor, int, int]:
+    """Snapshot + log of one publisher into `index`: (cursor, blocks, log batches)."""
     state = read_source(client, source)
-    restore_rows(mirror.index, state.rows)
-    count = len(state.rows)
+    blocks = snapshot_into_index(index, source, state.fields)
     cursor = state.cursor
+    target = IndexTarget(index)
     batches = 0
     for entry in state.entries:
-        advance(mirror, source, cursor, entry)
+        advance(target, source, cursor, entry)
         batches += entry.kind == "b"
-    return cursor, count, batches
+    return cursor, blocks, batches

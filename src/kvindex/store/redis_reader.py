@@ -42,8 +42,14 @@ from kvindex.store.redis_keys import (
     tag,
     unpack,
 )
-from kvindex.store.redis_load import advance, read_registry, read_source, trimmed_past
-from kvindex.store.state import Mirror, restore_rows
+from kvindex.store.redis_load import (
+    advance,
+    read_registry,
+    read_source,
+    snapshot_into_mirror,
+    trimmed_past,
+)
+from kvindex.store.state import Mirror
 from kvindex.subscriber.messages import SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 
@@ -95,7 +101,7 @@ class Reader:
 
     def _load_mirror(self, client: redis.Redis, source: SourceKey) -> None:
         state = read_source(client, source)
-        restore_rows(self.mirror.index, state.rows)
+        snapshot_into_mirror(self.mirror, source, state)
         cursor = state.cursor
         self.cursors[source] = cursor
         self.read_at[source] = min(cursor.pos, self.served[source])
@@ -105,20 +111,17 @@ class Reader:
         """(Re)load one publisher from its snapshot, in the mirror and, for a publisher
         the service does not ingest, in the service too."""
         state = read_source(client, source)
-        changes = self.mirror.changes
-        changes.dirty = {k: v for k, v in changes.dirty.items() if k[0] != source}
-        changes.cleared.discard(source)
-        self.mirror.index.drop_source(source)
-        restore_rows(self.mirror.index, state.rows)
+        self.mirror.drop(source)  # the snapshot says it all: nothing of it to write back
+        snapshot_into_mirror(self.mirror, source, state)
         snap = state.cursor
         self.cursors[source] = Cursor(
             snap.pos, snap.next_seq, snap.digest, snap.lost, snap.last_seq
         )
         self.read_at[source] = snap.pos
         if not self.policy.ingests(source.instance):
-            if state.rows or source in self.served:
+            if len(state.fields) > (b"" in state.fields) or source in self.served:
                 header = pack(["z", source.instance, source.rank, snap.pack()])
-                self.forward([header, pack(state.raw)])
+                self.forward([header, pack(state.fields)])
             self.served[source] = snap.pos
         self.stats.resyncs += 1
         self._catch_up(source, state.entries)

@@ -14,6 +14,7 @@ where it stopped. The service keeps answering from memory all along.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -45,6 +46,7 @@ from kvindex.store.redis_keys import (
 )
 from kvindex.store.redis_reader import Reader
 from kvindex.store.state import Mirror
+from kvindex.store.worker import decode_group
 from kvindex.subscriber.messages import SourceKey
 
 log = logging.getLogger("kvindex.store.redis")
@@ -164,7 +166,10 @@ class Worker:
         self.appender.flush(self.client)
         self._answer(("sync",))
         block = IDLE_BLOCK_MS if not self.appender.queue and not self._inbox_ready() else None
-        self.reader.step(self.client, block)
+        if self.reader.step(self.client, block):
+            # The mirror holds no reference cycles: what it keeps need never be scanned by
+            # the cyclic GC again (a fifth of the mirror's time otherwise).
+            gc.freeze()
         self.reader.check_trimmed(self.client)
         if self.compactor.due() or any(k == "compact" for k, _ in self.waiting):
             self.compactor.compact(self.client)
@@ -203,37 +208,38 @@ class Worker:
     def _wait_inbox(self, seconds: float) -> None:
         self.inbox.poll(max(1, int(seconds * 1000)))
 
-    def _drain(self) -> list[list[bytes]]:
+    def _drain(self) -> list[tuple[Any, ...]]:
         """What the service sent, bounded: while Redis answers, no more than the queue has
         room for (the rest waits in the socket); while it is away, everything, so the
         queue's bound drops batches rather than the service's memory growing."""
         room = self.config.buffer - len(self.appender.queue) if self.link.up else 20_000
-        out: list[list[bytes]] = []
+        out: list[tuple[Any, ...]] = []
         while len(out) < min(20_000, max(room, 100)):
             try:
-                out.append(self.inbox.recv_multipart(zmq.NOBLOCK))
+                out.extend(decode_group(self.inbox.recv(zmq.NOBLOCK)))
             except zmq.Again:
                 break
         return out
 
-    def _take(self, messages: list[list[bytes]]) -> None:
-        for frames in messages:
-            header = _decode(frames[0])
-            kind = header[0]
+    def _take(self, messages: list[tuple[Any, ...]]) -> None:
+        for message in messages:
+            kind = message[0]
             if kind == "b":
-                self.appender.batch(SourceKey(header[1], header[2]), header[3], frames[1])
+                _, instance, rank, seq, payload = message
+                self.appender.batch(SourceKey(instance, rank), seq, payload)
             elif kind == "l":
-                self.appender.lost(SourceKey(header[1], header[2]), header[3], header[4])
+                _, instance, rank, first, last = message
+                self.appender.lost(SourceKey(instance, rank), first, last)
             elif kind == "r":
-                self.appender.restart(SourceKey(header[1], header[2]))
+                self.appender.restart(SourceKey(message[1], message[2]))
             elif kind == "s":
-                self.status.update(header[1])
+                self.status.update(message[1])
             elif kind in ("i", "x"):
-                self.membership.append(header)
+                self.membership.append(list(message))
             elif kind == "stop":
                 self.stopping = True
             else:
-                self.waiting.append((kind, header[1]))
+                self.waiting.append((kind, message[1]))
 
     # -- to Redis -----------------------------------------------------------------------
 
@@ -295,9 +301,6 @@ class Worker:
             "compactions": self.compactor.compactions,
             "ingest": self.config.ingest,
         }
-
-
-_decode = msgspec.msgpack.Decoder().decode
 
 
 def main() -> None:

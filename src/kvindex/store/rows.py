@@ -1,4 +1,5 @@
-"""Blocks as rows (what a store persists) and rows back into events (a warm start).
+"""Blocks as rows (what `kvindex export` prints; what snapshots held before runs) and rows
+back into events (to load such a snapshot, see snapshot.py for today's).
 
 A row is one (publisher, KV cache group, medium, block hash) with its number of physical
 copies and what is needed to put it back into the prefix tree: its parent hash, its own
@@ -11,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from kvindex.index.fleet import DEFAULT_MEDIUM, only_lora
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import BlockHash, BlockStored, EventBatch
 
-__all__ = ["BlockRow", "events_from_rows", "hash_key", "key_hash", "rows_of_store"]
+__all__ = ["BlockRow", "events_from_rows", "hash_key", "key_hash"]
 
 
 def hash_key(value: BlockHash) -> bytes:
@@ -43,22 +43,6 @@ class BlockRow:
     lora_name: str | None
     copies: int
     stored_at: float
-
-
-def rows_of_store(event: BlockStored, ts: float, source: SourceKey) -> Iterator[BlockRow]:
-    """One row per block of a BlockStored (copies=1), with each block's own tokens."""
-    size = event.block_size
-    tokens = event.token_ids
-    # Only blocks the index can place by tokens keep them (see FleetIndex._insert_chain).
-    has_tokens = size > 0 and len(tokens) >= size * len(event.block_hashes)
-    if event.extra_keys and not only_lora(event.extra_keys, event.lora_name):
-        has_tokens = False
-    parent = event.parent_block_hash
-    group, medium = event.group_idx or 0, event.medium or DEFAULT_MEDIUM
-    for i, h in enumerate(event.block_hashes):
-        own = tokens[i * size : (i + 1) * size] if has_tokens else None
-        yield BlockRow(source, group, medium, h, parent, own, size, event.lora_name, 1, ts)
-        parent = h
 
 
 def events_from_rows(rows: Iterable[BlockRow]) -> Iterator[tuple[SourceKey, EventBatch]]:

@@ -5,27 +5,33 @@ Tables (see docs/store.md):
   markers, in apply order. Appending one row per batch is what keeps persistence cheap.
 - `sources`: per publisher, the next seq it needs, the checksum of the last batch applied
   (to recognise a restarted engine on resume) and its lost-batch count.
-- `blocks`: the compacted state as of log row `meta.snapshot_log_id`: one row per
-  (publisher, group, medium, hash) with its copies, parent, tokens, block size and LoRA.
-- `cache_blocks`: a view of `blocks` for people and SQL tools (hashes as text).
+- `runs`: the compacted state as of log row `meta.snapshot_log_id`, one row per run of
+  blocks stored together (see snapshot.py): ready-encoded events for a fast load, and the
+  blocks as JSON for SQL.
+- `cache_blocks`: a view of `runs`, one row per block, for people and SQL tools.
 - `instances`: instances added at runtime (POST /v1/instances), so they come back.
+
+Schema 1 (kvindex before runs: one `blocks` row per block) is migrated in place the first
+time the service or its writer opens the file; reading it (export, stats) works as is.
 """
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvindex.store.rows import BlockRow, hash_key, key_hash
+from kvindex.store.rows import BlockRow, key_hash
 from kvindex.subscriber.messages import SourceKey
 from kvindex.subscriber.state import Checkpoint
-from kvindex.wire import render_hash
 
-SCHEMA_VERSION = "1"
+if TYPE_CHECKING:
+    from kvindex.store.snapshot import MirrorRow, Plan, Stored
+
+SCHEMA_VERSION = "2"
 
 KIND_BATCH, KIND_RESTART, KIND_REMOVE = 0, 1, 2
 
@@ -48,28 +54,35 @@ CREATE TABLE IF NOT EXISTS log (
     seq INTEGER,
     payload BLOB
 );
-CREATE TABLE IF NOT EXISTS blocks (
+CREATE TABLE IF NOT EXISTS instances (name TEXT PRIMARY KEY, spec TEXT NOT NULL);
+"""
+
+# The snapshot (schema 2): one row per run, and a view with one row per block.
+RUNS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run INTEGER PRIMARY KEY,
     instance TEXT NOT NULL,
     rank INTEGER NOT NULL,
     grp INTEGER NOT NULL,
     medium TEXT NOT NULL,
-    hkey BLOB NOT NULL,
-    block_hash TEXT NOT NULL,
-    parent_key BLOB,
-    parent_hash TEXT,
-    token_ids TEXT,
     block_size INTEGER NOT NULL,
     lora_name TEXT,
-    copies INTEGER NOT NULL,
-    stored_at REAL,
-    PRIMARY KEY (instance, rank, grp, medium, hkey)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS instances (name TEXT PRIMARY KEY, spec TEXT NOT NULL);
+    stored_at REAL NOT NULL,
+    placed INTEGER NOT NULL,  -- 0 hash-only, 1 tokens but not in the prefix tree, 2 in it
+    n_events INTEGER NOT NULL,
+    keys BLOB NOT NULL,
+    events BLOB NOT NULL,
+    blocks TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS runs_by_source ON runs (instance, rank);
 CREATE VIEW IF NOT EXISTS cache_blocks AS
-    SELECT instance, rank, grp AS group_idx, medium, block_hash, parent_hash, token_ids,
-           block_size, lora_name AS lora, copies,
-           datetime(stored_at, 'unixepoch') AS stored_at
-    FROM blocks;
+    SELECT r.instance, r.rank, r.grp AS group_idx, r.medium,
+           json_extract(b.value, '$[0]') AS block_hash,
+           json_extract(b.value, '$[1]') AS parent_hash,
+           json_extract(b.value, '$[2]') AS token_ids, r.block_size, r.lora_name AS lora,
+           json_extract(b.value, '$[3]') AS copies,
+           datetime(r.stored_at, 'unixepoch') AS stored_at
+    FROM runs AS r, json_each(r.blocks) AS b;
 """
 
 
@@ -78,6 +91,7 @@ class StoreError(RuntimeError):
 
 
 def connect(path: Path | str, *, create: bool = True) -> sqlite3.Connection:
+    """Open (with `create`: create or migrate) a store; StoreError with a one-line reason."""
     path = Path(path)
     if not create and not path.exists():
         raise StoreError(f"no store at {path}")
@@ -98,20 +112,55 @@ def connect(path: Path | str, *, create: bool = True) -> sqlite3.Connection:
                 "INSERT OR IGNORE INTO meta VALUES ('schema', ?), ('snapshot_log_id', '0')",
                 (SCHEMA_VERSION,),
             )
-        _check_schema(db, path)
+        version = schema_version(db, path)
+        if create and version == "1":
+            _migrate_v1(db)
+        elif create:
+            db.executescript(RUNS_SCHEMA)
     except (sqlite3.Error, OSError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise StoreError(f"cannot open SQLite store {path}: {reason}") from None
     return db
 
 
-def _check_schema(db: sqlite3.Connection, path: Path) -> None:
+def schema_version(db: sqlite3.Connection, path: Path | str = "") -> str:
+    """ "2", or "1" (an older store, still readable); StoreError for anything else."""
     try:
         row = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
     except sqlite3.Error:
         raise StoreError(f"{path} is not a kvindex store") from None
-    if row is None or row[0] != SCHEMA_VERSION:
-        raise StoreError(f"{path}: unsupported store schema {row and row[0]!r}")
+    if row is None or row[0] not in (SCHEMA_VERSION, "1"):
+        raise StoreError(
+            f"{path}: unsupported store schema {row and row[0]!r} (written by a newer kvindex?)"
+        )
+    return str(row[0])
+
+
+def _migrate_v1(db: sqlite3.Connection) -> None:
+    """Schema 1 -> 2: the `blocks` rows become runs, in one transaction (the log, the
+    checkpoints and the snapshot's log position stay as they are)."""
+    from kvindex.store.rows import events_from_rows
+    from kvindex.store.snapshot import plan_changes
+    from kvindex.store.state import Mirror
+
+    mirror = Mirror()
+    for source, batch in events_from_rows(read_blocks_v1(db)):
+        mirror.apply_batch(source, batch)
+    changes = mirror.take()
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        db.execute("DROP VIEW IF EXISTS cache_blocks")
+        db.execute("DROP TABLE blocks")
+        for statement in RUNS_SCHEMA.split(";"):
+            if statement.strip():
+                db.execute(statement)
+        write_snapshot(db, changes.removed, changes.cleared, plan_changes(mirror, changes, True))
+        db.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (SCHEMA_VERSION,))
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
 
 
 def snapshot_log_id(db: sqlite3.Connection) -> int:
@@ -119,7 +168,50 @@ def snapshot_log_id(db: sqlite3.Connection) -> int:
     return int(row[0]) if row else 0
 
 
-def read_blocks(db: sqlite3.Connection) -> Iterator[BlockRow]:
+def read_runs(db: sqlite3.Connection) -> Iterator[tuple[str, int, Stored]]:
+    """Every run record, oldest first, as the loader needs it (see snapshot.replay)."""
+    cursor = db.execute(
+        "SELECT instance, rank, placed, keys, events, n_events, stored_at FROM runs ORDER BY run"
+    )
+    for instance, rank, placed, keys, events, n, ts in cursor:
+        yield instance, rank, (placed, keys, events, n, ts)
+
+
+def read_mirror_runs(db: sqlite3.Connection) -> Iterator[tuple[str, int, MirrorRow]]:
+    """Every run record, oldest first, as a mirror loads it (see snapshot.load_runs)."""
+    cursor = db.execute(
+        "SELECT instance, rank, run, placed, grp, medium, block_size, lora_name, stored_at,"
+        " keys, events, n_events FROM runs ORDER BY run"
+    )
+    for instance, rank, *record in cursor:
+        yield instance, rank, tuple(record)  # type: ignore[misc]
+
+
+def write_snapshot(
+    db: sqlite3.Connection, removed: set[str], cleared: set[SourceKey], plans: dict[SourceKey, Plan]
+) -> None:
+    """The writes of a snapshot (inside the caller's transaction): the records of removed
+    instances and cleared publishers go, then each publisher's plan."""
+    for name in removed:
+        db.execute("DELETE FROM runs WHERE instance = ?", (name,))
+    for source in cleared:
+        db.execute("DELETE FROM runs WHERE instance = ? AND rank = ?", source)
+    db.executemany(
+        "DELETE FROM runs WHERE run = ?", [(i,) for plan in plans.values() for i in plan.deletes]
+    )
+    db.executemany(
+        "INSERT OR REPLACE INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        [
+            (r.id, source[0], source[1], r.group, r.medium, r.size, r.lora, r.ts, r.rank,
+             r.n_events, r.keys, r.events, r.blocks_json)
+            for source, plan in plans.items()
+            for r in plan.records
+        ],
+    )  # fmt: skip
+
+
+def read_blocks_v1(db: sqlite3.Connection) -> Iterator[BlockRow]:
+    """The snapshot of a schema 1 store, one row per block."""
     decode_tokens = msgspec.json.Decoder(list[int])
     cursor = db.execute(
         "SELECT instance, rank, grp, medium, hkey, parent_key, token_ids, block_size,"
@@ -155,37 +247,3 @@ def read_checkpoints(db: sqlite3.Connection) -> dict[SourceKey, Checkpoint]:
 
 def read_instances(db: sqlite3.Connection) -> dict[str, str]:
     return dict(db.execute("SELECT name, spec FROM instances"))
-
-
-def block_row_values(row: BlockRow) -> tuple[object, ...]:
-    """The `blocks` columns of a row, in INSERT order."""
-    parent = row.parent_hash
-    return (
-        row.source.instance,
-        row.source.rank,
-        row.group,
-        row.medium,
-        hash_key(row.block_hash),
-        render_hash(row.block_hash),
-        None if parent is None else hash_key(parent),
-        None if parent is None else render_hash(parent),
-        None if row.token_ids is None else json.dumps(row.token_ids, separators=(",", ":")),
-        row.block_size,
-        row.lora_name,
-        row.copies,
-        row.stored_at,
-    )
-
-
-UPSERT_BLOCK = (
-    "INSERT INTO blocks VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) "
-    "ON CONFLICT (instance, rank, grp, medium, hkey) DO UPDATE SET copies = excluded.copies,"
-    # a row first seen hash-only (an offload copy) gains its tokens when a store brings them
-    " token_ids = coalesce(blocks.token_ids, excluded.token_ids),"
-    " parent_key = CASE WHEN blocks.token_ids IS NULL THEN excluded.parent_key"
-    " ELSE blocks.parent_key END,"
-    " parent_hash = CASE WHEN blocks.token_ids IS NULL THEN excluded.parent_hash"
-    " ELSE blocks.parent_hash END,"
-    " block_size = CASE WHEN blocks.token_ids IS NULL THEN excluded.block_size"
-    " ELSE blocks.block_size END"
-)

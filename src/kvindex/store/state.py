@@ -1,17 +1,30 @@
-"""Replaying persisted state into an index, and tracking what changed since a snapshot.
+"""The stores' own view of the fleet: which blocks each publisher holds, grouped in *runs*.
 
-Both sides of a persistent store use this: the service, to come back warm, and the store's
-writer, whose own index (a mirror of the service's, fed the same batches in the same
-order) says exactly how many copies each block has when it writes a snapshot.
+A store's worker process keeps this mirror of the service's index, fed the same batches in
+the same order, to know what its snapshot must say. It never answers lookups, so it keeps
+no prefix tree: per publisher and pool (KV cache group, medium) a hash -> run map (one
+entry per block held) and the extra copies of the few blocks held more than once, which is
+a dict operation or two per block.
+
+A run is what one BlockStored brought into a pool: the blocks' hashes in chain order, the
+chain's parent, their tokens, block size, LoRA name and time, and how the index took the
+store (its rank: hash-only, tokens but unplaced because the parent had no place in the
+prefix tree, or placed). A block belongs to one run, the first that brought it, unless a
+later store ranks higher (as the index re-places a block it held without a place); more
+stores of a block only add copies. So a pool's runs partition its blocks, and a snapshot is
+the set of runs, each written once and rewritten only when it changes (see snapshot.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from array import array
 from dataclasses import dataclass, field
+from itertools import repeat
+from typing import TypeAlias
 
-from kvindex.index import FleetIndex
-from kvindex.store.rows import BlockRow, events_from_rows, rows_of_store
+import msgspec
+
+from kvindex.index.fleet import DEFAULT_MEDIUM, only_lora
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import (
     AllBlocksCleared,
@@ -23,133 +36,368 @@ from kvindex.wire import (
     WireError,
 )
 
-DirtyKey = tuple[SourceKey, int, str, BlockHash]
+__all__ = ["HASH_ONLY", "PLACED", "UNPLACED", "Changes", "Mirror", "Pool", "Run", "SourceState"]
+
+PoolKey = tuple[int, str]
+HASH_ONLY, UNPLACED, PLACED = 0, 1, 2  # run ranks: a block belongs to its best run
+# A store's own token list until its run is saved, then int64 (a fifth of the memory).
+Tokens: TypeAlias = "list[int] | array[int]"
+
+_decode_events = msgspec.msgpack.Decoder(list[BlockStored]).decode
 
 
-def restore_rows(index: FleetIndex, rows: Iterable[BlockRow]) -> int:
-    """Put snapshot rows back into an index; returns the number of rows."""
-    count = 0
-    for source, batch in events_from_rows(rows):
-        index.apply(source, batch)
-        count += 1
-    return count
+class Run(msgspec.Struct, gc=False, eq=False):
+    """Blocks one BlockStored brought into a pool (some may have left or moved since:
+    `SourceState.members` says which still belong to it).
+
+    A msgspec Struct: built in C (a store makes one), compared and hashed by identity, and
+    not tracked by the cyclic GC (it holds no reference back to anything that holds it),
+    so millions of them cost no collection time.
+    """
+
+    id: int
+    group: int
+    medium: str
+    parent: BlockHash | None
+    hashes: list[BlockHash]
+    size: int
+    lora: str | None
+    ts: float
+    tokens: Tokens | None
+    # HASH_ONLY, UNPLACED (tokens, but the index could not place the chain: its parent was
+    # not in the prefix tree when it came) or PLACED. A run loaded from a snapshot keeps
+    # its tokens encoded in `blob` until it must be rewritten.
+    rank: int
+    blob: bytes | None = None
+    saved: bool = False  # a record of it is in the snapshot
+
+    @property
+    def content(self) -> bool:
+        return self.rank > HASH_ONLY
+
+    def flat_tokens(self) -> list[int] | None:
+        """The blocks' tokens, `size` per block (None for hash-only runs)."""
+        tokens = self.tokens
+        if tokens is None and self.blob is not None and self.rank:
+            # `blob` is the record's events as a msgpack array: the chain comes first.
+            tokens = self.tokens = array("q", _decode_events(self.blob)[0].token_ids)
+            self.blob = None
+        if tokens is None:
+            return None
+        n = self.size * len(self.hashes)
+        return tokens[:n] if isinstance(tokens, list) else tokens[:n].tolist()
+
+    def compact(self) -> None:
+        """Keep the tokens as int64 (a fifth of a list's memory), now that the run lasts.
+        A token past 64 bits can't be placed by the index: the run is hash-only then."""
+        tokens = self.tokens
+        if isinstance(tokens, list):
+            try:
+                self.tokens = array("q", tokens[: self.size * len(self.hashes)])
+            except OverflowError:
+                self.tokens, self.rank = None, HASH_ONLY
+
+
+@dataclass(slots=True)
+class Pool:
+    """The blocks of one pool: hash -> the run it belongs to (one entry per block held),
+    and the copies beyond the first of the few blocks held more than once."""
+
+    blocks: dict[BlockHash, Run] = field(default_factory=dict)
+    extra: dict[BlockHash, int] = field(default_factory=dict)
+
+    def copies(self, h: BlockHash) -> int:
+        return 1 + self.extra.get(h, 0) if self.extra else 1
+
+
+@dataclass(slots=True)
+class SourceState:
+    """One publisher: its pools, its runs (by id) and the runs changed since a snapshot."""
+
+    pools: dict[PoolKey, Pool] = field(default_factory=dict)
+    runs: dict[int, Run] = field(default_factory=dict)
+    dirty: set[Run] = field(default_factory=set)
+
+    def pool(self, key: PoolKey) -> Pool:
+        pool = self.pools.get(key)
+        if pool is None:
+            pool = self.pools[key] = Pool()
+        return pool
+
+    def members(self, run: Run) -> list[int]:
+        """Positions of `run.hashes` that still belong to it (each hash once)."""
+        pool = self.pools.get((run.group, run.medium))
+        if pool is None:
+            return []
+        blocks, hashes = pool.blocks, run.hashes
+        live = [i for i, h in enumerate(hashes) if blocks.get(h) is run]
+        if len({hashes[i] for i in live}) < len(live):
+            # A hash twice in one store: the second was a copy, not a block of the run.
+            first: dict[BlockHash, int] = {}
+            for i in live:
+                first.setdefault(hashes[i], i)
+            live = sorted(first.values())
+        return live
+
+    def blocks(self) -> int:
+        return sum(len(pool.blocks) for pool in self.pools.values())
 
 
 @dataclass
 class Changes:
-    """What changed in a mirror index since its last snapshot."""
+    """What changed since the last snapshot: runs to rewrite per publisher, publishers
+    whose whole state went (restart, AllBlocksCleared) and instances removed."""
 
-    dirty: dict[DirtyKey, BlockRow | None] = field(default_factory=dict)
+    dirty: dict[SourceKey, set[Run]] = field(default_factory=dict)
     cleared: set[SourceKey] = field(default_factory=set)
     removed: set[str] = field(default_factory=set)
+    # Publishers fed anything at all (so a shared store's cursor for them moves on, even
+    # for batches that changed nothing).
+    touched: set[SourceKey] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(self.dirty or self.cleared or self.removed)
-
-    def forget_source(self, source: SourceKey) -> None:
-        self.dirty = {k: v for k, v in self.dirty.items() if k[0] != source}
-        self.cleared.add(source)
-
-    def forget_instance(self, name: str) -> None:
-        self.dirty = {k: v for k, v in self.dirty.items() if k[0].instance != name}
-        self.cleared = {s for s in self.cleared if s.instance != name}
-        self.removed.add(name)
+        return bool(self.dirty or self.cleared or self.removed or self.touched)
 
 
 class Mirror:
-    """An index fed raw logged batches, noting which rows a snapshot must rewrite."""
+    """The publishers' blocks as runs, fed raw batches; notes which runs changed."""
 
-    def __init__(self, index: FleetIndex | None = None) -> None:
-        self.index = index or FleetIndex()
-        self.changes = Changes()
+    def __init__(self) -> None:
+        self.sources: dict[SourceKey, SourceState] = {}
+        self.cleared: set[SourceKey] = set()
+        self.removed: set[str] = set()
+        self.touched: set[SourceKey] = set()
+        self.next_id = 1
         self.decode_errors = 0
+        # Which snapshot each publisher's saved runs are in (a shared store's: its writer
+        # and position); a compaction may write only the changes while it is still there.
+        self.snapshot_of: dict[SourceKey, object] = {}
         self._decoder = BatchDecoder()
+
+    # -- feeding -----------------------------------------------------------------------
 
     def apply_payload(self, source: SourceKey, payload: bytes) -> None:
         try:
             batch = self._decoder.decode(payload)
         except WireError:
             self.decode_errors += 1  # the service skipped it too; its seq still counted
+            self.touched.add(source)
             return
         self.apply_batch(source, batch)
 
     def apply_batch(self, source: SourceKey, batch: EventBatch) -> None:
-        dirty = self.changes.dirty
+        self.touched.add(source)
+        src = self.source(source)
+        dirty = src.dirty
+        # Removals come one event per evicted block, so per-event work is most of the
+        # cost: consecutive removals from one pool reuse it (`pool`, while `medium` and
+        # `group` match).
+        pool: Pool | None = None
+        medium: str | None = None
+        group: int | None = None
+        blocks: dict[BlockHash, Run] = {}
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                for row in rows_of_store(event, batch.ts, source):
-                    key = (source, row.group, row.medium, row.block_hash)
-                    known = dirty.get(key)
-                    # A hash-only copy must not hide the tokens an earlier store gave.
-                    if known is None or row.token_ids is not None or known.token_ids is None:
-                        dirty[key] = row
-            elif isinstance(event, BlockRemoved):
-                group, medium = event.group_idx or 0, event.medium or "GPU"
+            if isinstance(event, BlockRemoved):
+                if pool is None or event.medium != medium or event.group_idx != group:
+                    medium, group = event.medium, event.group_idx
+                    pool = src.pools.get((group or 0, medium or DEFAULT_MEDIUM))
+                    if pool is None:
+                        continue
+                    blocks = pool.blocks
+                if pool.extra or len(src.pools) > 1:
+                    self._remove(src, pool, event.block_hashes)
+                    continue
                 for h in event.block_hashes:
-                    dirty.setdefault((source, group, medium, h), None)
+                    run = blocks.pop(h, None)
+                    if run is not None:  # else not known to be held: nothing to drop
+                        dirty.add(run)
+            elif isinstance(event, BlockStored):
+                if event.block_hashes:
+                    self._store(src, event, batch.ts)
+                pool = None  # it may have created the pool a removal looked for
             elif isinstance(event, AllBlocksCleared):
-                self.changes.forget_source(source)
-        self.index.apply(source, batch)
+                src, pool = self._clear(source), None
+                dirty = src.dirty
 
     def restart(self, source: SourceKey) -> None:
-        self.index.drop_source(source)
-        self.changes.forget_source(source)
+        self.touched.add(source)
+        self._clear(source)
 
     def remove_instance(self, name: str) -> None:
-        self.index.remove_instance(name)
-        self.changes.forget_instance(name)
+        for key in [k for k in self.sources if k.instance == name]:
+            del self.sources[key]
+            self.snapshot_of.pop(key, None)
+        self.cleared = {s for s in self.cleared if s.instance != name}
+        self.touched = {s for s in self.touched if s.instance != name}
+        self.removed.add(name)
 
-    def take_changes(self) -> Changes:
-        changes, self.changes = self.changes, Changes()
+    def source(self, key: SourceKey) -> SourceState:
+        src = self.sources.get(key)
+        if src is None:
+            src = self.sources[key] = SourceState()
+        return src
+
+    def new_run_id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def _store(self, src: SourceState, event: BlockStored, ts: float) -> None:
+        hashes = event.block_hashes
+        pool_key = (event.group_idx or 0, event.medium or DEFAULT_MEDIUM)
+        pool = src.pool(pool_key)
+        blocks = pool.blocks
+        run = self._new_run(src, pool_key, event, ts, _rank(src, pool, event))
+        if blocks.keys().isdisjoint(hashes):
+            # The common case, a chain of new blocks: in bulk (unless a hash repeats).
+            before = len(blocks)
+            blocks.update(zip(hashes, repeat(run)))
+            if len(blocks) - before == len(hashes):
+                return
+            for h in dict.fromkeys(hashes):
+                del blocks[h]  # undone: the one-by-one way below counts the copies
+        extra, dirty = pool.extra, src.dirty
+        joined = False
+        for h in hashes:
+            had = blocks.get(h)
+            if had is not None:
+                extra[h] = extra.get(h, 0) + 1
+                dirty.add(had)  # one more copy
+                # The block moves only to a better run, as the index re-places a block
+                # only when a store places what it held unplaced.
+                if run.rank <= had.rank:
+                    continue
+            blocks[h] = run
+            joined = True
+        if not joined:  # only more copies: no run of its own
+            del src.runs[run.id]
+            dirty.discard(run)
+
+    def _new_run(
+        self, src: SourceState, pool: PoolKey, event: BlockStored, ts: float, rank: int
+    ) -> Run:
+        # The event's own lists are kept (no copy): most runs are gone before a snapshot.
+        self.next_id += 1
+        run = Run(
+            self.next_id - 1, pool[0], pool[1], event.parent_block_hash, event.block_hashes,
+            event.block_size, event.lora_name, ts, event.token_ids if rank else None, rank,
+        )  # fmt: skip
+        src.runs[run.id] = run
+        src.dirty.add(run)
+        return run
+
+    def _remove(self, src: SourceState, pool: Pool, hashes: list[BlockHash]) -> None:
+        """Removals when the pool holds blocks more than once, or is one of several."""
+        blocks, extra, dirty = pool.blocks, pool.extra, src.dirty
+        several = len(src.pools) > 1
+        for h in hashes:
+            if extra and h in extra:  # one of several copies goes
+                n = extra[h]
+                if n > 1:
+                    extra[h] = n - 1
+                else:
+                    del extra[h]
+                dirty.add(blocks[h])
+                continue
+            run = blocks.pop(h, None)
+            if run is None:
+                continue  # not known to be held: nothing to drop (as the index does)
+            dirty.add(run)
+            if several and run.rank == PLACED:
+                self._hand_over(src, pool, h, run)
+
+    def _hand_over(self, src: SourceState, pool: Pool, h: BlockHash, run: Run) -> None:
+        """The block left `pool`, where it had a place in the prefix tree: another pool that
+        holds it without one takes the place over (as FleetIndex._kept_elsewhere does), so
+        it moves to a run of its own with the tokens and parent it had here."""
+        for key, other in src.pools.items():
+            held = other.blocks.get(h) if other is not pool else None
+            if held is None:
+                continue
+            if held.rank == PLACED:
+                return  # placed there too: the place stays
+            i = run.hashes.index(h)
+            flat = run.flat_tokens()
+            size = run.size
+            own = None if flat is None else flat[i * size : (i + 1) * size]
+            parent = run.hashes[i - 1] if i else run.parent
+            took = self._new_run_of(src, key, parent, [h], run, own)
+            other.blocks[h] = took
+            src.dirty.add(held)
+            return
+
+    def _new_run_of(
+        self,
+        src: SourceState,
+        pool: PoolKey,
+        parent: BlockHash | None,
+        hashes: list[BlockHash],
+        like: Run,
+        tokens: list[int] | None,
+    ) -> Run:
+        self.next_id += 1
+        run = Run(
+            self.next_id - 1, pool[0], pool[1], parent, hashes, like.size, like.lora, like.ts,
+            tokens, like.rank,
+        )  # fmt: skip
+        src.runs[run.id] = run
+        src.dirty.add(run)
+        return run
+
+    def _clear(self, source: SourceKey) -> SourceState:
+        src = self.sources[source] = SourceState()
+        self.cleared.add(source)
+        return src
+
+    # -- snapshots ---------------------------------------------------------------------
+
+    def changed(self) -> bool:
+        return bool(self.touched or self.cleared or self.removed)
+
+    def take(self) -> Changes:
+        """What changed since the last take (and forget it)."""
+        changes = Changes(cleared=self.cleared, removed=self.removed, touched=self.touched)
+        self.cleared, self.removed, self.touched = set(), set(), set()
+        for key, src in self.sources.items():
+            if src.dirty:
+                changes.dirty[key] = src.dirty
+                src.dirty = set()
         return changes
 
+    def drop(self, source: SourceKey) -> None:
+        """Forget one publisher and its changes (it is about to be loaded again)."""
+        self.sources.pop(source, None)
+        self.cleared.discard(source)
+        self.touched.discard(source)
+        self.snapshot_of.pop(source, None)
 
-@dataclass
-class Resolved:
-    """Changes turned into row operations, with copies read from the mirror."""
-
-    upserts: list[BlockRow] = field(default_factory=list)  # new rows, or new info
-    updates: list[tuple[DirtyKey, int]] = field(default_factory=list)  # copies only
-    deletes: list[DirtyKey] = field(default_factory=list)
-
-
-def resolve(changes: Changes, index: FleetIndex) -> Resolved:
-    """What a snapshot must write for these changes (after deleting cleared sources)."""
-    out = Resolved()
-    for key, row in changes.dirty.items():
-        source, group, medium, h = key
-        copies = index.count(source, group, medium, h)
-        if copies == 0:
-            out.deletes.append(key)
-        elif row is not None:
-            row.copies = copies
-            out.upserts.append(row)
-        else:
-            out.updates.append((key, copies))
-    return out
+    def forget(self, changes: Changes) -> None:
+        """Changes no snapshot will be written from (another replica writes them): drop the
+        runs they emptied, and have each publisher's next snapshot written whole."""
+        for source, runs in changes.dirty.items():
+            src = self.sources.get(source)
+            if src is not None:
+                for run in runs:
+                    if src.runs.get(run.id) is run and not src.members(run):
+                        del src.runs[run.id]
+            self.snapshot_of[source] = None
+        for source in changes.cleared:
+            self.snapshot_of[source] = None
 
 
-def fold(rows: dict[DirtyKey, BlockRow], changes: Changes, index: FleetIndex) -> None:
-    """Apply changes to rows held in memory, exactly as a snapshot would in a table."""
-    for key in [k for k in rows if k[0].instance in changes.removed or k[0] in changes.cleared]:
-        del rows[key]
-    resolved = resolve(changes, index)
-    for key in resolved.deletes:
-        rows.pop(key, None)
-    for row in resolved.upserts:
-        key = (row.source, row.group, row.medium, row.block_hash)
-        held = rows.get(key)
-        if held is None:
-            rows[key] = row
-        else:
-            held.copies = row.copies
-            if held.token_ids is None and row.token_ids is not None:
-                held.token_ids, held.parent_hash = row.token_ids, row.parent_hash
-                held.block_size = row.block_size
-    for key, copies in resolved.updates:
-        if key in rows:
-            rows[key].copies = copies
-
-
-def row_key(row: BlockRow) -> DirtyKey:
-    return (row.source, row.group, row.medium, row.block_hash)
+def _rank(src: SourceState, pool: Pool, event: BlockStored) -> int:
+    """How the index takes a store: hash-only, unplaced or placed in the prefix tree (as
+    FleetIndex._anchor decides; token ids past 64 bits are found out when the run is
+    first saved)."""
+    size = event.block_size
+    if size <= 0 or len(event.token_ids) < size * len(event.block_hashes):
+        return HASH_ONLY
+    if event.extra_keys and not only_lora(event.extra_keys, event.lora_name):
+        return HASH_ONLY
+    parent = event.parent_block_hash
+    if parent is None:
+        return PLACED
+    held = pool.blocks.get(parent)
+    if held is not None and held.rank == PLACED:
+        return PLACED
+    others = (p.blocks.get(parent) for p in src.pools.values() if p is not pool)
+    return PLACED if any(r is not None and r.rank == PLACED for r in others) else UNPLACED

@@ -2,24 +2,41 @@
 
 Both persistent stores do their I/O in a child process (`python -m ...`), fed over ZMQ
 sockets on ipc paths: sends never block the event loop (ZMQ queues them in its own thread,
-without limit: memory absorbs bursts), payload frames are handed over without re-encoding,
-and `request` waits for the worker to acknowledge a control message (sync, compact).
+without limit: memory absorbs bursts), and `request` waits for the worker to acknowledge a
+control message (sync, compact).
+
+Messages (tuples: a kind, then fields) are handed over in groups: one ZMQ message, a
+msgpack list of them, per turn of the service's event loop (the Fleet ingests in slices of
+about a millisecond). One send per batch made ZMQ's I/O thread wake up for each (its queue
+runs dry between two batches): some 50 us of the service's CPU per batch, as much as
+decoding and applying it. Without a running loop (a script), a group goes every 64
+messages or 10 ms, and always before `request` and `close`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import zmq
 
 from kvindex.store.sqlite_db import StoreError
 
-__all__ = ["WorkerLink", "WorkerStore"]
+__all__ = ["WorkerLink", "WorkerStore", "decode_group"]
+
+GROUP_MESSAGES = 64  # without an event loop: a group at most this long
+GROUP_SECONDS = 0.01  # or this old
+# With or without: at most this many payload bytes. Larger buffers are mmap'd by malloc
+# (from 128 KiB) and page-faulted in at each send: 1 ms for a 160 KiB group here.
+GROUP_BYTES = 64 * 1024
+
+decode_group = msgspec.msgpack.Decoder(list[tuple[Any, ...]]).decode
 
 
 class WorkerLink:
@@ -34,6 +51,12 @@ class WorkerLink:
         self._tokens = 0
         self._lock = threading.Lock()
         self.encode = msgspec.msgpack.Encoder().encode
+        self._encoder = msgspec.msgpack.Encoder()
+        self._buffer = bytearray(GROUP_BYTES * 2)
+        self._group: list[tuple[Any, ...]] = []
+        self._group_bytes = 0
+        self._group_started = 0.0
+        self._flush_scheduled = False
 
     def open(self, pulls: Sequence[str] = ()) -> str:
         """Bind the sockets; returns the ipc base path (`{base}/in`, `{base}/acks`, ...)."""
@@ -58,21 +81,49 @@ class WorkerLink:
             self.process.stdin.write(stdin)
             self.process.stdin.close()
 
-    def send(self, frames: list[bytes]) -> None:
+    def post(self, message: tuple[Any, ...], size: int = 0) -> None:
+        """Queue a message for the worker (`size`: the bytes of its payload, if any); it
+        goes with the next group (see the module)."""
+        group = self._group
+        group.append(message)
+        self._group_bytes += size
+        if len(group) == 1:
+            self._group_started = time.monotonic()
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+                self._flush_scheduled = True
+            except RuntimeError:
+                self._flush_scheduled = False  # no loop: by size or age
+        if self._group_bytes >= GROUP_BYTES or (
+            not self._flush_scheduled
+            and (
+                len(group) >= GROUP_MESSAGES
+                or time.monotonic() - self._group_started >= GROUP_SECONDS
+            )
+        ):
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the queued messages over now, as one ZMQ message."""
+        group, self._group, self._group_bytes = self._group, [], 0
+        if not group:
+            return
         sock = self.sockets.get("in")
         if sock is None:
             raise StoreError(f"{self.what} was not started")
-        sock.send_multipart(frames, copy=False)
-
-    def send_message(self, *fields: object) -> None:
-        self.send([self.encode(fields)])
+        # Encoded into one reused buffer, then copied by ZMQ (tens of microseconds): a fresh
+        # buffer per group is page-faulted in each time, and zero-copy would have pyzmq
+        # release it later from its own thread, which takes the GIL from the event loop.
+        self._encoder.encode_into(group, self._buffer)
+        sock.send(self._buffer)
 
     def request(self, kind: str, timeout: float) -> None:
         """Send `(kind, token)` and wait until the worker acknowledges that token."""
         with self._lock:
             self._tokens += 1
             token = self._tokens
-            self.send_message(kind, token)
+            self.post((kind, token))
+            self.flush()
             acks = self.sockets["acks"]
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.alive():
@@ -87,7 +138,8 @@ class WorkerLink:
         """Ask the worker to stop (it finishes its work first), then free everything."""
         process, self.process = self.process, None
         if process is not None and process.poll() is None:
-            self.send_message("stop", 0)
+            self.post(("stop", 0))
+            self.flush()
             try:
                 process.wait(timeout)
             except subprocess.TimeoutExpired:

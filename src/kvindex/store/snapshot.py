@@ -1,0 +1,367 @@
+"""A snapshot as runs: one record per run, written when it changes, loaded in bulk.
+
+A record holds a run as vLLM itself would have announced it: a BlockStored chain (its
+blocks' hashes, the chain's parent, their tokens, block size, LoRA), then one hash-only
+BlockStored for the blocks held in more than one copy; both msgpack-encoded, ready to be
+concatenated into a batch. Loading a snapshot is then a few large `BatchDecoder.decode` +
+`FleetIndex.apply` calls (the ingest fast path), with no Python work per block: the only
+per-record work is putting each chain after the one holding its parent, so the prefix tree
+is rebuilt (a chain whose parent is not held anywhere is loaded as it comes).
+
+A record also keeps `keys` (its parent and hashes, for that ordering and to rebuild a
+mirror) and, for SQL users, the blocks as JSON (see sqlite_db's `cache_blocks` view).
+
+Writing: a changed run is rewritten whole. A run some of whose blocks left is cut to the
+blocks it still holds: cut into several runs if they are no longer contiguous (each keeps
+the hash before it as its parent, as the block rows of earlier versions did).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Any, Protocol
+
+import msgspec
+
+from kvindex.index import FleetIndex
+from kvindex.store.rows import BlockRow
+from kvindex.store.state import PLACED, UNPLACED, Changes, Mirror, Run, SourceState
+from kvindex.subscriber.messages import SourceKey
+from kvindex.wire import BatchDecoder, BlockHash, BlockStored, EventBatch, WireError, render_hash
+
+__all__ = [
+    "IndexTarget",
+    "MirrorRow",
+    "Plan",
+    "Record",
+    "Stored",
+    "Target",
+    "array_header",
+    "load_runs",
+    "mirror_rows",
+    "plan_changes",
+    "plan_source",
+    "replay",
+    "snapshot_batches",
+]
+
+CHUNK_EVENTS = 4096  # events per synthetic batch when loading
+CHUNK_BYTES = 8 << 20  # and bytes (well under BatchDecoder's payload limit)
+
+_encode = msgspec.msgpack.Encoder().encode
+_json = msgspec.json.Encoder().encode
+Keys = tuple[BlockHash | None, list[BlockHash], list[tuple[int, int]] | None]
+_decode_keys = msgspec.msgpack.Decoder(Keys).decode  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class Record:
+    """One run as persisted."""
+
+    id: int
+    rank: int  # see state.Run
+    group: int
+    medium: str
+    size: int
+    lora: str | None
+    ts: float
+    keys: bytes  # msgpack [parent, hashes, [[position, copies], ...] or nil]
+    events: bytes  # msgpack BlockStored maps, concatenated
+    n_events: int
+    blocks_json: str | None = None  # [[hash, parent, tokens|null, copies], ...] for SQL
+
+
+# What the loader needs of a record: rank, keys, events, n_events, ts.
+Stored = tuple[Any, bytes, bytes, int, float]
+
+# A record as a mirror loads it: id, rank, group, medium, size, lora, ts, keys, events,
+# n_events.
+MirrorRow = tuple[int, Any, int, str, int, str | None, float, bytes, bytes, int]
+
+
+def array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """A snapshot's writes for one publisher: records to (re)write, ids of records to drop.
+    Mark `runs` saved once the writes are done."""
+
+    records: list[Record] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
+    deletes: list[int] = field(default_factory=list)
+
+    def done(self) -> None:
+        for run in self.runs:
+            run.saved = True
+
+
+def plan_changes(mirror: Mirror, changes: Changes, view: bool = False) -> dict[SourceKey, Plan]:
+    """The writes that bring a snapshot up to date with these changes of the mirror (after
+    the records of `changes.cleared` publishers and `changes.removed` instances went)."""
+    plans: dict[SourceKey, Plan] = {}
+    for source, runs in changes.dirty.items():
+        src = mirror.sources.get(source)
+        if src is not None:
+            plans[source] = plan_source(mirror, src, runs, view)
+    return plans
+
+
+def plan_source(mirror: Mirror, src: SourceState, runs: Iterable[Run], view: bool) -> Plan:
+    """Records for these runs of one publisher (all of its runs for a full rewrite)."""
+    plan = Plan()
+    for run in sorted(runs, key=lambda r: r.id):
+        if src.runs.get(run.id) is not run:
+            continue  # gone with a clear, or already cut
+        parts = _cut(mirror, src, run)
+        if not parts:
+            del src.runs[run.id]
+            if run.saved:
+                plan.deletes.append(run.id)
+        for part in parts:
+            plan.records.append(_record(src, part, view))
+            plan.runs.append(part)
+    return plan
+
+
+def _cut(mirror: Mirror, src: SourceState, run: Run) -> list[Run]:
+    """The run cut down to the blocks it still holds: [] if none, several runs if they are
+    no longer contiguous (the first keeps the run's id)."""
+    hashes = run.hashes
+    live = src.members(run)
+    if len(live) == len(hashes) or not live:
+        return [run] if live else []
+    tokens, size = run.flat_tokens(), run.size
+    pieces = []
+    start = prev = live[0]
+    for i in [*live[1:], -1]:
+        if i != prev + 1:
+            parent = hashes[start - 1] if start else run.parent
+            cut = None if tokens is None else tokens[start * size : (prev + 1) * size]
+            pieces.append((parent, hashes[start : prev + 1], cut))
+            start = i
+        prev = i
+    run.parent, run.hashes, run.tokens = pieces[0]
+    parts = [run]
+    blocks = src.pools[(run.group, run.medium)].blocks
+    for parent, part_hashes, cut in pieces[1:]:
+        part = Run(
+            mirror.new_run_id(), run.group, run.medium, parent, part_hashes, size, run.lora,
+            run.ts, cut, run.rank,
+        )  # fmt: skip
+        src.runs[part.id] = part
+        blocks.update(zip(part_hashes, repeat(part)))
+        parts.append(part)
+    return parts
+
+
+def _record(src: SourceState, run: Run, view: bool) -> Record:
+    hashes = run.hashes
+    pool = src.pools[(run.group, run.medium)]
+    copies = [pool.copies(h) for h in hashes] if pool.extra else [1] * len(hashes)
+    extras = [(i, c) for i, c in enumerate(copies) if c > 1] or None
+    run.compact()
+    flat = run.flat_tokens()
+    chain = BlockStored(
+        hashes, run.parent, flat or [], run.size if flat else 0, medium=run.medium,
+        lora_name=run.lora, group_idx=run.group,
+        # vLLM names the LoRA in each block's extra keys; the index accepts exactly that.
+        extra_keys=[[run.lora]] * len(hashes) if flat and run.lora is not None else None,
+    )  # fmt: skip
+    events, n = _encode(chain), 1
+    if extras:
+        more = [hashes[i] for i, c in extras for _ in range(c - 1)]
+        events += _encode(BlockStored(more, None, [], 0, medium=run.medium, group_idx=run.group))
+        n = 2
+    return Record(
+        run.id, run.rank, run.group, run.medium, run.size, run.lora, run.ts,
+        _encode((run.parent, hashes, extras)), events, n,
+        _blocks_json(run, copies, flat) if view else None,
+    )  # fmt: skip
+
+
+def _blocks_json(run: Run, copies: list[int], flat: list[int] | None) -> str:
+    texts = [render_hash(h) for h in run.hashes]
+    parents = [None if run.parent is None else render_hash(run.parent), *texts[:-1]]
+    size = run.size
+    tokens: list[list[int] | None] = (
+        [None] * len(texts)
+        if flat is None
+        else [flat[i * size : (i + 1) * size] for i in range(len(texts))]
+    )
+    return _json(list(zip(texts, parents, tokens, copies, strict=True))).decode()
+
+
+# -- loading into an index ----------------------------------------------------------------
+
+
+class Target(Protocol):
+    """What log entries are applied to: a mirror, or an index (see IndexTarget)."""
+
+    def apply_payload(self, source: SourceKey, payload: bytes) -> None: ...
+
+    def restart(self, source: SourceKey) -> None: ...
+
+    def remove_instance(self, name: str) -> None: ...
+
+
+class IndexTarget:
+    """Logged entries straight into an index (a service's warm start)."""
+
+    def __init__(self, index: FleetIndex) -> None:
+        self.index = index
+        self._decoder = BatchDecoder()
+
+    def apply_payload(self, source: SourceKey, payload: bytes) -> None:
+        try:
+            batch = self._decoder.decode(payload)
+        except WireError:
+            return  # the service skipped it too
+        self.index.apply(source, batch)
+
+    def restart(self, source: SourceKey) -> None:
+        self.index.drop_source(source)
+
+    def remove_instance(self, name: str) -> None:
+        self.index.remove_instance(name)
+
+
+def replay(index: FleetIndex, source: SourceKey, stored: Iterable[Stored]) -> int:
+    """Load one publisher's records into `index`; returns the blocks they hold."""
+    blocks = 0
+    for batch, n in _batches(list(stored)):
+        index.apply(source, batch)
+        blocks += n
+    return blocks
+
+
+def snapshot_batches(stored: Iterable[Stored]) -> Iterator[EventBatch]:
+    """One publisher's records as the batches that rebuild them (parents first)."""
+    for batch, _ in _batches(list(stored)):
+        yield batch
+
+
+def _batches(stored: list[Stored]) -> Iterator[tuple[EventBatch, int]]:
+    """(batch, blocks in it): the records' events, parents first, in large batches."""
+    if not stored:
+        return
+    decoder = BatchDecoder()
+    keys = [_decode_keys(s[1]) for s in stored]
+    ts = _encode(max(s[4] for s in stored))
+    chunk: list[bytes] = []
+    events = size = blocks = 0
+    for i in _parents_first(stored, keys):
+        record = stored[i]
+        chunk.append(record[2])
+        events, size, blocks = events + record[3], size + len(record[2]), blocks + len(keys[i][1])
+        if events >= CHUNK_EVENTS or size >= CHUNK_BYTES:
+            yield decoder.decode(b"\x92" + ts + array_header(events) + b"".join(chunk)), blocks
+            chunk, events, size, blocks = [], 0, 0, 0
+    if chunk:
+        yield decoder.decode(b"\x92" + ts + array_header(events) + b"".join(chunk)), blocks
+
+
+def _parents_first(stored: list[Stored], keys: list[Keys]) -> list[int]:
+    """Record positions in the order that rebuilds the prefix tree as it was: chains the
+    index could not place first (nothing of the publisher is in the tree yet, so they are
+    not placed now either), then the others as stored (oldest first: mostly right
+    already), each placed chain after the one holding its parent.
+
+    Only hashes some chain names as its parent matter: a set of those (one per record at
+    most) is intersected with each record's hashes, in C, rather than every hash indexed.
+    """
+    ranks = [record[0] for record in stored]
+    wanted = {k[0] for k, r in zip(keys, ranks, strict=True) if r == PLACED and k[0] is not None}
+    holder: dict[BlockHash, int] = {}  # parent hash -> the first placed record holding it
+    if wanted:
+        for i, (k, r) in enumerate(zip(keys, ranks, strict=True)):
+            if r == PLACED:
+                for h in wanted.intersection(k[1]):
+                    holder.setdefault(h, i)
+    order = [i for i, r in enumerate(ranks) if r == UNPLACED]
+    done = bytearray(len(stored))
+    waiting: dict[int, list[int]] = {}  # record -> records to put right after it
+
+    def emit(first: int) -> None:
+        stack = [first]
+        while stack:
+            i = stack.pop()
+            if not done[i]:
+                done[i] = 1
+                order.append(i)
+                stack.extend(reversed(waiting.pop(i, ())))
+
+    for i, (k, r) in enumerate(zip(keys, ranks, strict=True)):
+        if r == UNPLACED:
+            continue
+        j = holder.get(k[0]) if r == PLACED and k[0] is not None else None
+        if j is None or j == i or done[j]:
+            emit(i)
+        else:
+            waiting.setdefault(j, []).append(i)
+    for i, r in enumerate(ranks):  # left: a cycle of parents (an insane publisher)
+        if r != UNPLACED and not done[i]:
+            emit(i)
+    return order
+
+
+# -- loading into a mirror ----------------------------------------------------------------
+
+
+def load_runs(mirror: Mirror, source: SourceKey, rows: Iterable[MirrorRow]) -> int:
+    """Put one publisher's records into a mirror (as saved runs); returns its blocks."""
+    src = mirror.source(source)
+    blocks = 0
+    for run_id, rank, group, medium, size, lora, ts, keys, events, n in rows:
+        parent, hashes, extras = _decode_keys(keys)
+        run = Run(
+            run_id, group, medium, parent, hashes, size, lora, ts, None, rank,
+            array_header(n) + events if rank else None,
+        )  # fmt: skip
+        run.saved = True
+        pool = src.pool((group, medium))
+        pool.blocks.update(zip(hashes, repeat(run)))
+        for i, copies in extras or ():
+            pool.extra[hashes[i]] = copies - 1
+        src.runs[run_id] = run
+        mirror.next_id = max(mirror.next_id, run_id + 1)
+        blocks += len(hashes)
+    return blocks
+
+
+# -- rows (export) -------------------------------------------------------------------------
+
+
+def mirror_rows(mirror: Mirror) -> list[BlockRow]:
+    """Every block the mirror holds, one row per (publisher, pool, hash)."""
+    rows: list[BlockRow] = []
+    for source, src in mirror.sources.items():
+        for run in src.runs.values():
+            rows.extend(_run_rows(source, src, run))
+    return rows
+
+
+def _run_rows(source: SourceKey, src: SourceState, run: Run) -> Iterator[BlockRow]:
+    live = src.members(run)
+    if not live:
+        return
+    pool = src.pools[(run.group, run.medium)]
+    flat = run.flat_tokens()
+    size, hashes = run.size, run.hashes
+    for i in live:
+        h = hashes[i]
+        own = None if flat is None else flat[i * size : (i + 1) * size]
+        parent = hashes[i - 1] if i else run.parent
+        yield BlockRow(
+            source, run.group, run.medium, h, parent, own, size, run.lora, pool.copies(h), run.ts
+        )

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint venv clean fuzz soak
+.PHONY: demo test bench bench-quick bench-readme lint venv clean fuzz soak
 FUZZ_SECONDS ?= 120
 SOAK_SECONDS ?= 300
 
@@ -22,8 +22,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
+# The benchmark suite, full size (10-20 minutes): table, bench/results.json, bench/*.png.
+# Dynamo's radix tree (the `[bench]` extra) is a baseline when it installs, skipped if not.
 bench: $(STAMP)
+	$(BIN)/pip install -q -e '.[bench]' || echo "bench: ai-dynamo-runtime did not install; its column will say skipped"
 	$(BIN)/python -m kvindex.bench
+
+# The same cases, smaller (under 2 minutes; what CI can afford).
+bench-quick: $(STAMP)
+	$(BIN)/pip install -q -e '.[bench]' || echo "bench: ai-dynamo-runtime did not install; its column will say skipped"
+	$(BIN)/python -m kvindex.bench --quick
+
+# Rewrite README.md's benchmark section from bench/results.json (after `make bench`).
+bench-readme: $(STAMP)
+	$(BIN)/python -m kvindex.bench.report --readme README.md --results bench/results.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples bench

@@ -46,6 +46,7 @@ COMMANDS = (
     "keys",
     "export",
     "stats",
+    "bench",
 )
 
 

@@ -1,0 +1,300 @@
+"""The bench's table (stdout, and the README's benchmark section) from its results.
+
+`python -m kvindex.bench.report --readme README.md [--results bench/results.json]`
+replaces the text between `<!-- bench:start -->` and `<!-- bench:end -->` in the README
+with the table of the last run, the machine it ran on and its date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "METHOD",
+    "entries_curve",
+    "main",
+    "print_table",
+    "readme_section",
+    "rewrite_readme",
+    "rows",
+]
+
+METHOD = (
+    "ingest: after an untimed warm-up to steady state, the measured stream is fed in N "
+    "slices of equal block events, each timed, and the best slice counts (disturbances on "
+    "a shared machine only ever slow a slice down); lookups: p50/p99 of each round over "
+    "the same 512-block prompts, median over N rounds; memory: resident-set delta of "
+    "building the index in a fresh process, one per consumer and size"
+)
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+Row = tuple[str, str, str, str]
+
+
+def _m(per_s: float) -> str:
+    return f"{per_s / 1e6:.2f} M/s" if per_s >= 1e5 else f"{per_s / 1e3:.0f} k/s"
+
+
+def _instances(n: int) -> str:
+    return f"{n} instance" if n == 1 else f"{n} instances"
+
+
+def _entries(n: int) -> str:
+    return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}k"
+
+
+def _skipped(d: dict[str, Any]) -> str | None:
+    if "skipped" in d:
+        return f"skipped: {d['skipped']}"
+    if "error" in d:
+        return f"error: {d['error']}"
+    return None
+
+
+def _off(d: dict[str, Any]) -> str:
+    n = d.get("mismatched_blocks")
+    return "" if n is None else " exact" if n == 0 else f" {n:,} blocks off"
+
+
+def _ingest_rows(results: dict[str, Any]) -> list[Row]:
+    out = []
+    for case in results.get("ingest", {}).get("cases", []):
+        ours, naive, dyn = case["kvindex"], case["naive"], case["dynamo"]
+        theirs = _skipped(dyn) or f"{_m(dyn['per_s'])},{_off(dyn)}"
+        baseline = (
+            f"naive {_m(naive['per_s'])},{_off(naive)} (kvindex {case['ratio_vs_naive']:.2f}x); "
+            f"Dynamo {theirs}"
+        )
+        out.append(
+            (
+                f"ingest in process (decode + apply), {_instances(case['instances'])}",
+                f"{_m(ours['per_s'])},{_off(ours)}",
+                baseline,
+                ">= 1.0 M/s, >= 1.2x naive",
+            )
+        )
+    return out
+
+
+def _store_rows(results: dict[str, Any]) -> list[Row]:
+    stores = results.get("stores", {})
+    ingest = results.get("ingest", {}).get("cases", [])
+    memory = {c["instances"]: c["kvindex"]["per_s"] for c in ingest}
+    out = []
+    for kind, label, target in (
+        ("sqlite", "SQLite", ">= 0.5 M/s"),
+        ("redis", "Redis", ">= 0.3 M/s"),
+    ):
+        case = stores.get(kind)
+        if case is None:
+            continue
+        mem = memory.get(case["instances"])
+        out.append(
+            (
+                f"ingest in process + {label} store, {_instances(case['instances'])}"
+                " (until persisted)",
+                _skipped(case) or _m(case["per_s"]),
+                "-" if mem is None else f"memory store {_m(mem)}",
+                target,
+            )
+        )
+    return out
+
+
+def _warm_rows(results: dict[str, Any]) -> list[Row]:
+    warm = results.get("warm_restart")
+    if not warm or "error" in warm:
+        return []
+    return [
+        (
+            f"warm restart: load a {warm['blocks']:,}-block SQLite store into a fresh index",
+            f"{warm['load_seconds']:.2f} s",
+            "-",
+            "<= 3 s to healthz (1M blocks)",
+        )
+    ]
+
+
+def _latency(d: dict[str, Any]) -> str:
+    lat = d["lookup"]
+    return f"p50 {lat['p50_us']:,.0f} us, p99 {lat['p99_us']:,.0f} us"
+
+
+def _lookup_row(case: dict[str, Any]) -> Row:
+    ours, naive, dyn = case["kvindex"], case["naive"], case["dynamo"]
+    agree = "" if case.get("matches_agree", True) else " (MATCHES DIFFER)"
+    theirs = _skipped(dyn) or _latency(dyn)
+    name = (
+        f"lookup of a 512-block prompt, {_instances(case['instances'])} x "
+        f"{case['per_instance']:,} blocks ({_entries(case['entries'])} entries){agree}"
+    )
+    naive_text = _skipped(naive) or f"{_latency(naive)} (given the hashes)"
+    return (
+        name,
+        _skipped(ours) or _latency(ours),
+        f"naive {naive_text}; Dynamo {theirs}",
+        "p50 <= 50 us, p99 <= 300 us (at 64 x 100k)",
+    )
+
+
+def _memory_row(case: dict[str, Any]) -> Row:
+    ours, naive, dyn = case["kvindex"], case["naive"], case["dynamo"]
+
+    def per(d: dict[str, Any]) -> str:
+        return _skipped(d) or f"{d['bytes_per_entry']:.0f} B"
+
+    sharing = ours.get("entries_per_node")
+    share = "" if sharing is None else f", {sharing:.2f} entries per tree node"
+    return (
+        f"memory per (instance, block) entry, {_entries(case['entries'])} entries{share}",
+        per(ours),
+        f"naive dict of sets {per(naive)}; Dynamo {per(dyn)}",
+        "<= 120 B (at >= 5M entries)",
+    )
+
+
+def entries_curve(lookup: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cases of growing total entries: the `entries` cases and the instance-curve
+    cases with the same number of instances, by entries."""
+    by_entries = lookup.get("entries", [])
+    instances = {c["instances"] for c in by_entries}
+    same = [c for c in lookup.get("instances", []) if c["instances"] in instances]
+    unique = {c["entries"]: c for c in same + by_entries}
+    return [unique[e] for e in sorted(unique)]
+
+
+def _lookup_rows(results: dict[str, Any]) -> list[Row]:
+    lookup = results.get("lookup", {})
+    out = [_lookup_row(c) for c in lookup.get("instances", [])]
+    out += [_lookup_row(c) for c in lookup.get("entries", [])]
+    out += [_memory_row(c) for c in entries_curve(lookup)]
+    return out
+
+
+def _e2e_rows(results: dict[str, Any]) -> list[Row]:
+    e2e = results.get("e2e")
+    if e2e is None:
+        return []
+    reason = _skipped(e2e)
+    if reason is None and importlib.util.find_spec("kvindex.bench.e2e") is not None:
+        try:
+            table_rows: Callable[[dict[str, Any]], list[Row]] = importlib.import_module(
+                "kvindex.bench.e2e"
+            ).table_rows
+            return [(str(a), str(b), str(c), str(d)) for a, b, c, d in table_rows(e2e)]
+        except Exception as exc:  # results of another version of the e2e cases
+            reason = f"error: cannot tabulate ({type(exc).__name__}: {exc})"[:200]
+    return [("end to end (ZMQ into serve, HTTP, freshness, restart)", reason or "-", "-", "-")]
+
+
+def _error_rows(results: dict[str, Any]) -> list[Row]:
+    sections = ("ingest", "stores", "warm_restart", "lookup")
+    return [
+        (f"{name}: the section failed", f"error: {results[name]['error']}", "-", "-")
+        for name in sections
+        if isinstance(results.get(name), dict) and "error" in results[name]
+    ]
+
+
+def rows(results: dict[str, Any]) -> list[Row]:
+    """(case, kvindex, baseline, target) for every case of a results dict."""
+    out: list[Row] = _error_rows(results)
+    for part in (_ingest_rows, _store_rows, _warm_rows, _lookup_rows, _e2e_rows):
+        out += part(results)
+    return out
+
+
+def _machine_line(results: dict[str, Any]) -> str:
+    m = results.get("machine", {})
+    memory = f", {m['memory_gib']} GiB" if m.get("memory_gib") else ""
+    return (
+        f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores{memory}), "
+        f"Python {m.get('python', '?')}, {m.get('platform', '?')}"
+    )
+
+
+def print_table(results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    title = f"kvindex bench ({results.get('mode', '?')} mode; baselines measured in the same run)"
+    table = Table(title=title, caption=_machine_line(results))
+    for col in ("case", "kvindex", "baseline", "target"):
+        table.add_column(col)
+    for row in rows(results):
+        table.add_row(*row)
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: wide rows rather than 80 columns
+        console = Console(width=170)
+    console.print(table)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def readme_section(results: dict[str, Any], plots_dir: str) -> str:
+    """The README's benchmark section: machine, date, table and plots."""
+    mode = results.get("mode", "full")
+    command = "make bench" if mode == "full" else f"python -m kvindex.bench --{mode}"
+    date = str(results.get("date", "?"))[:10]
+    lines = [
+        f"Last run: {date}, `{command}` ({mode} mode) on {_machine_line(results)}.",
+        f"Every baseline was measured in the same run. Method: {results.get('method', METHOD)}.",
+        "",
+        "| case | kvindex | baseline | target |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows(results)]
+    plots = results.get("plots") or []
+    if plots:
+        links = ", ".join(f"[{Path(p).stem.replace('_', ' ')}]({plots_dir}/{p})" for p in plots)
+        lines += ["", f"Plots: {links}."]
+    return "\n".join(lines)
+
+
+def rewrite_readme(readme: Path, results_path: Path) -> None:
+    """Replace the README's text between the bench markers with the section."""
+    results = json.loads(results_path.read_text())
+    text = readme.read_text()
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"{readme} has no {START} ... {END} markers")
+    plots_dir = os.path.relpath(results_path.parent, readme.parent)
+    section = readme_section(results, Path(plots_dir).as_posix())
+    readme.write_text(text[: start + len(START)] + "\n" + section + "\n" + text[end:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvindex.bench.report",
+        description="print the bench table, or write it into the README",
+    )
+    parser.add_argument("--results", default="bench/results.json", metavar="PATH")
+    parser.add_argument("--readme", metavar="PATH", help="rewrite this README's bench section")
+    args = parser.parse_args(argv)
+    results_path = Path(args.results)
+    if not results_path.exists():
+        print(f"no results at {results_path}: run `make bench` first", file=sys.stderr)
+        return 2
+    if args.readme:
+        try:
+            rewrite_readme(Path(args.readme), results_path)
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        print(f"rewrote the bench section of {args.readme}")
+        return 0
+    print_table(json.loads(results_path.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""`python -m kvindex.bench` / `kvindex bench` / `make bench`: the whole suite.
+
+Three modes: the default (full: every case at the issue's sizes, 10-20 minutes), `--quick`
+(the same cases, smaller: under 2 minutes, what CI can run) and `--smoke` (seconds: the
+whole pipeline on toy sizes, for the tests). Writes `results.json` and the plots beside it
+and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvindex.bench import cases, plots, report
+from kvindex.bench.common import machine_info
+from kvindex.bench.consumers import dynamo_status
+from kvindex.bench.plan import PLANS, Plan, add_arguments, plan_from
+from kvindex.bench.workloads import FillSpec, IngestSpec, IngestWorkload, ingest_workload
+
+__all__ = ["PLANS", "Plan", "add_arguments", "main", "run", "run_suite"]
+
+
+def _say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def _timed(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
+    """`fn()`, timed; a section that raises is recorded as an error, and the run goes on
+    (the other sections' figures are still worth having)."""
+    start = time.perf_counter()
+    try:
+        value = fn()
+    except Exception as exc:
+        traceback.print_exc()
+        value = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    results["elapsed_seconds"][name] = round(time.perf_counter() - start, 2)
+    return value
+
+
+def run_suite(plan: Plan, workdir: Path, dynamo: bool = True, e2e: bool = True) -> dict[str, Any]:
+    """Every case of `plan`; the results as `results.json` holds them."""
+    status = dynamo_status() if dynamo else {"available": False, "reason": "--no-dynamo"}
+    if status["available"]:
+        status |= {
+            "max_entries": plan.dynamo_max_entries,
+            "ingest_max_instances": plan.dynamo_ingest_max_instances,
+        }
+    results: dict[str, Any] = {
+        "format": 1,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "mode": plan.mode,
+        "plan": asdict(plan),
+        "machine": machine_info(),
+        "method": report.METHOD,
+        "dynamo": status,
+        "elapsed_seconds": {},
+    }
+    workloads: dict[int, IngestWorkload] = {}
+    results["ingest"] = _timed(results, "ingest", lambda: _ingest(plan, status, workloads))
+    results["stores"] = _timed(results, "stores", lambda: _stores(plan, workloads, workdir))
+    workloads.clear()
+    _say(f"warm restart: {plan.warm_blocks:,} blocks")
+    results["warm_restart"] = _timed(
+        results,
+        "warm_restart",
+        lambda: cases.warm_restart_case(plan.warm_blocks, plan.warm_loads, workdir),
+    )
+    results["lookup"] = _timed(results, "lookup", lambda: _lookups(plan, status))
+    results["e2e"] = _timed(results, "e2e", lambda: _e2e(plan, workdir) if e2e else _no_e2e())
+    return results
+
+
+def _workload(plan: Plan, instances: int) -> IngestWorkload:
+    spec = IngestSpec(instances, plan.ingest_events, gpu_blocks=plan.gpu_blocks)
+    w = ingest_workload(spec)
+    how = "cached" if w.cached else f"generated in {w.generation_seconds:.1f} s"
+    _say(f"workload {instances} instances: {w.events:,} block events ({how})")
+    return w
+
+
+def _ingest(plan: Plan, status: dict[str, Any], keep: dict[int, IngestWorkload]) -> dict[str, Any]:
+    out = []
+    for n in plan.ingest_instances:
+        w = _workload(plan, n)
+        _say(f"ingest: {n} instances")
+        out.append(cases.ingest_case(w, plan.slices, status))
+        if n == plan.store_instances:
+            keep[n] = w
+    return {"cases": out}
+
+
+def _stores(plan: Plan, keep: dict[int, IngestWorkload], workdir: Path) -> dict[str, Any]:
+    w = keep.get(plan.store_instances) or _workload(plan, plan.store_instances)
+    _say(f"ingest with the SQLite and Redis stores: {w.spec.instances} instances")
+    return {kind: cases.store_case(kind, w, plan.slices, workdir) for kind in ("sqlite", "redis")}
+
+
+def _lookups(plan: Plan, status: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"instances": [], "entries": []}
+    for key, sizes in (("instances", plan.lookup_instances), ("entries", plan.lookup_entries)):
+        for instances, per in sizes:
+            spec = FillSpec(instances, per)
+            _say(f"lookup and memory: {instances} instances x {per:,} blocks")
+            out[key].append(cases.lookup_case(spec, plan.prompts, plan.rounds, status))
+    return out
+
+
+def _no_e2e() -> dict[str, Any]:
+    return {"skipped": "--no-e2e"}
+
+
+def _e2e(plan: Plan, workdir: Path) -> dict[str, Any]:
+    """The end-to-end cases (`kvindex.bench.e2e`: ZMQ into `serve`, HTTP under load,
+    freshness, warm restart to healthz), when that module is there."""
+    if importlib.util.find_spec("kvindex.bench.e2e") is None:
+        _say("end-to-end cases: skipped (kvindex.bench.e2e is not there)")
+        return {"skipped": "kvindex.bench.e2e is not there"}
+    _say("end-to-end cases")
+    module = importlib.import_module("kvindex.bench.e2e")
+    directory = workdir / "e2e"
+    directory.mkdir(exist_ok=True)
+    try:
+        result: dict[str, Any] = module.run_e2e(
+            quick=plan.mode != "full", workdir=directory, smoke=plan.mode == "smoke"
+        )
+    except Exception as exc:  # one broken case must not lose the rest of the run
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the suite for parsed `args`; print the table; write the JSON and the plots."""
+    plan = plan_from(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _say(f"mode {plan.mode}; results to {out}")
+    with tempfile.TemporaryDirectory(prefix="kvindex-bench-") as tmp:
+        results = run_suite(plan, Path(tmp), dynamo=not args.no_dynamo, e2e=not args.no_e2e)
+    results["plots"] = [p.name for p in plots.render_all(results, out.parent)]
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    report.print_table(results)
+    print(f"written: {out} and {', '.join(results['plots'])} in {out.parent}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvindex.bench", description=(__doc__ or "").split("\n")[0]
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -23,7 +23,7 @@ from matplotlib.ticker import FuncFormatter, PercentFormatter
 
 from kvindex.analysis.report import Report
 
-__all__ = ["FIGURES", "colors", "render_all"]
+__all__ = ["FIGURES", "STYLE", "colors", "render_all"]
 
 _PALETTE = (
     "#4C72B0",
@@ -38,7 +38,7 @@ _PALETTE = (
     "#64B5CD",
 )
 _MEDIUM_STYLE: dict[str, Any] = {"GPU": "-", "CPU": "--"}
-_STYLE: dict[str, Any] = {
+STYLE: dict[str, Any] = {  # matplotlib rc settings; the bench's figures use them too
     "font.size": 9,
     "axes.titlesize": 10.5,
     "axes.titleweight": "bold",
@@ -68,7 +68,7 @@ def colors(report: Report) -> dict[str, str]:
 
 @contextmanager
 def _figure(rows: int = 1, height: float = _SIZE[1]) -> Iterator[tuple[Figure, list[Axes]]]:
-    with plt.rc_context(cast(Any, _STYLE)):
+    with plt.rc_context(cast(Any, STYLE)):
         fig, axes = plt.subplots(
             rows, 1, figsize=(_SIZE[0], height), sharex=rows > 1, squeeze=False
         )

@@ -20,32 +20,11 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
+from kvindex.analysis.plots import STYLE
 from kvindex.bench.report import entries_curve
 
 __all__ = ["render_all"]
 
-# The analysis report's look (kvindex.analysis.plots), so the project's figures match.
-_STYLE: dict[str, Any] = {
-    "font.size": 9,
-    "axes.titlesize": 10.5,
-    "axes.titleweight": "bold",
-    "axes.titlelocation": "left",
-    "axes.titlepad": 10,
-    "axes.labelsize": 9,
-    "axes.labelcolor": "#333333",
-    "axes.edgecolor": "#B0B0B0",
-    "axes.spines.top": False,
-    "axes.spines.right": False,
-    "axes.grid": True,
-    "grid.color": "#E6E6E6",
-    "grid.linewidth": 0.8,
-    "xtick.color": "#555555",
-    "ytick.color": "#555555",
-    "legend.frameon": False,
-    "legend.fontsize": 8,
-    "figure.dpi": 100,
-    "savefig.dpi": 150,
-}
 _COLOR = {"kvindex": "#4C72B0", "naive": "#DD8452", "dynamo": "#55A868", "target": "#C44E52"}
 _LABEL = {
     "kvindex": "kvindex",
@@ -56,7 +35,7 @@ _LABEL = {
 
 @contextmanager
 def _figure(columns: int = 1) -> Iterator[tuple[Figure, list[Axes]]]:
-    with plt.rc_context(cast(Any, _STYLE)):
+    with plt.rc_context(cast(Any, STYLE)):  # the analysis report's look
         fig, axes = plt.subplots(1, columns, figsize=(6.4 * columns * 0.8, 3.6), squeeze=False)
         try:
             yield fig, list(axes[0])

@@ -18,8 +18,8 @@ from service_workload import TestClient
 
 from kvindex.index import FleetIndex
 from kvindex.index.sharing import sharing
+from kvindex.runtime import Fleet
 from kvindex.service.app import create_app
-from kvindex.service.runtime import Fleet
 from kvindex.subscriber import SourceKey
 from kvindex.wire import BlockStored, EventBatch
 

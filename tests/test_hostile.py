@@ -16,8 +16,8 @@ from netutil import wait_until
 from service_workload import TestClient
 
 from kvindex.index import FleetIndex
+from kvindex.runtime import Fleet
 from kvindex.service.app import create_app
-from kvindex.service.runtime import Fleet
 from kvindex.subscriber import (
     DecodeFailed,
     Delivery,

@@ -18,8 +18,8 @@ import uvicorn
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import allow_header_conformance
 
+from kvindex.runtime import Fleet
 from kvindex.service.app import create_app
-from kvindex.service.runtime import Fleet
 from kvindex.subscriber import InstanceSpec, SourceKey
 from kvindex.wire import BlockRemoved, BlockStored, EventBatch
 

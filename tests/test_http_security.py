@@ -21,9 +21,9 @@ from netutil import wait_until
 from service_workload import TestClient
 
 from kvindex.cli.serve import DEFAULT_HTTP
+from kvindex.runtime import Fleet
 from kvindex.security.http import HttpGuard
 from kvindex.service.app import create_app
-from kvindex.service.runtime import Fleet
 from kvindex.subscriber import InstanceSpec
 from kvindex.wire.publisher import Publisher
 

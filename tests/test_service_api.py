@@ -11,8 +11,8 @@ import pytest
 from netutil import wait_until
 from service_workload import TestClient
 
+from kvindex.runtime import Fleet
 from kvindex.service.app import create_app
-from kvindex.service.runtime import Fleet
 from kvindex.subscriber import InstanceSpec, ReplayPolicy
 from kvindex.wire import BlockRemoved, BlockStored
 from kvindex.wire.publisher import Publisher

@@ -7,8 +7,8 @@ from netutil import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from service_workload import TestClient
 
+from kvindex.runtime import Fleet
 from kvindex.service.app import create_app
-from kvindex.service.runtime import Fleet
 from kvindex.subscriber import InstanceSpec
 from kvindex.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.wire.publisher import Publisher

@@ -4,7 +4,10 @@ The layers, each usable on its own:
 - `kvindex.wire`: frames and payloads of every vLLM release from 0.9 to 0.33;
 - `kvindex.subscriber`: `Subscriber`, gap-free, restart-aware delivery of batches;
 - `kvindex.index`: `FleetIndex`, exact per-instance block state and prefix lookups;
-- `kvindex.service`: the HTTP API, metrics and the ingest loop of `kvindex serve`.
+- `kvindex.runtime`: `Fleet`, the ingest loop of `kvindex serve`, and the views (instances,
+  fleet totals, lookup answers) that every face renders;
+- `kvindex.store`: where that state persists (memory, SQLite, Redis);
+- `kvindex.service`: the HTTP API, the dashboard and the metrics of `kvindex serve`.
 """
 
 from kvindex.subscriber import (

@@ -98,8 +98,8 @@ def _pause(live: LiveFleet) -> None:
 
 
 def _app(live: LiveFleet) -> FastAPI:
+    from kvindex.runtime import Fleet
     from kvindex.service.app import create_app
-    from kvindex.service.runtime import Fleet
 
     fleet = Fleet(live.specs())
     app = create_app(fleet)

@@ -2,7 +2,7 @@
 
 Instances come from `--instance SPEC` flags and/or a TOML file; more can be added and
 removed at runtime through the API. The HTTP server (uvicorn) and the ingest task share
-one asyncio loop (see `kvindex.service.runtime`). The listening socket is bound here,
+one asyncio loop (see `kvindex.runtime`). The listening socket is bound here,
 before uvicorn starts, so a busy port is a one-line usage error and `--http HOST:0` picks a
 free port that the start line reports.
 
@@ -230,8 +230,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
     import zmq
 
+    from kvindex.runtime import Fleet
     from kvindex.service.app import create_app
-    from kvindex.service.runtime import Fleet
 
     store, index, loaded = _open_store(settings.store)
     sock = listen(host, port)

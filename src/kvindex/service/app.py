@@ -27,18 +27,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
 
-from kvindex.index import LookupRow
-from kvindex.security.http import HttpGuard
-from kvindex.service.dashboard import install_dashboard
-from kvindex.service.metrics import ServiceMetrics
-from kvindex.service.runtime import (
-    STATUS_ORDER,
+from kvindex.runtime import (
     DuplicateInstance,
     Fleet,
     InstanceView,
+    LookupAnswer,
     RankView,
     UnknownInstance,
 )
+from kvindex.security.http import HttpGuard
+from kvindex.service.dashboard import install_dashboard
+from kvindex.service.metrics import ServiceMetrics
 from kvindex.subscriber import InstanceSpec, SpecError, Status
 from kvindex.wire import parse_hash, render_hash
 
@@ -281,13 +280,12 @@ def _rank_dict(rank: RankView) -> dict[str, Any]:
 
 def _instance_dict(view: InstanceView) -> dict[str, Any]:
     spec = view.spec
-    counters = ("gaps", "replayed_batches", "lost_batches", "decode_errors", "publisher_restarts")
     return {
         "name": view.name,
         "status": view.status.value,
         "last_seq": view.last_seq,
         "blocks": view.blocks,
-        **{counter: view.total(counter) for counter in counters},
+        **view.totals(),
         "dp": spec.dp,
         "endpoint": spec.endpoint,
         "replay_endpoint": spec.replay_endpoint,
@@ -301,41 +299,6 @@ def _instance_dict(view: InstanceView) -> dict[str, Any]:
         "ingest_lag_seconds": view.ingest_lag_seconds,
         "last_batch_age_seconds": view.last_batch_age_seconds,
         "ranks": [_rank_dict(rank) for rank in view.ranks],
-    }
-
-
-def _lookup_answer(fleet: Fleet, rows: list[LookupRow], by_tokens: bool) -> dict[str, Any]:
-    """One row per followed instance (0 where it holds nothing yet), best first; `best` is
-    where a router should send the prompt: never a `down` instance (its engine is
-    unreachable), None when no instance holds the prompt's first block."""
-    found = {row.instance: row for row in rows}
-    out = [
-        _lookup_row(fleet, spec, found.get(name), by_tokens) for name, spec in fleet.specs.items()
-    ]
-    out.sort(key=lambda r: (-r["matched_blocks"], r["name"]))
-    best = next(
-        (r["name"] for r in out if r["matched_blocks"] > 0 and r["status"] != Status.DOWN),
-        None,
-    )
-    return {"best": best, "instances": out}
-
-
-def _lookup_row(
-    fleet: Fleet, spec: InstanceSpec, row: LookupRow | None, by_tokens: bool
-) -> dict[str, Any]:
-    ranks = dict.fromkeys(range(spec.dp), 0)
-    if row is not None:
-        ranks.update(row.ranks)
-    size = row.block_size if row is not None and row.matched_blocks else None
-    matched = row.matched_blocks if row is not None else 0
-    return {
-        "name": spec.name,
-        "status": fleet.status(spec.name).value,
-        "matched_blocks": matched,
-        "matched_tokens": matched * (size or 0) if by_tokens else None,
-        "block_size": size if by_tokens else None,
-        "best_rank": row.best_rank if row is not None else 0,
-        "ranks": [{"rank": r, "matched_blocks": n} for r, n in sorted(ranks.items())],
     }
 
 
@@ -540,29 +503,25 @@ def _add_status_routes(app: FastAPI, fleet: Fleet, metrics: ServiceMetrics) -> N
 
 
 def _stats(fleet: Fleet, metrics: ServiceMetrics) -> dict[str, Any]:
-    views = fleet.instance_views()
-    by_medium: dict[str, int] = {}
-    for view in views:
-        for medium, count in view.blocks_by_medium.items():
-            by_medium[medium] = by_medium.get(medium, 0) + count
+    fleet_totals = fleet.summary()
     requests, hits = metrics.lookups.totals
     ingest = fleet.ingest
     return {
-        "instances": len(views),
-        "statuses": {s.value: sum(v.status == s for v in views) for s in STATUS_ORDER},
-        "blocks": sum(v.blocks for v in views),
-        "blocks_by_medium": by_medium,
-        "entries": fleet.index.entries(),
-        "stored": sum(v.stored for v in views),
-        "removed": sum(v.removed for v in views),
-        "clears": sum(v.clears for v in views),
-        "batches": sum(v.batches for v in views),
-        "lost_batches": sum(v.total("lost_batches") for v in views),
-        "publisher_restarts": sum(v.total("publisher_restarts") for v in views),
-        "rates": fleet.index.rates.per_minute(),
+        "instances": fleet_totals.instances,
+        "statuses": {s.value: n for s, n in fleet_totals.statuses.items()},
+        "blocks": fleet_totals.blocks,
+        "blocks_by_medium": fleet_totals.blocks_by_medium,
+        "entries": fleet_totals.entries,
+        "stored": fleet_totals.stored,
+        "removed": fleet_totals.removed,
+        "clears": fleet_totals.clears,
+        "batches": fleet_totals.batches,
+        "lost_batches": fleet_totals.counters["lost_batches"],
+        "publisher_restarts": fleet_totals.counters["publisher_restarts"],
+        "rates": fleet.rates_per_minute(),
         "ingest": {
             "items": ingest.items,
-            "backlog": fleet.backlog,
+            "backlog": fleet_totals.backlog,
             "errors": ingest.errors,
             "longest_slice_seconds": ingest.longest_slice_seconds,
         },
@@ -601,9 +560,11 @@ def _add_instance_routes(app: FastAPI, fleet: Fleet) -> None:
     @app.get("/v1/instances/{name}/blocks", response_model=BlocksOut, responses=_ERRORS)
     async def blocks(name: str, medium: str | None = None) -> Response:
         """Every distinct block hash the instance holds now (all ranks), each once."""
-        if not fleet.has_instance(name):
+        try:
+            held = fleet.block_hashes(name, medium)
+        except UnknownInstance:
             return _error(404, f"unknown instance {name!r}")
-        hashes = sorted(render_hash(h) for h in fleet.index.block_hashes(name, medium))
+        hashes = sorted(render_hash(h) for h in held)
         return _json({"name": name, "medium": medium, "count": len(hashes), "block_hashes": hashes})
 
 
@@ -620,11 +581,8 @@ def _add_lookup_routes(app: FastAPI, fleet: Fleet, metrics: ServiceMetrics) -> N
         body = await _decode_lookup(request)
         _check_items(request, len(body.token_ids), "token_ids")
         start = time.perf_counter()
-        rows = fleet.index.lookup(body.token_ids, body.lora_name)
-        answer = _lookup_answer(fleet, rows, by_tokens=True)
-        hit = any(r["matched_blocks"] for r in answer["instances"])
-        metrics.lookups.observe("tokens", time.perf_counter() - start, hit)
-        return _json(answer)
+        answer = fleet.lookup(body.token_ids, body.lora_name)
+        return _answered(metrics, "tokens", start, answer)
 
     @app.post(
         "/v1/lookup/hashes",
@@ -641,8 +599,10 @@ def _add_lookup_routes(app: FastAPI, fleet: Fleet, metrics: ServiceMetrics) -> N
         except ValueError as exc:
             return _error(400, str(exc))
         start = time.perf_counter()
-        rows = fleet.index.lookup_hashes(hashes)
-        answer = _lookup_answer(fleet, rows, by_tokens=False)
-        hit = any(r["matched_blocks"] for r in answer["instances"])
-        metrics.lookups.observe("hashes", time.perf_counter() - start, hit)
-        return _json(answer)
+        answer = fleet.lookup_hashes(hashes)
+        return _answered(metrics, "hashes", start, answer)
+
+
+def _answered(metrics: ServiceMetrics, kind: str, start: float, answer: LookupAnswer) -> Response:
+    metrics.lookups.observe(kind, time.perf_counter() - start, answer.hit)
+    return _json(answer)

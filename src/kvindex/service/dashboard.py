@@ -33,8 +33,8 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
-from kvindex.index.sharing import Sharing, sharing
-from kvindex.service.runtime import Fleet, InstanceView
+from kvindex.index.sharing import Sharing
+from kvindex.runtime import Fleet, FleetSummary, InstanceView
 
 __all__ = ["Dashboard", "install_dashboard", "render_dashboard"]
 
@@ -52,7 +52,6 @@ _ASSETS = {
     "uPlot.min.css": "text/css; charset=utf-8",
     "favicon.svg": "image/svg+xml",
 }
-_COUNTERS = ("gaps", "replayed_batches", "lost_batches", "decode_errors", "publisher_restarts")
 _encoder = msgspec.json.Encoder()
 
 
@@ -108,7 +107,7 @@ class Dashboard:
         rows = [self._row(view, elapsed) for view in views]
         for gone in set(self.tracks) - {v.name for v in views}:
             del self.tracks[gone]
-        header = _header(self.fleet, rows)
+        header = _header(self.fleet.summary(views), rows)
         point = {
             "t": now,
             "stores": header["stores_per_s"],
@@ -136,7 +135,7 @@ class Dashboard:
             "blocks_by_medium": view.blocks_by_medium,
             "stores_per_s": round(track.stores_per_s, 2),
             "removes_per_s": round(track.removes_per_s, 2),
-            **{counter: view.total(counter) for counter in _COUNTERS},
+            **view.totals(),
             "clears": view.clears,
             "last_seq": view.last_seq,
             "ingest_lag_s": view.ingest_lag_seconds,
@@ -144,11 +143,7 @@ class Dashboard:
 
     def analyse_sharing(self) -> dict[str, Any]:
         started = time.perf_counter()
-        names = self.fleet.index.instances()
-        if len(names) > SHARING_MAX_INSTANCES:  # the largest ones
-            names = sorted(names, key=self.fleet.index.block_count, reverse=True)
-            names = sorted(names[:SHARING_MAX_INSTANCES])
-        result = sharing(self.fleet.index, instances=names, max_nodes=SHARING_MAX_NODES)
+        result = self.fleet.sharing(SHARING_MAX_INSTANCES, SHARING_MAX_NODES)
         self.sharing = _sharing_dict(result)
         self._sharing_cost = time.perf_counter() - started
         return self.sharing
@@ -276,27 +271,20 @@ def _last_event(request: Request) -> float | None:
         return None
 
 
-def _header(fleet: Fleet, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    by_medium: dict[str, int] = {}
-    statuses: dict[str, int] = {}
-    for row in rows:
-        statuses[row["status"]] = statuses.get(row["status"], 0) + 1
-        for medium, count in row["blocks_by_medium"].items():
-            by_medium[medium] = by_medium.get(medium, 0) + count
+def _header(fleet: FleetSummary, rows: list[dict[str, Any]]) -> dict[str, Any]:
     stores = sum(r["stores_per_s"] for r in rows)
     removes = sum(r["removes_per_s"] for r in rows)
-    lags = [r["ingest_lag_s"] for r in rows if r["ingest_lag_s"] is not None]
     return {
-        "instances": len(rows),
-        "statuses": statuses,
-        "blocks": sum(r["blocks"] for r in rows),
-        "blocks_by_medium": by_medium,
+        "instances": fleet.instances,
+        "statuses": {s.value: n for s, n in fleet.statuses.items() if n},
+        "blocks": fleet.blocks,
+        "blocks_by_medium": fleet.blocks_by_medium,
         "stores_per_s": round(stores, 2),
         "removes_per_s": round(removes, 2),
         "events_per_s": round(stores + removes, 2),
-        "ingest_lag_s": max(lags) if lags else None,
+        "ingest_lag_s": fleet.ingest_lag_seconds,
         "backlog": fleet.backlog,
-        **{counter: sum(r[counter] for r in rows) for counter in _COUNTERS},
+        **fleet.counters,
     }
 
 

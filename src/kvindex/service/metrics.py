@@ -21,7 +21,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvindex.service.runtime import STATUS_ORDER, Fleet, InstanceView
+from kvindex.runtime import STATUS_ORDER, Fleet, InstanceView
 
 __all__ = ["FleetCollector", "LookupMetrics", "ServiceMetrics"]
 
@@ -108,11 +108,11 @@ class FleetCollector(Collector):
         yield from self._fleet_metrics(views)
 
     def _fleet_metrics(self, views: list[InstanceView]) -> Iterator[Metric]:
-        fleet = self.fleet
-        yield _gauge("kvindex_instances", "Instances followed.", len(views))
-        yield _gauge("kvindex_index_entries", "(rank, pool, hash) entries.", fleet.index.entries())
+        fleet = self.fleet.summary(views)
+        yield _gauge("kvindex_instances", "Instances followed.", fleet.instances)
+        yield _gauge("kvindex_index_entries", "(rank, pool, hash) entries.", fleet.entries)
         yield _gauge("kvindex_ingest_backlog", "Items read but not applied yet.", fleet.backlog)
-        ingest = fleet.ingest
+        ingest = self.fleet.ingest
         items = CounterMetricFamily("kvindex_ingest_items", "Items applied to the index.")
         items.add_metric([], ingest.items)
         yield items

@@ -54,7 +54,7 @@ from kvindex.subscriber.spec import InstanceSpec
 from kvindex.subscriber.state import Checkpoint
 
 if TYPE_CHECKING:
-    from kvindex.service.runtime import Fleet
+    from kvindex.runtime import Fleet
 
 __all__ = ["RedisStore", "current_rows"]
 

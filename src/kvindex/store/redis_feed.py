@@ -47,7 +47,7 @@ from kvindex.subscriber import (
 from kvindex.wire import BatchDecoder, WireError
 
 if TYPE_CHECKING:
-    from kvindex.service.runtime import Fleet
+    from kvindex.runtime import Fleet
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,23 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
-from kvindex.index import CacheStats, FleetIndex
+from kvindex.index import CacheStats, FleetIndex, LookupRow
+from kvindex.index.sharing import Sharing, sharing
+from kvindex.runtime.views import (
+    FleetSummary,
+    InstanceMatch,
+    InstanceView,
+    LookupAnswer,
+    RankMatch,
+    RankView,
+    worst_status,
+)
 from kvindex.subscriber import (
     Checkpoint,
     Delivery,
@@ -40,27 +50,18 @@ from kvindex.subscriber import (
     Status,
     Subscriber,
 )
+from kvindex.wire import BlockHash
 
 __all__ = [
-    "STATUS_ORDER",
     "DuplicateInstance",
     "Fleet",
-    "InstanceView",
-    "RankView",
+    "IngestStats",
+    "MembershipChange",
+    "MembershipFeed",
     "UnknownInstance",
 ]
 
 log = logging.getLogger(__name__)
-
-# Worst last: an instance reports the worst status among its DP ranks.
-STATUS_ORDER: tuple[Status, ...] = (
-    Status.LIVE,
-    Status.REPLAYING,
-    Status.CONNECTING,
-    Status.INCOMPLETE,
-    Status.DOWN,
-)
-_SEVERITY = {status: i for i, status in enumerate(STATUS_ORDER)}
 
 ItemHook = Callable[[Item], None]
 RemoveHook = Callable[[str], None]
@@ -75,59 +76,24 @@ class UnknownInstance(KeyError):
 
 
 @dataclass(frozen=True, slots=True)
-class RankView:
-    """One DP rank of an instance, as the Subscriber and the index see it now."""
+class MembershipChange:
+    """An instance added (`spec`) or removed (`spec` None) somewhere else: by another
+    replica sharing this one's store."""
 
-    rank: int
-    status: Status
-    last_seq: int | None
-    gaps: int
-    received: int
-    delivered: int
-    replayed_batches: int
-    lost_batches: int
-    decode_errors: int
-    publisher_restarts: int
-    last_batch_ts: float | None
-    ingest_lag_seconds: float | None
+    name: str
+    spec: InstanceSpec | None
 
 
-@dataclass(frozen=True, slots=True)
-class InstanceView:
-    """What `/v1/instances` shows of one instance: its spec, status, counters and blocks."""
+class MembershipFeed(Protocol):
+    """Where changes of the fleet made elsewhere come from (a shared store's Subscriber).
 
-    spec: InstanceSpec
-    status: Status
-    ranks: list[RankView]
-    blocks: int
-    blocks_by_medium: dict[str, int]
-    stored: int
-    removed: int
-    clears: int
-    batches: int
+    The Fleet takes them after every read of its Subscriber and applies them itself; the
+    feed holds back the input that follows a change until the change is taken, so a new
+    instance's first batch never arrives before the instance."""
 
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def last_seq(self) -> int | None:
-        seqs = [r.last_seq for r in self.ranks if r.last_seq is not None]
-        return max(seqs) if seqs else None
-
-    def total(self, counter: str) -> int:
-        """A counter summed over ranks (`gaps`, `lost_batches`, ...)."""
-        return sum(int(getattr(r, counter)) for r in self.ranks)
-
-    @property
-    def ingest_lag_seconds(self) -> float | None:
-        lags = [r.ingest_lag_seconds for r in self.ranks if r.ingest_lag_seconds is not None]
-        return max(lags) if lags else None
-
-    @property
-    def last_batch_age_seconds(self) -> float | None:
-        stamps = [r.last_batch_ts for r in self.ranks if r.last_batch_ts is not None]
-        return max(0.0, time.time() - max(stamps)) if stamps else None
+    def membership_changes(self) -> list[MembershipChange]:
+        """The changes read since the last call, in order (and lets input flow again)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -160,7 +126,8 @@ class Fleet:
 
     Call `start()` from the loop that serves requests and `stop()` before it closes.
     `on_item` hooks see every item after the index applied it (a store layer can persist
-    from there); `on_remove` hooks see every instance removed at runtime.
+    from there); `on_add` and `on_remove` hooks see every instance added or removed here
+    at runtime (not those a `membership` feed reports: they were made elsewhere).
     """
 
     def __init__(
@@ -175,14 +142,17 @@ class Fleet:
         resume: Mapping[SourceKey, Checkpoint] | None = None,
         keep_payload: bool = False,
         subscriber: Subscriber | None = None,
+        membership: MembershipFeed | None = None,
     ) -> None:
         # `index` and `resume` come from a store's warm start: the state as persisted, and
         # where each publisher's stream continues. A shared store brings its own
-        # `subscriber`, which also yields the batches other replicas ingest.
+        # `subscriber`, which also yields the batches other replicas ingest, and the
+        # `membership` feed of the instances they add and remove.
         self.subscriber = subscriber or Subscriber(
             policy=policy, resume=resume, keep_payload=keep_payload
         )
         self.index = index if index is not None else FleetIndex(rate_window=rate_window)
+        self._membership = membership
         self.on_item: list[ItemHook] = []
         self.on_remove: list[RemoveHook] = []
         self.on_add: list[Callable[[InstanceSpec], None]] = []  # runtime additions only
@@ -216,6 +186,17 @@ class Fleet:
 
     def add_instance(self, spec: InstanceSpec) -> None:
         """Follow a new instance now; raises DuplicateInstance if the name is taken."""
+        self._add(spec)
+        for hook in list(self.on_add):
+            self._call_hook(hook, spec)
+
+    def remove_instance(self, name: str) -> None:
+        """Stop following an instance and forget its state; raises UnknownInstance."""
+        self._remove(name)
+        for hook in list(self.on_remove):
+            self._call_hook(hook, name)
+
+    def _add(self, spec: InstanceSpec) -> None:
         if self.has_instance(spec.name):
             raise DuplicateInstance(f"instance {spec.name!r} already exists")
         self._interrupt_wait()  # the wait in progress does not watch the new sockets
@@ -223,11 +204,8 @@ class Fleet:
         self._specs[spec.name] = spec
         self._ranks[spec.name] = [source.source for source in spec.sources()]
         self._counts.pop(spec.name, None)
-        for hook in list(self.on_add):
-            self._call_hook(hook, spec)
 
-    def remove_instance(self, name: str) -> None:
-        """Stop following an instance and forget its state; raises UnknownInstance."""
+    def _remove(self, name: str) -> None:
         if not self.has_instance(name):
             raise UnknownInstance(name)
         self._interrupt_wait()  # before its sockets close under a registered reader
@@ -237,8 +215,18 @@ class Fleet:
         self._backlog = deque(i for i in self._backlog if i.source.instance != name)
         self._lag = {k: v for k, v in self._lag.items() if k.instance != name}
         self._counts.pop(name, None)
-        for hook in list(self.on_remove):
-            self._call_hook(hook, name)
+
+    def _follow_membership(self, feed: MembershipFeed) -> None:
+        """Apply the changes made elsewhere (no hooks: they are not this replica's news)."""
+        for change in feed.membership_changes():
+            try:
+                if change.spec is None:
+                    if self.has_instance(change.name):
+                        self._remove(change.name)
+                elif not self.has_instance(change.name):
+                    self._add(change.spec)
+            except (ValueError, KeyError, zmq.ZMQError) as exc:
+                log.warning("could not follow the fleet change of %s: %s", change.name, exc)
 
     # -- views -------------------------------------------------------------------------
 
@@ -247,7 +235,7 @@ class Fleet:
         ranks = self._ranks.get(name)
         if ranks is None:
             raise UnknownInstance(name)
-        return _worst(self.subscriber.status(source) for source in ranks)
+        return worst_status(self.subscriber.status(source) for source in ranks)
 
     def instance_views(self) -> list[InstanceView]:
         return [self.instance_view(name) for name in sorted(self._specs)]
@@ -261,7 +249,7 @@ class Fleet:
         stats = counts.stats
         return InstanceView(
             spec=spec,
-            status=_worst(r.status for r in ranks),
+            status=worst_status(r.status for r in ranks),
             ranks=ranks,
             blocks=stats.active,
             blocks_by_medium=dict(counts.by_medium),
@@ -299,6 +287,67 @@ class Fleet:
             counts = _Counts(self.index.cache_stats(name), self.index.blocks_by_medium(name))
             self._counts[name] = counts
         return counts
+
+    def summary(self, views: list[InstanceView] | None = None) -> FleetSummary:
+        """Totals over the fleet (from `views` when the caller has them already)."""
+        views = self.instance_views() if views is None else views
+        return FleetSummary.of(views, entries=self.index.entries(), backlog=self.backlog)
+
+    def rates_per_minute(self) -> dict[str, float]:
+        """Stores, removes and clears per minute over the index's rate window."""
+        return self.index.rates.per_minute()
+
+    def block_hashes(self, name: str, medium: str | None = None) -> set[BlockHash]:
+        """Every distinct block hash the instance holds now (all ranks); raises
+        UnknownInstance."""
+        if not self.has_instance(name):
+            raise UnknownInstance(name)
+        return self.index.block_hashes(name, medium)
+
+    def sharing(self, max_instances: int, max_nodes: int) -> Sharing:
+        """Which instances hold the same blocks, and the hottest shared prefixes: over the
+        `max_instances` largest instances, walking at most `max_nodes` tree nodes."""
+        names = self.index.instances()
+        if len(names) > max_instances:
+            names = sorted(names, key=self.index.block_count, reverse=True)
+            names = sorted(names[:max_instances])
+        return sharing(self.index, instances=names, max_nodes=max_nodes)
+
+    # -- lookups -----------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int], lora_name: str | None = None) -> LookupAnswer:
+        """Per instance, the longest cached prefix of the prompt, in whole blocks from its
+        first token; rows best first."""
+        return self._answer(self.index.lookup(token_ids, lora_name), by_tokens=True)
+
+    def lookup_hashes(self, block_hashes: Sequence[BlockHash]) -> LookupAnswer:
+        """Per instance, how many of these block hashes, from the first, it holds now."""
+        return self._answer(self.index.lookup_hashes(block_hashes), by_tokens=False)
+
+    def _answer(self, rows: list[LookupRow], by_tokens: bool) -> LookupAnswer:
+        """One row per followed instance (0 where it holds nothing yet), best first; `best`
+        is never a `down` instance (its engine is unreachable)."""
+        found = {row.instance: row for row in rows}
+        out = [self._match(spec, found.get(name), by_tokens) for name, spec in self._specs.items()]
+        out.sort(key=lambda r: (-r.matched_blocks, r.name))
+        best = next((r.name for r in out if r.matched_blocks > 0 and r.status != Status.DOWN), None)
+        return LookupAnswer(best, out)
+
+    def _match(self, spec: InstanceSpec, row: LookupRow | None, by_tokens: bool) -> InstanceMatch:
+        ranks = dict.fromkeys(range(spec.dp), 0)
+        if row is not None:
+            ranks.update(row.ranks)
+        size = row.block_size if row is not None and row.matched_blocks else None
+        matched = row.matched_blocks if row is not None else 0
+        return InstanceMatch(
+            name=spec.name,
+            status=self.status(spec.name),
+            matched_blocks=matched,
+            matched_tokens=matched * (size or 0) if by_tokens else None,
+            block_size=size if by_tokens else None,
+            best_rank=row.best_rank if row is not None else 0,
+            ranks=[RankMatch(r, n) for r, n in sorted(ranks.items())],
+        )
 
     # -- ingest ------------------------------------------------------------------------
 
@@ -361,6 +410,8 @@ class Fleet:
                 if not self._backlog:
                     # A bounded read keeps one poll well inside the slice.
                     self._backlog.extend(self.subscriber.poll(0, max_messages=32))
+                    if self._membership is not None:
+                        self._follow_membership(self._membership)
                     if not self._backlog:
                         return self._input_pending()
                 if self._apply_until(deadline):
@@ -443,10 +494,6 @@ class Fleet:
         for fd in wait.fds:
             self._loop.remove_reader(fd)
         _resolve(wait.future)
-
-
-def _worst(statuses: Iterable[Status]) -> Status:
-    return max(statuses, key=_SEVERITY.__getitem__, default=Status.CONNECTING)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 from netutil import free_ports
 
-from kvindex.service.runtime import DuplicateInstance, Fleet, UnknownInstance
+from kvindex.runtime import DuplicateInstance, Fleet, UnknownInstance
 from kvindex.subscriber import Delivery, InstanceSpec, Item, Status
 from kvindex.wire import BlockStored
 from kvindex.wire.publisher import Publisher

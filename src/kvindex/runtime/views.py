@@ -1,0 +1,191 @@
+"""What every face of the service shows of the fleet, computed once here.
+
+`/v1/instances`, `/v1/stats`, the dashboard and `/metrics` all render the same
+`InstanceView`s (with their `RankView`s) and the same `FleetSummary`; `/v1/lookup`, the
+dashboard's lookup box and a library caller get the same `LookupAnswer`. The faces only
+choose which fields to show and how to spell them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import msgspec
+
+from kvindex.subscriber import InstanceSpec, Status
+
+__all__ = [
+    "RECOVERY_COUNTERS",
+    "STATUS_ORDER",
+    "FleetSummary",
+    "InstanceMatch",
+    "InstanceView",
+    "LookupAnswer",
+    "RankMatch",
+    "RankView",
+    "worst_status",
+]
+
+# Worst last: an instance reports the worst status among its DP ranks.
+STATUS_ORDER: tuple[Status, ...] = (
+    Status.LIVE,
+    Status.REPLAYING,
+    Status.CONNECTING,
+    Status.INCOMPLETE,
+    Status.DOWN,
+)
+_SEVERITY = {status: i for i, status in enumerate(STATUS_ORDER)}
+
+# The RankView counters an instance sums over its ranks, as every face shows them.
+RECOVERY_COUNTERS = (
+    "gaps",
+    "replayed_batches",
+    "lost_batches",
+    "decode_errors",
+    "publisher_restarts",
+)
+
+
+def worst_status(statuses: Iterable[Status]) -> Status:
+    """The status an instance shows: its worst rank's (`connecting` if it has none)."""
+    return max(statuses, key=_SEVERITY.__getitem__, default=Status.CONNECTING)
+
+
+@dataclass(frozen=True, slots=True)
+class RankView:
+    """One DP rank of an instance, as the Subscriber and the index see it now."""
+
+    rank: int
+    status: Status
+    last_seq: int | None
+    gaps: int
+    received: int
+    delivered: int
+    replayed_batches: int
+    lost_batches: int
+    decode_errors: int
+    publisher_restarts: int
+    last_batch_ts: float | None
+    ingest_lag_seconds: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """One instance now: its spec, status (the worst of its ranks), counters and blocks."""
+
+    spec: InstanceSpec
+    status: Status
+    ranks: list[RankView]
+    blocks: int
+    blocks_by_medium: dict[str, int]
+    stored: int
+    removed: int
+    clears: int
+    batches: int
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def last_seq(self) -> int | None:
+        seqs = [r.last_seq for r in self.ranks if r.last_seq is not None]
+        return max(seqs) if seqs else None
+
+    def total(self, counter: str) -> int:
+        """A counter summed over ranks (`gaps`, `lost_batches`, ...)."""
+        return sum(int(getattr(r, counter)) for r in self.ranks)
+
+    def totals(self) -> dict[str, int]:
+        """Every RECOVERY_COUNTERS counter summed over ranks, by name."""
+        return {counter: self.total(counter) for counter in RECOVERY_COUNTERS}
+
+    @property
+    def ingest_lag_seconds(self) -> float | None:
+        lags = [r.ingest_lag_seconds for r in self.ranks if r.ingest_lag_seconds is not None]
+        return max(lags) if lags else None
+
+    @property
+    def last_batch_age_seconds(self) -> float | None:
+        stamps = [r.last_batch_ts for r in self.ranks if r.last_batch_ts is not None]
+        return max(0.0, time.time() - max(stamps)) if stamps else None
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSummary:
+    """Totals over every instance: what `/v1/stats`, the dashboard's header and the
+    metrics show of the fleet as a whole."""
+
+    instances: int
+    statuses: dict[Status, int]  # every status of STATUS_ORDER, 0 where none has it
+    blocks: int
+    blocks_by_medium: dict[str, int]
+    stored: int
+    removed: int
+    clears: int
+    batches: int
+    counters: dict[str, int]  # RECOVERY_COUNTERS summed over every instance
+    ingest_lag_seconds: float | None  # the largest
+    entries: int  # (rank, pool, hash) entries in the index
+    backlog: int  # items read but not applied yet
+
+    @classmethod
+    def of(cls, views: list[InstanceView], *, entries: int, backlog: int) -> FleetSummary:
+        by_medium: dict[str, int] = {}
+        for view in views:
+            for medium, count in view.blocks_by_medium.items():
+                by_medium[medium] = by_medium.get(medium, 0) + count
+        lags = [v.ingest_lag_seconds for v in views if v.ingest_lag_seconds is not None]
+        return cls(
+            instances=len(views),
+            statuses={s: sum(v.status == s for v in views) for s in STATUS_ORDER},
+            blocks=sum(v.blocks for v in views),
+            blocks_by_medium=by_medium,
+            stored=sum(v.stored for v in views),
+            removed=sum(v.removed for v in views),
+            clears=sum(v.clears for v in views),
+            batches=sum(v.batches for v in views),
+            counters={c: sum(v.total(c) for v in views) for c in RECOVERY_COUNTERS},
+            ingest_lag_seconds=max(lags) if lags else None,
+            entries=entries,
+            backlog=backlog,
+        )
+
+
+# -- lookups: msgspec structs, encoded as they are (a lookup answer is on the hot path) --
+
+
+class RankMatch(msgspec.Struct, frozen=True, gc=False):
+    """How many blocks of the prompt one DP rank holds, from the first."""
+
+    rank: int
+    matched_blocks: int
+
+
+class InstanceMatch(msgspec.Struct, frozen=True, gc=False):
+    """One instance's row of a lookup: its best rank's match, and every rank's beside it.
+
+    `matched_tokens` and `block_size` are None for a lookup by block hashes (no tokens)."""
+
+    name: str
+    status: Status
+    matched_blocks: int
+    matched_tokens: int | None
+    block_size: int | None
+    best_rank: int
+    ranks: list[RankMatch]
+
+
+class LookupAnswer(msgspec.Struct, frozen=True, gc=False):
+    """One row per followed instance, best first; `best` is where a router should send the
+    prompt: never a `down` instance, None when no instance holds its first block."""
+
+    best: str | None
+    instances: list[InstanceMatch]
+
+    @property
+    def hit(self) -> bool:
+        """Whether any instance holds at least the prompt's first block."""
+        return any(row.matched_blocks for row in self.instances)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 from netutil import free_ports
 
-from kvindex.runtime import DuplicateInstance, Fleet, UnknownInstance
+from kvindex.runtime import DuplicateInstance, Fleet, MembershipChange, UnknownInstance
 from kvindex.subscriber import Delivery, InstanceSpec, Item, Status
 from kvindex.wire import BlockStored
 from kvindex.wire.publisher import Publisher
@@ -128,5 +128,78 @@ def test_membership_errors_and_worst_rank_status() -> None:
             view = fleet.instance_view("d")
             assert [r.status for r in view.ranks][1] == Status.CONNECTING
             assert view.status == Status.CONNECTING  # the worst of its ranks
+        finally:
+            fleet.close()
+
+
+class Changes:
+    """A MembershipFeed as a shared store's Subscriber is one: changes made elsewhere."""
+
+    def __init__(self) -> None:
+        self.pending: list[MembershipChange] = []
+
+    def membership_changes(self) -> list[MembershipChange]:
+        taken, self.pending = self.pending, []
+        return taken
+
+
+def test_changes_made_elsewhere_are_followed_without_echoing_them() -> None:
+    """Instances another replica adds or removes are followed at the next read; the hooks
+    (the store, which would write them back) never see them; a repeated change is a no-op."""
+    with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
+        feed = Changes()
+        fleet = Fleet(membership=feed)
+        added: list[InstanceSpec] = []
+        removed: list[str] = []
+        fleet.on_add.append(added.append)
+        fleet.on_remove.append(removed.append)
+        spec = InstanceSpec("r", pub.endpoint, pub.replay_endpoint)
+        try:
+            feed.pending = [MembershipChange("r", spec), MembershipChange("r", spec)]
+            fleet.step()
+            assert fleet.has_instance("r") and not feed.pending
+            deadline = time.monotonic() + 5
+            while fleet.status("r") != Status.LIVE:
+                fleet.step()
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            pub.publish(stored(1))
+            while fleet.index.block_count("r") != 1:
+                fleet.step()
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            feed.pending = [MembershipChange("r", None), MembershipChange("r", None)]
+            fleet.step()
+            assert not fleet.has_instance("r") and not fleet.index.instances()
+            assert added == [] and removed == []
+        finally:
+            fleet.close()
+
+
+def test_lookup_answers_every_instance_best_first_ties_by_name() -> None:
+    with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
+        fleet = Fleet(
+            [InstanceSpec("b", pub.endpoint, pub.replay_endpoint), InstanceSpec("a", pub.endpoint)]
+        )
+        try:
+            deadline = time.monotonic() + 5
+            while fleet.status("b") != Status.LIVE:
+                fleet.step()
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            pub.publish(stored(7))
+            while fleet.index.block_count("b") != 1 or fleet.index.block_count("a") != 1:
+                fleet.step()
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            answer = fleet.lookup([7, 7, 7, 7, 8])
+            assert answer.hit and answer.best == "a"  # a tie: by name
+            assert [(r.name, r.matched_blocks, r.matched_tokens) for r in answer.instances] == [
+                ("a", 1, 4),
+                ("b", 1, 4),
+            ]
+            miss = fleet.lookup_hashes([99])
+            assert not miss.hit and miss.best is None
+            assert [(r.matched_tokens, r.block_size) for r in miss.instances] == [(None, None)] * 2
         finally:
             fleet.close()

@@ -43,6 +43,9 @@ from kvindex.subscriber import InstanceSpec, SpecError
 if TYPE_CHECKING:
     import uvicorn
 
+    from kvindex.index import FleetIndex
+    from kvindex.store import LoadResult, Store
+
 __all__ = ["DEFAULT_HTTP", "DEFAULT_STORE", "Settings", "add_parser", "parse_http", "run"]
 
 DEFAULT_HTTP = "127.0.0.1:8080"
@@ -232,17 +235,20 @@ def run(args: argparse.Namespace) -> int:
 
     from kvindex.runtime import Fleet
     from kvindex.service.app import create_app
+    from kvindex.store import SharedStore
 
     store, index, loaded = _open_store(settings.store)
     sock = listen(host, port)
     instances = _with_runtime_instances(settings.instances, loaded.instances)
+    shared = store if isinstance(store, SharedStore) else None  # Redis: other replicas too
     try:
         fleet = Fleet(
             instances,
             index=index,
             resume=loaded.checkpoints,
             keep_payload=store.url != "memory",
-            subscriber=getattr(store, "subscriber", None),  # Redis: also other replicas'
+            subscriber=shared.subscriber if shared else None,
+            membership=shared.membership if shared else None,
         )
     except zmq.ZMQError as exc:
         sock.close()
@@ -251,8 +257,8 @@ def run(args: argparse.Namespace) -> int:
     fleet.on_item.append(store.record)
     fleet.on_remove.append(store.remove_instance)
     fleet.on_add.append(store.save_instance)
-    if hasattr(store, "attach"):
-        store.attach(fleet)  # a shared store follows the fleet's membership
+    if shared is not None:
+        shared.share(fleet.specs.values())
     store.start()
     app = create_app(fleet, guard=http.guard, max_body_bytes=http.max_body_bytes)
     config = uvicorn.Config(
@@ -277,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_store(url: str) -> tuple[Any, Any, Any]:
+def _open_store(url: str) -> tuple[Store, FleetIndex, LoadResult]:
     """Open the store and load its state into a fresh index (a warm start)."""
     from kvindex.index import FleetIndex
     from kvindex.store import StoreError, open_store

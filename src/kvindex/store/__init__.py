@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvindex.store.base import LoadResult, MemoryStore, Store
+from kvindex.store.base import LoadResult, MemoryStore, SharedStore, Store
 from kvindex.store.rows import BlockRow
 from kvindex.store.sqlite_db import StoreError
 
@@ -12,6 +12,7 @@ __all__ = [
     "DEFAULT_STORE_URL",
     "LoadResult",
     "MemoryStore",
+    "SharedStore",
     "Store",
     "StoreError",
     "open_store",

@@ -1,11 +1,15 @@
-"""What every store offers the service, and how a store URL is chosen."""
+"""What every store offers the service: `Store`, and `SharedStore` for what a store that
+several replicas share adds."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kvindex.index import FleetIndex
+from kvindex.runtime import MembershipFeed
+from kvindex.subscriber import Subscriber
 from kvindex.subscriber.messages import Item, SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 from kvindex.subscriber.state import Checkpoint
@@ -46,6 +50,28 @@ class Store(Protocol):
     def close(self, timeout: float = 30.0) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class SharedStore(Store, Protocol):
+    """A store several `serve` replicas share (Redis): each replica answers for the whole
+    fleet, so the store also feeds it the batches the others ingest, and the instances
+    they add and remove. The service builds its Fleet from these after `load`."""
+
+    @property
+    def subscriber(self) -> Subscriber:
+        """The Fleet's Subscriber: the instances this replica ingests, plus the others'
+        batches read from the shared store."""
+        ...
+
+    @property
+    def membership(self) -> MembershipFeed:
+        """Instances other replicas add and remove, for the Fleet to follow."""
+        ...
+
+    def share(self, specs: Iterable[InstanceSpec]) -> None:
+        """Register the instances this replica was configured with, for the others (before
+        `start`)."""
 
 
 class MemoryStore:

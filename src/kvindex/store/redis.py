@@ -25,16 +25,16 @@ How (the key layout is in redis_keys):
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any
 
 import redis
 
 from kvindex.index import FleetIndex
-from kvindex.store.base import LoadResult
+from kvindex.runtime import MembershipFeed
+from kvindex.store.base import LoadResult, SharedStore
 from kvindex.store.redis_feed import SharedSubscriber
 from kvindex.store.redis_keys import Cursor, RedisConfig, render_id, tag
 from kvindex.store.redis_load import (
@@ -53,26 +53,22 @@ from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted, SourceK
 from kvindex.subscriber.spec import InstanceSpec
 from kvindex.subscriber.state import Checkpoint
 
-if TYPE_CHECKING:
-    from kvindex.runtime import Fleet
-
 __all__ = ["RedisStore", "current_rows"]
 
 
-class RedisStore(WorkerStore):
+class RedisStore(WorkerStore, SharedStore):
     """The service's side: load, hand applied items to the worker, feed the Fleet."""
 
     def __init__(self, url: str) -> None:
         self._url = url
         self.config = RedisConfig.parse(url)
-        self.subscriber: SharedSubscriber | None = None  # made by load(), for the Fleet
+        self._subscriber: SharedSubscriber | None = None  # made by load(), for the Fleet
         self._cursors: dict[SourceKey, Cursor] = {}
         self._ctl = "0-0"
         self._specs: list[InstanceSpec] = []
         self._link = WorkerLink("the Redis store")
         self._encode = self._link.encode
         self._post = self._link.post
-        self._muted = False
 
     @property
     def url(self) -> str:
@@ -107,25 +103,31 @@ class RedisStore(WorkerStore):
             client.close()
         self._ctl = render_id(registry.ctl_pos)
         checkpoints = {s: c.checkpoint() for s, c in self._cursors.items()}
-        self.subscriber = SharedSubscriber(
+        self._subscriber = SharedSubscriber(
             self.config.ingest, self._post, checkpoints, self._cursors
         )
-        self.subscriber.membership.mute = self._mute
         return LoadResult(
             checkpoints, dict(registry.specs), rows, batches, time.monotonic() - started
         )
 
-    def attach(self, fleet: Fleet) -> None:
-        """Follow the fleet's membership (another replica's changes go through it), and
-        register the instances it was configured with, for the other replicas."""
-        if self.subscriber is not None:
-            self.subscriber.membership.fleet = fleet
-        self._specs = list(fleet.specs.values())
+    @property
+    def subscriber(self) -> SharedSubscriber:
+        if self._subscriber is None:
+            raise StoreError("the Redis store must be loaded before its Subscriber is used")
+        return self._subscriber
+
+    @property
+    def membership(self) -> MembershipFeed:
+        return self.subscriber
+
+    def share(self, specs: Iterable[InstanceSpec]) -> None:
+        """Register these instances for the other replicas, once the worker runs."""
+        self._specs = list(specs)
 
     def start(self) -> None:
         base = self._link.open(pulls=("feed",))
-        if self.subscriber is not None:
-            self.subscriber.connect_feed(self._link.sockets["feed"])
+        if self._subscriber is not None:
+            self._subscriber.connect_feed(self._link.sockets["feed"])
         self._link.spawn(
             [sys.executable, "-m", "kvindex.store.redis_worker"], stdin=self._worker_config(base)
         )
@@ -168,26 +170,15 @@ class RedisStore(WorkerStore):
             self._post(("l", source[0], source[1], item.first, item.last))
 
     def save_instance(self, spec: InstanceSpec) -> None:
-        if not self._muted:
-            self._post(("i", spec.name, spec.render()))
+        self._post(("i", spec.name, spec.render()))
 
     def remove_instance(self, name: str) -> None:
-        if not self._muted:
-            self._post(("x", name))
-
-    @contextlib.contextmanager
-    def _mute(self) -> Iterator[None]:
-        """Fleet changes that came from Redis are not written back to it."""
-        self._muted = True
-        try:
-            yield
-        finally:
-            self._muted = False
+        self._post(("x", name))
 
     # -- control: sync, compact, close come from WorkerStore ----------------------------
 
     def stats(self) -> dict[str, Any]:
-        worker = self.subscriber.worker_stats if self.subscriber is not None else {}
+        worker = self._subscriber.worker_stats if self._subscriber is not None else {}
         return {"url": self.url, "worker_alive": self._alive(), **worker}
 
 

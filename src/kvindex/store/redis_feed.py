@@ -12,22 +12,23 @@ and the lost count are those of the log this replica has applied, so they always
 with the blocks it serves.
 
 Changes of the fleet's membership (instances added or removed by another replica) are
-applied through the Fleet, on the event loop, between two ingest steps.
+handed to the Fleet as `MembershipChange`s (it is the `membership` feed the Fleet takes
+them from after each read); the feed is not read further until the Fleet took them, so
+an instance's first batch never comes before the instance.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import zmq
 
+from kvindex.runtime import MembershipChange
 from kvindex.store.redis_keys import Cursor, IngestPolicy, tag, unpack
 from kvindex.store.redis_load import snapshot_batches
 from kvindex.subscriber import (
@@ -45,9 +46,6 @@ from kvindex.subscriber import (
     Subscriber,
 )
 from kvindex.wire import BatchDecoder, WireError
-
-if TYPE_CHECKING:
-    from kvindex.runtime import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -72,32 +70,6 @@ class Remote:
         return cls(cursor.next_seq, cursor.lost, cursor.last_seq)
 
 
-@dataclass
-class Membership:
-    """Applies another replica's add/remove through the Fleet, without echoing it back."""
-
-    fleet: Fleet | None = None
-    mute: Callable[[], contextlib.AbstractContextManager[None]] | None = None
-    pending: bool = False
-
-    def apply(self, op: str, name: str, spec: str) -> None:
-        fleet = self.fleet
-        if fleet is None:
-            self.pending = False
-            return
-        try:
-            assert self.mute is not None
-            with self.mute():
-                if op == "a" and not fleet.has_instance(name):
-                    fleet.add_instance(InstanceSpec.parse(spec))
-                elif op == "x" and fleet.has_instance(name):
-                    fleet.remove_instance(name)
-        except (SpecError, ValueError, KeyError, zmq.ZMQError) as exc:
-            log.warning("could not follow the fleet change %s %s: %s", op, name, exc)
-        finally:
-            self.pending = False
-
-
 class SharedSubscriber(Subscriber):
     """A Subscriber for the instances this replica ingests, plus the shared logs of the
     others (see the module's doc)."""
@@ -112,7 +84,7 @@ class SharedSubscriber(Subscriber):
         super().__init__(resume=resume, keep_payload=True)
         self.ingest = ingest
         self.worker_stats: dict[str, Any] = {}
-        self.membership = Membership()
+        self._changes: list[MembershipChange] = []
         self._send = send
         self._cursors = dict(cursors)
         self._remote: dict[SourceKey, Remote] = {}
@@ -126,6 +98,11 @@ class SharedSubscriber(Subscriber):
         self._feed = sock
 
     # -- membership ---------------------------------------------------------------------
+
+    def membership_changes(self) -> list[MembershipChange]:
+        """What other replicas added or removed since the last call (see the module)."""
+        changes, self._changes = self._changes, []
+        return changes
 
     def add_instance(self, spec: InstanceSpec) -> list[Item]:
         if self.ingest.ingests(spec.name):
@@ -199,8 +176,8 @@ class SharedSubscriber(Subscriber):
     def _read_feed(self, limit: int) -> list[Item]:
         items: list[Item] = []
         feed = self._feed
-        # After a membership change nothing more is read until the Fleet applied it.
-        while feed is not None and not self.membership.pending and len(items) < limit:
+        # After a membership change nothing more is read until the Fleet took it.
+        while feed is not None and not self._changes and len(items) < limit:
             try:
                 frames = feed.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -263,16 +240,13 @@ class SharedSubscriber(Subscriber):
             yield Delivery(source, seq, batch)
 
     def _membership(self, op: str, name: str, spec: str) -> None:
-        fleet = self.membership.fleet
-        if fleet is None or fleet.has_instance(name) == (op == "a"):
+        if op == "x":
+            self._changes.append(MembershipChange(name, None))
             return
-        self.membership.pending = True
         try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.membership.apply(op, name, spec)
-            return
-        loop.call_soon(self.membership.apply, op, name, spec)
+            self._changes.append(MembershipChange(name, InstanceSpec.parse(spec)))
+        except SpecError as exc:
+            log.warning("could not follow the fleet change a %s: %s", name, exc)
 
     def _publish_status(self) -> None:
         """Tell the other replicas how the publishers this one ingests are doing."""

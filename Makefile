@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-quick bench-readme lint venv clean fuzz soak
+.PHONY: demo test bench bench-quick bench-readme lint venv clean fuzz soak sglang-record
 FUZZ_SECONDS ?= 120
 SOAK_SECONDS ?= 300
 
@@ -51,6 +51,11 @@ fuzz: $(STAMP)
 # 5 minutes at a steady rate with random faults; reports exactness and memory (not in CI).
 soak: $(STAMP)
 	$(BIN)/python scripts/soak.py --seconds $(SOAK_SECONDS)
+
+# Re-run SGLang 0.5.23's own cache and publisher live (its venv is built on first use,
+# scripts/sglang-venv.sh) and rewrite the recording + answers under tests/data/sglang/.
+sglang-record: $(STAMP)
+	$(BIN)/python scripts/sglang_record.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -18,6 +18,7 @@ import urllib.request
 from typing import Any
 
 import pytest
+from follow import caught_up, run_until
 from netutil import free_port
 
 from kvindex.index import FleetIndex
@@ -50,21 +51,6 @@ def expected_copies(reference: dict[str, Any]) -> dict[int, int]:
     for block in reference["reference"]["cached_blocks"]:
         copies[int(block["hash"])] = copies.get(int(block["hash"]), 0) + block["copies"]
     return copies
-
-
-def run_until(sub: Subscriber, index: FleetIndex, done: Any, timeout: float) -> list[Any]:
-    items: list[Any] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not done():
-        for item in sub.poll(0.05):
-            index.handle(item)
-            items.append(item)
-    return items
-
-
-def caught_up(sub: Subscriber, name: str, batches: int) -> bool:
-    stats = sub.stats(SourceKey(name))
-    return stats.last_seq == batches - 1 and not sub._sources[SourceKey(name)].state.replaying
 
 
 def test_index_equals_block_pool(start_driver: Any) -> None:

@@ -125,13 +125,11 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch  # noqa: E402
 import vllm  # noqa: E402
-import zmq  # noqa: E402
 from vllm.distributed.kv_events import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    ZmqEventPublisher,
 )
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -151,6 +149,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_pub import DriverPublisher, wait_drained  # noqa: E402
+
 
 def emit(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
@@ -159,53 +160,6 @@ def emit(obj: dict) -> None:
 def render_hash(h):
     """A hash as it goes on the wire, made JSON-safe (bytes -> hex)."""
     return h.hex() if isinstance(h, (bytes, bytearray)) else h
-
-
-# --------------------------------------------------------------------------
-# Publisher: the real ZmqEventPublisher, with two test hooks.
-# --------------------------------------------------------------------------
-class _LossyPub:
-    """Proxy for the PUB socket that silently skips a share of sends."""
-
-    def __init__(self, sock, rate: float, rng: random.Random):
-        self._sock, self._rate, self._rng = sock, rate, rng
-        self.dropped: list[int] = []
-
-    def send_multipart(self, frames, *a, **kw):
-        if self._rng.random() < self._rate:
-            self.dropped.append(int.from_bytes(frames[1], "big"))
-            return None
-        return self._sock.send_multipart(frames, *a, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self._sock, name)
-
-
-class DriverPublisher(ZmqEventPublisher):
-    bind_pub = True
-    drop_rate = 0.0
-    drop_seed = 0
-
-    @staticmethod
-    def _is_bind_endpoint(endpoint: str) -> bool:
-        if DriverPublisher.bind_pub:
-            return True
-        return ZmqEventPublisher._is_bind_endpoint(endpoint)
-
-    def _socket_setup(self) -> None:
-        super()._socket_setup()
-        # Runs in __init__, before the publisher thread starts: safe to touch
-        # the sockets here.
-        self.bound_pub = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or self._endpoint
-        self.bound_replay = (
-            self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
-        )
-        self.lossy = None
-        if self.drop_rate > 0:
-            self.lossy = _LossyPub(
-                self._pub, self.drop_rate, random.Random(f"drop-{self.drop_seed}")
-            )
-            self._pub = self.lossy
 
 
 # --------------------------------------------------------------------------
@@ -579,16 +533,6 @@ class Driver:
                 time.sleep(self.args.step_interval)
         self.stats["run_seconds_x1000"] = int((time.time() - t0) * 1000)
         return {"published": published, "reset": reset_info}
-
-
-def wait_drained(publisher: ZmqEventPublisher, timeout: float = 30.0) -> bool:
-    deadline = time.time() + timeout
-    q = publisher._event_queue
-    while time.time() < deadline:
-        if q.unfinished_tasks == 0:
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def main() -> int:

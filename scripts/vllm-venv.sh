@@ -21,9 +21,11 @@
 # - vllm imports `openai_harmony`; vllm 0.33.0's metadata requires the
 #   distribution `oss-harmony` (a fork of `openai-harmony` that provides the
 #   same module). We install `oss-harmony`.
+# - einops: a ModelConfig (what vLLM's real Scheduler and offloading connector
+#   are built from) inspects the model class, whose attention layers import it.
 set -euo pipefail
 
-VENV="${KVINDEX_VLLM_VENV:-$HOME/.cache/kvindex-tests/vllm-0.33-venv}"
+VENV="${KVINDEX_VLLM_VENV:-${KVINDEX_TEST_CACHE:-$HOME/.cache/kvindex-tests}/vllm-0.33-venv}"
 PY="$VENV/bin/python"
 MARKER="$VENV/.kvindex-vllm-venv-complete"
 TORCH_SPEC="torch==2.13.0"
@@ -32,10 +34,11 @@ DEPS=(
   msgspec pyzmq numpy packaging psutil regex pydantic cbor2 transformers
   aiohttp requests oss-harmony openai pillow pybase64 cachetools cloudpickle
   uvloop py-cpuinfo prometheus_client xgrammar fastapi partial-json-parser
-  llguidance pyyaml
+  llguidance pyyaml einops
 )
-# Bump when the package set changes, so existing venvs are completed again.
-STAMP="v1 $TORCH_SPEC $VLLM_SPEC ${DEPS[*]}"
+# Bump when the package set or the import check changes, so existing venvs are
+# completed again (pip skips what is already there).
+STAMP="v2 $TORCH_SPEC $VLLM_SPEC ${DEPS[*]}"
 
 log() { printf 'vllm-venv: %s\n' "$*" >&2; }
 die() { printf 'vllm-venv: ERROR: %s\n' "$*" >&2; exit 1; }
@@ -132,6 +135,14 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: F401
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig  # noqa: F401
 from vllm.v1.request import Request  # noqa: F401
+# vllm_model_driver.py: the v1 Scheduler, the offloading connector, hybrid specs.
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: F401
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: F401
+    OffloadingConnector,
+)
+from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec  # noqa: F401
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: F401
+import einops  # noqa: F401
 import vllm
 assert vllm.__version__ == "0.33.0", vllm.__version__
 print("vllm-venv: imports ok, vllm", vllm.__version__)

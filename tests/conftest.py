@@ -13,13 +13,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import sglangutil
+import enginevenv
 from netutil import free_port
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Venvs of engines' own code are built here, before any (timed) test starts.
-    sglangutil.prepare(session)
+    enginevenv.prepare(session)
 
 
 @pytest.fixture

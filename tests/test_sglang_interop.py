@@ -35,9 +35,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import enginevenv
 import msgspec
 import pytest
-import sglangutil
 
 import kvindex.recording as recording
 from kvindex.index import FleetIndex
@@ -286,8 +286,8 @@ def test_lookup_equals_sglang(replayed: FleetIndex, engine: str, scenario: str) 
 
 @pytest.fixture(scope="module")
 def sglang_python(request: pytest.FixtureRequest) -> str:
-    """The SGLang venv's python (built before the tests start: tests/sglangutil.py)."""
-    return sglangutil.python(request.config)
+    """The SGLang venv's python (built before the tests start: tests/enginevenv.py)."""
+    return enginevenv.python(request.config, enginevenv.SGLANG)
 
 
 @pytest.mark.interop

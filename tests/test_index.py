@@ -2,9 +2,11 @@
 
 The reference keeps, per publisher, a multiset of (group, medium, hash) copies, with hashes
 computed the way vLLM does it (a function of the whole token prefix and the LoRA name), and
-answers a lookup by hashing the prompt's blocks and counting the leading ones held. The
-index must agree with it after any sequence of stores, duplicate copies, removals, clears
-and restarts, and free its tree nodes once nothing is held.
+answers a lookup as vLLM would: the GPU hit is the run of leading blocks every KV cache
+group holds on the GPU (full-attention groups: the coordinator takes the shortest), then
+the offloading connector adds the run its CPU tier holds from there. The index must agree
+with it after any sequence of stores, duplicate copies, removals, clears and restarts, and
+free its tree nodes once nothing is held.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ def batch(*events: object) -> EventBatch:
 class Reference:
     def __init__(self) -> None:
         self.copies: dict[SourceKey, Counter[tuple[int, str, int]]] = {}
+        self.pools: dict[SourceKey, set[tuple[int, str]]] = {}  # pools since the last clear
 
     def store(self, src: SourceKey, hashes: list[int], group: int, medium: str) -> None:
         c = self.copies.setdefault(src, Counter())
+        self.pools.setdefault(src, set()).add((group, medium))
         for h in hashes:
             c[(group, medium, h)] += 1
 
@@ -56,6 +60,7 @@ class Reference:
 
     def clear(self, src: SourceKey) -> None:
         self.copies[src] = Counter()
+        self.pools[src] = set()
 
     def held(self, src: SourceKey) -> set[int]:
         return {h for (_, _, h) in self.copies.get(src, Counter())}
@@ -70,9 +75,16 @@ class Reference:
         }
 
     def matched(self, src: SourceKey, prompt: list[int], lora: str | None) -> int:
-        held = self.held(src)
-        n = 0
-        while (n + 1) * BS <= len(prompt) and block_hash(prompt, n, lora) in held:
+        copies = self.copies.get(src, Counter())
+        blocks = len(prompt) // BS
+
+        def held(group: int, medium: str, n: int) -> bool:
+            return n < blocks and (group, medium, block_hash(prompt, n, lora)) in copies
+
+        groups = sorted({g for g, m in self.pools.get(src, set()) if m == "GPU"})
+        gpu = [next(n for n in range(blocks + 1) if not held(g, "GPU", n)) for g in groups]
+        n = min(gpu, default=0)
+        while held(0, "CPU", n):
             n += 1
         return n
 

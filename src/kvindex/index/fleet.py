@@ -3,45 +3,83 @@
 Two structures, both fed by `apply`:
 
 - Per publisher (instance and DP rank) *pools*, one per (KV cache group, medium), mapping a
-  block hash to its number of physical copies. vLLM announces one BlockStored per copy
-  and one BlockRemoved per evicted copy, so a hash is held while its count is positive.
-- One prefix tree for the whole fleet, built from the events' own `parent_block_hash` and
-  `token_ids` (never by recomputing vLLM's hash, whose algorithm and seed vary by release
-  and deployment). A node is one block of tokens under its parent, in a namespace (LoRA
-  name, block size); its `mask` has bit *i* set while publisher *i* holds the node's block.
-  A lookup walks the prompt's blocks from the root and ANDs masks: each publisher's match
-  length is the depth where its bit first drops out.
+  block hash to the tree node it stands for (one entry per block; copies beyond the first
+  are counted aside). vLLM announces one BlockStored per copy and one BlockRemoved per
+  evicted copy, so a hash is held while it has a copy.
+- One prefix tree for the whole fleet, built from the events' own `parent_block_hash`,
+  `token_ids` and extra keys (never by recomputing an engine's hash, whose algorithm and
+  seed vary by release and deployment). A node is one block of tokens under its parent,
+  with its *own keys* if it has any (see `namespaces`); a root per *namespace* (LoRA
+  adapter, cache salt, block size), inherited along the parent link. A node's `mask` has
+  bit *i* set while publisher *i* holds it in any pool, under any of its hashes.
 
-Blocks whose chain can't be anchored (hash-only events, a parent we never saw) still count
-in their pool; they just can't be found by tokens.
+How a stored hash finds its node (`Placement`):
+
+- A chain whose tokens cover exactly its hashes is placed block by block under its parent
+  (the root of its namespace when it starts a prompt, else the node the publisher holds
+  the parent hash at, in a tree of the same block size).
+- Where the event can't say a hash's position -- a sliding-window group's event that
+  skipped blocks (tokens of more blocks than hashes), a partial-block event, a hash-only
+  event, a chain whose parent is unknown -- the hash takes the node the publisher holds
+  the same hash at in another pool of that block size (the full-attention group's
+  placement), else it is held out of the tree (counted, never guessed).
+- A hash keeps its namespace across tiers: an unkeyed store on a lower tier (vLLM's CPU
+  offload events carry no extra keys, even for salted requests) takes the node the
+  publisher already holds that hash at; and when a keyed or GPU copy arrives later at
+  another node, the lower tiers' entries move to it.
+
+A node stays held by a publisher while any of its (pool, hash) entries points at it:
+two hashes on the same tokens (a LoRA name reused with another adapter path) or one hash
+in two pools never clear each other. Publishers with one pool keep this as the mask bit
+plus a rarely used count (`refs`); publishers with several pools (hybrid groups, offload
+tiers) also keep, per node, which pools hold it (`where`), which their lookups read.
+
+What a lookup answers is what the engine would reuse (`matched_blocks`): GPU blocks from
+the first, then the run that lower tiers hold from there; for hybrid models what vLLM's
+hybrid coordinator returns (full attention sets the bound, a sliding-window group needs
+its window's last blocks). See `lookup`.
 """
 
 from __future__ import annotations
 
-import struct
-from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 
+from kvindex.index.keys import block_keys, key_tokens, one_block_key
+from kvindex.index.namespaces import PLAIN, ChainKeys, LoraKey, chain_keys, lora_key
+from kvindex.index.reuse import GroupSpec, Reuse, engine_reuse
 from kvindex.index.stats import CacheStats, RateWindow
 from kvindex.subscriber.messages import Delivery, Item, Restarted, SourceKey
 from kvindex.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
+from kvindex.wire.events import MEDIUM_GPU
+from kvindex.wire.tiers import TIER_GPU, tier_of
 
-__all__ = ["FleetIndex", "LookupRow", "block_keys", "key_tokens"]
+__all__ = [
+    "DEFAULT_MEDIUM",
+    "FleetIndex",
+    "LookupRow",
+    "Namespace",
+    "PoolKey",
+    "block_keys",
+    "key_tokens",
+    "medium_matches",
+]
 
-DEFAULT_MEDIUM = "GPU"
+DEFAULT_MEDIUM = MEDIUM_GPU
 
 PoolKey = tuple[int, str]  # (group_idx, medium)
-Namespace = tuple[str | None, int]  # (lora_name, block_size)
+Namespace = tuple[LoraKey, str | None, int]  # (LoRA adapter, cache salt, block size)
 
 
-class _Node(msgspec.Struct, gc=False):
-    """One block of tokens under its parent.
+class _Node(msgspec.Struct, gc=False, eq=False):
+    """One block of tokens (and own keys) under its parent.
 
     `children` is None for a leaf, the child itself when there is one (most nodes: a chain
     costs no dict per block), else a dict of two or more keyed by the children's keys.
+    Compared and hashed by identity (`where` and `refs` key by node).
 
     Not tracked by the cyclic garbage collector: millions of nodes would make every full
     collection walk the whole tree. The parent <-> children cycle is broken by hand when a
@@ -65,53 +103,16 @@ _LOOSE = _Node(None, b"")
 Pool = dict[BlockHash, _Node]
 
 
-def block_keys(tokens: Sequence[int], size: int, blocks: int) -> list[bytes]:
-    """The tree keys of the first `blocks` blocks of `size` tokens (fewer if a block's
-    tokens can't be keyed: a token id past 64 bits ends the list there).
+@dataclass(slots=True)
+class _PoolInfo:
+    """What a publisher's pool is: its bit in `where`, KV cache group, medium and tier, and
+    the block size of its events (the largest seen: partial-block events are smaller)."""
 
-    A block whose token ids all fit in 32 bits (every real vocabulary) is keyed by them as
-    native uint32 bytes, so a whole prompt converts in one C call and keys stay small;
-    any other block by a marker byte and int64s, a length no uint32 key can have.
-    """
-    try:
-        data = array("I", tokens)
-    except OverflowError:
-        return _keys_slowly(tokens, size, blocks)
-    return _split(memoryview(data).cast("B"), size * 4, blocks)
-
-
-def _split(data: memoryview, width: int, blocks: int) -> list[bytes]:
-    """The first `blocks` runs of `width` bytes of `data` (fewer if it is shorter)."""
-    splitter = _SPLITTERS.get(width)
-    if splitter is None:
-        splitter = _SPLITTERS[width] = struct.Struct(f"{width}s")
-    blocks = min(blocks, len(data) // width)
-    # iter_unpack cuts in C: about twice as fast as slicing in a comprehension.
-    return [key for (key,) in splitter.iter_unpack(data[: blocks * width])]
-
-
-_SPLITTERS: dict[int, struct.Struct] = {}
-
-
-def _keys_slowly(tokens: Sequence[int], size: int, blocks: int) -> list[bytes]:
-    keys = []
-    for i in range(blocks):
-        block = tokens[i * size : (i + 1) * size]
-        try:
-            keys.append(array("I", block).tobytes())
-        except OverflowError:
-            try:
-                keys.append(b"\x00" + array("q", block).tobytes())
-            except OverflowError:
-                break  # no lookup can ask for a token id past 64 bits
-    return keys
-
-
-def key_tokens(key: bytes) -> list[int]:
-    """The token ids a tree key stands for (the inverse of `block_keys`)."""
-    if len(key) % 4 == 1:
-        return array("q", key[1:]).tolist()
-    return array("I", key).tolist()
+    index: int
+    group: int
+    medium: str
+    tier: str
+    size: int = 0
 
 
 @dataclass(slots=True)
@@ -120,8 +121,15 @@ class _Source:
     bit: int
     # (group, medium) -> hash -> the block's tree node (or _LOOSE): one entry per block held.
     pools: dict[PoolKey, Pool] = field(default_factory=dict)
+    info: dict[PoolKey, _PoolInfo] = field(default_factory=dict)
     # Copies beyond the first, for the few blocks vLLM holds more than once.
     extra: dict[tuple[PoolKey, BlockHash], int] = field(default_factory=dict)
+    # Entries of one pool at one node beyond the first (two hashes on the same tokens).
+    refs: dict[tuple[_Node, int], int] = field(default_factory=dict)
+    # With two pools or more: node -> the pools (bits of _PoolInfo.index) holding it.
+    where: dict[_Node, int] | None = None
+    # KV cache group -> its spec as the events say (0.22+), for hybrid lookups.
+    groups: dict[int, GroupSpec] = field(default_factory=dict)
     stats: CacheStats = field(default_factory=CacheStats)
     last_seq: int | None = None
     last_ts: float | None = None
@@ -134,7 +142,12 @@ class _Source:
 
 
 class LookupRow(msgspec.Struct, frozen=True, gc=False):
-    """The longest cached prefix of a prompt on one instance (its best DP rank)."""
+    """What one instance (its best DP rank) would reuse of a prompt.
+
+    `matched_blocks` counts whole blocks from the first token: GPU blocks, then the run
+    lower tiers hold from there. `by_tier` splits them by tier (`gpu`, `cpu`, `disk`,
+    `external`); `by_group` is each KV cache group's own GPU hit (hybrid models).
+    """
 
     instance: str
     matched_blocks: int
@@ -142,6 +155,13 @@ class LookupRow(msgspec.Struct, frozen=True, gc=False):
     block_size: int
     best_rank: int
     ranks: dict[int, int]  # DP rank -> matched blocks
+    by_tier: dict[str, int] = {}
+    by_group: dict[int, int] = {}
+
+
+def medium_matches(medium: str, wanted: str) -> bool:
+    """Whether a pool's medium is the one asked for, by raw name or by tier name."""
+    return medium == wanted or tier_of(medium) == wanted.lower()
 
 
 class FleetIndex:
@@ -152,7 +172,9 @@ class FleetIndex:
         self._by_bit: dict[int, _Source] = {}
         self._free_bits: list[int] = []
         self._roots: dict[Namespace, _Node] = {}
+        self._root_size: dict[int, int] = {}  # id(root) -> its block size
         self._all_mask = 0
+        self._several = 0  # bits of the publishers with two pools or more (`where`)
         self._layout: list[tuple[str, list[tuple[int, int]]]] | None = None
         self._empty_rows: dict[int, list[LookupRow]] = {}
         self.rates = RateWindow(rate_window)
@@ -177,11 +199,12 @@ class FleetIndex:
         # is that pool while the case holds (same medium and group as the last), else None.
         pools = src.pools
         extra = src.extra
+        refs = src.refs
         fast: Pool | None = None
         fast_key: PoolKey = (0, DEFAULT_MEDIUM)
         medium: str | None = None
         group: int | None = None
-        keep = ~(1 << src.bit)
+        keep = ~src.flag
         for event in batch.events:
             if isinstance(event, BlockRemoved):
                 hashes = event.block_hashes
@@ -201,6 +224,9 @@ class FleetIndex:
                         _drop_copy(extra, (fast_key, h))  # one of several copies went
                         fast[h] = node
                     elif node is not _LOOSE:
+                        if refs and (node, 0) in refs:
+                            _drop_copy(refs, (node, 0))  # another hash still holds it
+                            continue
                         mask = node.mask = node.mask & keep
                         if not mask and not node.children:
                             _prune(node)
@@ -240,129 +266,298 @@ class FleetIndex:
             src = self._sources.pop(key)
             self._clear(src)
             del self._by_bit[src.bit]
-            self._all_mask &= ~(1 << src.bit)
+            self._all_mask &= ~src.flag
             self._free_bits.append(src.bit)
         self._layout = None
 
     def _source(self, key: SourceKey) -> _Source:
         bit = self._free_bits.pop() if self._free_bits else len(self._by_bit)
         src = self._sources[key] = self._by_bit[bit] = _Source(key, bit)
-        self._all_mask |= 1 << bit
+        self._all_mask |= src.flag
         self._layout = None
         return src
 
+    def _pool(self, src: _Source, pool_key: PoolKey) -> tuple[Pool, _PoolInfo]:
+        pool = src.pools.get(pool_key)
+        if pool is not None:
+            return pool, src.info[pool_key]
+        pool = src.pools[pool_key] = {}
+        info = src.info[pool_key] = _PoolInfo(
+            len(src.info), pool_key[0], pool_key[1], tier_of(pool_key[1])
+        )
+        if len(src.pools) == 2:
+            # From now on nodes remember which pools hold them (the first pool: index 0).
+            (first,) = (p for k, p in src.pools.items() if k != pool_key)
+            src.where = {node: 1 for node in first.values() if node is not _LOOSE}
+            self._several |= src.flag
+        return pool, info
+
     def _store(self, src: _Source, event: BlockStored) -> None:
         pool_key = (event.group_idx or 0, event.medium or DEFAULT_MEDIUM)
-        pool = src.pools.get(pool_key)
-        if pool is None:
-            pool = src.pools[pool_key] = {}
+        pool, info = self._pool(src, pool_key)
         hashes = event.block_hashes
-        parent = self._anchor(src, event, pool)
-        if parent is None:
-            self._store_loose(src, pool_key, pool, hashes)
-            return
+        size = event.block_size
+        if size > info.size:
+            info.size = size
+        if event.kv_cache_spec_kind is not None:
+            src.groups[info.group] = GroupSpec(
+                event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window
+            )
+        keys = PLAIN if _plain(event) else chain_keys(event)
+        src.stats.unrecognised_keys += keys.unrecognised
+        # An unkeyed store on a lower tier may lack the namespace its GPU copy had (vLLM's
+        # offload events carry no extra keys): it keeps the placement it already has.
+        keyed = info.tier == TIER_GPU or keys is not PLAIN or lora_key(event) is not None
         tokens = event.token_ids
-        if len(hashes) == 1 and len(tokens) == event.block_size:
+        if size <= 0 or len(tokens) != size * len(hashes):
+            # Skipped blocks (a sliding-window group), a partial block or no tokens: the
+            # event can't say where each hash goes.
+            self._store_elsewhere_placed(src, pool, info, pool_key, hashes, size)
+            return
+        parent = self._anchor(src, event, keys, pool, info)
+        if parent is None:
+            self._store_elsewhere_placed(src, pool, info, pool_key, hashes, size)
+            return
+        if len(hashes) == 1 and keys.own is None:
             # One block (a decode step's new block, the commonest store): no splitting.
-            try:
-                keys = [array("I", tokens).tobytes()]
-            except OverflowError:
-                keys = _keys_slowly(tokens, event.block_size, 1)
+            key = one_block_key(tokens)
+            chain = [] if key is None else [key]
         else:
-            keys = block_keys(tokens, event.block_size, len(hashes))
-        self._insert_chain(src, pool_key, pool, parent, hashes, keys)
-        if len(keys) < len(hashes):
-            self._store_loose(src, pool_key, pool, hashes[len(keys) :])
+            chain = block_keys(tokens, size, len(hashes))
+            if keys.own is not None:
+                chain = [
+                    k if own is None else k + own for k, own in zip(chain, keys.own, strict=False)
+                ]
+        self._insert_chain(src, pool, info, pool_key, parent, hashes, chain, keyed, size)
+        if len(chain) < len(hashes):  # a token id that can't be keyed ends the chain
+            self._store_elsewhere_placed(src, pool, info, pool_key, hashes[len(chain) :], size)
 
-    def _store_loose(
-        self, src: _Source, pool_key: PoolKey, pool: Pool, hashes: list[BlockHash]
+    def _store_elsewhere_placed(
+        self,
+        src: _Source,
+        pool: Pool,
+        info: _PoolInfo,
+        pool_key: PoolKey,
+        hashes: list[BlockHash],
+        size: int,
     ) -> None:
-        """Blocks held without a place in the tree (hash-only, unanchored, unkeyable)."""
+        """Blocks whose position the event can't give: each takes the node the publisher
+        holds the same hash at in another pool of this block size, else no place."""
+        several = src.where is not None
         for h in hashes:
-            if h in pool:
-                self._again(src, pool_key, pool, h, pool[h], pool[h])
-            else:
-                pool[h] = _LOOSE
+            node = self._placed_elsewhere(src, h, size, pool) if several else None
+            if node is None:
+                node = _LOOSE
+                if h not in pool:
+                    src.stats.unplaced += 1
+            self._put(src, pool, info, pool_key, h, node)
 
     def _insert_chain(
         self,
         src: _Source,
-        pool_key: PoolKey,
         pool: Pool,
+        info: _PoolInfo,
+        pool_key: PoolKey,
         node: _Node,
         hashes: list[BlockHash],
-        keys: list[bytes],
+        chain: list[bytes],
+        keyed: bool,
+        size: int,
     ) -> None:
-        bit = src.flag
-        for h, key in zip(hashes, keys, strict=False):  # keys may end early
+        if src.where is not None:
+            self._insert_chain_in_several(src, pool, info, pool_key, node, hashes, chain, keyed)
+            return
+        # One pool (nearly every publisher): `_child` and `_put` inline, for speed.
+        flag = src.flag
+        for h, key in zip(hashes, chain, strict=False):  # the chain may end early
             children = node.children
             if children is None:
-                child = node.children = _Node(node, key, bit, None, h)
+                child = node.children = _Node(node, key, 0, None, h)
+                node = child
             elif isinstance(children, _Node):
                 if children.key == key:
-                    child = children
-                    child.mask |= bit
+                    node = children
                 else:
-                    child = _Node(node, key, bit, None, h)
+                    child = _Node(node, key, 0, None, h)
                     node.children = {children.key: children, key: child}
+                    node = child
             else:
                 found = children.get(key)
                 if found is None:
-                    child = children[key] = _Node(node, key, bit, None, h)
-                else:
-                    child = found
-                    child.mask |= bit
-            old = pool.get(h)
-            if old is None:
-                shared = child.hash
-                pool[shared if shared == h else h] = child
+                    found = children[key] = _Node(node, key, 0, None, h)
+                node = found
+            if h in pool:
+                self._put(src, pool, info, pool_key, h, node)
+                continue
+            shared = node.hash
+            pool[shared if shared == h else h] = node
+            if node.mask & flag:
+                refs_key = (node, 0)
+                src.refs[refs_key] = src.refs.get(refs_key, 0) + 1  # another hash, same node
             else:
-                self._again(src, pool_key, pool, h, old, child)
-            node = child
+                node.mask |= flag
 
-    def _again(
-        self, src: _Source, pool_key: PoolKey, pool: Pool, h: BlockHash, old: _Node, new: _Node
+    def _insert_chain_in_several(
+        self,
+        src: _Source,
+        pool: Pool,
+        info: _PoolInfo,
+        pool_key: PoolKey,
+        node: _Node,
+        hashes: list[BlockHash],
+        chain: list[bytes],
+        keyed: bool,
     ) -> None:
-        """A hash stored while already held in the pool: one more physical copy."""
+        """A chain of a publisher with several pools: an unkeyed lower-tier block keeps
+        the node the publisher holds its hash at; a keyed one takes the others over."""
+        size = self._size_of(node) if node.parent is not None else self._root_size[id(node)]
+        for h, key in zip(hashes, chain, strict=False):  # the chain may end early
+            if not keyed:
+                kept = self._placed_elsewhere(src, h, size, pool)
+                if kept is not None:
+                    src.stats.namespace_kept += 1
+                    self._put(src, pool, info, pool_key, h, kept)
+                    node = kept
+                    continue
+            node = _child(node, key, h)
+            self._put(src, pool, info, pool_key, h, node)
+            if keyed:
+                self._take_over(src, pool, h, node)
+
+    def _put(
+        self, src: _Source, pool: Pool, info: _PoolInfo, pool_key: PoolKey, h: BlockHash,
+        node: _Node,
+    ) -> None:  # fmt: skip
+        old = pool.get(h)
+        if old is None:
+            shared = node.hash
+            pool[shared if shared == h else h] = node
+            self._hold(src, info.index, node)
+            return
+        # One more physical copy of a held hash.
         extra_key = (pool_key, h)
         src.extra[extra_key] = src.extra.get(extra_key, 0) + 1
-        if old is new or new is _LOOSE:
-            return
-        pool[h] = new
-        if old is not _LOOSE and not _kept_elsewhere(src, pool, h, old):
-            # The same hash announced for other tokens (never from a sane publisher): the
-            # hash now means these tokens; the old node must not stay matched.
-            old.mask &= ~(1 << src.bit)
-            if not old.mask and not old.children:
-                _prune(old)
+        if old is not node and node is not _LOOSE:
+            # Now placed (it had no place), or the same hash announced for other tokens
+            # (never from a sane publisher): the hash means this node from now on.
+            pool[h] = node
+            self._hold(src, info.index, node)
+            self._release(src, info.index, old)
 
-    def _anchor(self, src: _Source, event: BlockStored, pool: Pool) -> _Node | None:
+    def _take_over(self, src: _Source, placed_in: Pool, h: BlockHash, node: _Node) -> None:
+        """A GPU or keyed copy of `h` was placed at `node`: the publisher's other pools of
+        the same block size that hold `h` without a place, or on a lower tier at another
+        node, take this place (the keyed copy decides the namespace)."""
+        size = self._size_of(node)
+        for pool_key, pool in src.pools.items():
+            if pool is placed_in:
+                continue
+            old = pool.get(h)
+            if old is None or old is node:
+                continue
+            info = src.info[pool_key]
+            if info.size and info.size != size:
+                continue
+            if old is not _LOOSE and info.tier == TIER_GPU:
+                continue  # a GPU group's own placement stands
+            pool[h] = node
+            self._hold(src, info.index, node)
+            self._release(src, info.index, old)
+            src.stats.namespace_moved += old is not _LOOSE
+
+    def _hold(self, src: _Source, index: int, node: _Node) -> None:
+        """One more (pool, hash) entry of `src` points at `node`."""
+        if node is _LOOSE:
+            return
+        where = src.where
+        if where is None:
+            if node.mask & src.flag:
+                key = (node, 0)
+                src.refs[key] = src.refs.get(key, 0) + 1
+            else:
+                node.mask |= src.flag
+            return
+        bits = where.get(node, 0)
+        bit = 1 << index
+        if bits & bit:
+            key = (node, index)
+            src.refs[key] = src.refs.get(key, 0) + 1
+        else:
+            where[node] = bits | bit
+            node.mask |= src.flag
+
+    def _release(self, src: _Source, index: int, node: _Node) -> None:
+        """One (pool, hash) entry of `src` no longer points at `node`."""
+        if node is _LOOSE:
+            return
+        refs = src.refs
+        if refs and (node, index) in refs:
+            _drop_copy(refs, (node, index))
+            return
+        where = src.where
+        if where is not None:
+            bits = where.get(node, 0) & ~(1 << index)
+            if bits:
+                where[node] = bits
+                return
+            where.pop(node, None)
+        mask = node.mask = node.mask & ~src.flag
+        if not mask and not node.children:
+            _prune(node)
+
+    def _anchor(
+        self, src: _Source, event: BlockStored, keys: ChainKeys, pool: Pool, info: _PoolInfo
+    ) -> _Node | None:
         """The node the event's first block hangs from, or None if it can't be placed."""
-        size = event.block_size
-        if size <= 0 or len(event.token_ids) < size * len(event.block_hashes):
-            return None  # hash-only (offloading) or partial (a sliding-window group)
-        extra = event.extra_keys
-        if extra and any(extra) and not only_lora(extra, event.lora_name):
-            return None  # keyed by multimodal inputs or a cache salt: not findable by tokens
         parent_hash = event.parent_block_hash
         if parent_hash is None:
-            namespace = (event.lora_name, size)
+            namespace = (lora_key(event), keys.salt, event.block_size)
             root = self._roots.get(namespace)
             if root is None:
                 root = self._roots[namespace] = _Node(None, b"")
+                self._root_size[id(root)] = event.block_size
             return root
+        size = event.block_size
         node = pool.get(parent_hash)
-        if node is None or node is _LOOSE:
-            node = _placed_elsewhere(src, parent_hash)
-        return node  # None: the parent is unknown to us, the chain can't be placed
+        # A partial-block event (smaller than its group's blocks) hangs only from a parent
+        # in a tree of its own block size.
+        if (
+            node is not None
+            and node is not _LOOSE
+            and (info.size == size or self._size_of(node) == size)
+        ):
+            return node
+        if src.where is None:
+            return None  # the parent is unknown to us: the chain can't be placed
+        return self._placed_elsewhere(src, parent_hash, size, pool)
+
+    def _placed_elsewhere(
+        self, src: _Source, h: BlockHash, size: int, skip: Pool | None = None
+    ) -> _Node | None:
+        """The node the publisher holds `h` at in a pool of `size`-token blocks."""
+        for pool_key, pool in src.pools.items():
+            if pool is skip:
+                continue
+            node = pool.get(h)
+            if node is None or node is _LOOSE:
+                continue
+            pool_size = src.info[pool_key].size
+            if pool_size == size or self._size_of(node) == size:
+                return node
+        return None
+
+    def _size_of(self, node: _Node) -> int:
+        """The block size of the tree a node is in (walks up to its root: rare paths)."""
+        while node.parent is not None:
+            node = node.parent
+        return self._root_size.get(id(node), 0)
 
     def _remove(self, src: _Source, pool_key: PoolKey, hashes: list[BlockHash]) -> None:
         pool = src.pools.get(pool_key)
         if pool is None:
             return
+        index = src.info[pool_key].index
         extra = src.extra
-        several = len(src.pools) > 1
-        keep = ~(1 << src.bit)
         for h in hashes:
             node = pool.pop(h, None)
             if node is None:
@@ -371,23 +566,24 @@ class FleetIndex:
                 _drop_copy(extra, (pool_key, h))
                 pool[h] = node
                 continue
-            if node is _LOOSE or (several and _kept_elsewhere(src, pool, h, node)):
-                continue
-            mask = node.mask & keep
-            node.mask = mask
-            if not mask and not node.children:
-                _prune(node)
+            self._release(src, index, node)
 
     def _clear(self, src: _Source) -> None:
-        keep = ~(1 << src.bit)
-        nodes = [n for pool in src.pools.values() for n in pool.values() if n is not _LOOSE]
-        for node in nodes:
+        keep = ~src.flag
+        nodes = {id(n): n for pool in src.pools.values() for n in pool.values()}
+        nodes.pop(id(_LOOSE), None)
+        for node in nodes.values():
             node.mask &= keep
-        for node in nodes:
+        for node in nodes.values():
             if not node.mask and not node.children:
                 _prune(node)
         src.pools.clear()
+        src.info.clear()
         src.extra.clear()
+        src.refs.clear()
+        src.groups.clear()
+        src.where = None
+        self._several &= keep
 
     # -- questions ---------------------------------------------------------------------
 
@@ -401,11 +597,12 @@ class FleetIndex:
         return any(k.instance == name for k in self._sources)
 
     def block_hashes(self, instance: str, medium: str | None = None) -> set[BlockHash]:
-        """Every distinct hash the instance holds now (all ranks, groups; one medium or all)."""
+        """Every distinct hash the instance holds now (all ranks, groups; one medium or
+        tier, or all)."""
         out: set[BlockHash] = set()
         for src in self._instance_sources(instance):
             for (_, pool_medium), pool in src.pools.items():
-                if medium is None or pool_medium == medium:
+                if medium is None or medium_matches(pool_medium, medium):
                     out.update(pool)
         return out
 
@@ -468,9 +665,10 @@ class FleetIndex:
 
     def walk_tree(self) -> Iterator[tuple[Namespace, int, bytes, int]]:
         """Every node of the prefix tree, depth first with parents before children: its
-        namespace (LoRA name, block size), depth (1 = a prompt's first block), the block's
-        tree key (`key_tokens` gives its token ids) and the bit mask of the publishers
-        holding it (bits as in `source_bits`). Don't change the index while walking."""
+        namespace (LoRA adapter, cache salt, block size), depth (1 = a prompt's first
+        block), the block's tree key (`key_tokens(key, size)` gives its token ids) and the
+        bit mask of the publishers holding it (bits as in `source_bits`). Don't change the
+        index while walking."""
         for namespace, root in self._roots.items():
             stack = [(child, 1) for child in _kids(root)]
             while stack:
@@ -485,29 +683,54 @@ class FleetIndex:
     def _instance_sources(self, instance: str) -> Iterable[_Source]:
         return (s for k, s in self._sources.items() if k.instance == instance)
 
-    def lookup(self, token_ids: Sequence[int], lora_name: str | None = None) -> list[LookupRow]:
-        """Per instance, the longest run of cached blocks from the prompt's first token."""
-        depth_by_bit: dict[int, int] = {}
-        size_by_bit: dict[int, int] = {}
-        keys_by_size: dict[int, list[bytes]] = {}
+    def lookup(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[LookupRow]:
+        """Per instance, what the engine would reuse of this prompt (see `LookupRow`): the
+        chains of the namespace the request names (its LoRA adapter and cache salt)."""
+        walks: dict[int, _Walk] = {}
         default_size = 0  # what an instance matching nothing reports as its block size
-        for (lora, size), root in self._roots.items():
-            if lora != lora_name or not root.children:
+        for (lora, salt, size), root in self._roots.items():
+            if lora != lora_name or salt != cache_salt or not root.children:
                 continue
             default_size = size
-            keys = keys_by_size.get(size)
-            if keys is None:
-                keys = keys_by_size[size] = block_keys(token_ids, size, len(token_ids) // size)
-            for bit, depth in self._walk(root, keys).items():
-                if depth >= depth_by_bit.get(bit, -1):
-                    depth_by_bit[bit] = depth
-                    size_by_bit[bit] = size
-        return self._rows(depth_by_bit, size_by_bit, default_size)
+            keys = block_keys(token_ids, size, len(token_ids) // size)
+            walks[size] = self._walk(root, keys)
+        found: dict[int, Reuse] = {}
+        for size, walk in walks.items():
+            for bit, depth in walk.depths.items():
+                if bit not in found or depth * size > found[bit].tokens:
+                    found[bit] = Reuse.simple(depth, size)
+        several = self._several & self._all_mask
+        if several and walks:
+            for bit in _bits(several):
+                found[bit] = self._reuse(self._by_bit[bit], walks)
+        return self._rows(found, default_size)
 
-    def _walk(self, root: _Node, keys: list[bytes]) -> dict[int, int]:
-        """Per publisher bit, how many of these blocks from the root it holds in a row."""
+    def _reuse(self, src: _Source, walks: dict[int, _Walk]) -> Reuse:
+        """What a publisher with several pools would reuse: per pool, which path nodes it
+        holds (its `where`), given to the engine's own rules."""
+        where = src.where or {}
+        held: dict[PoolKey, list[bool]] = {}
+        for pool_key, info in src.info.items():
+            walk = walks.get(info.size)
+            if walk is None:
+                continue
+            bit = 1 << info.index
+            held[pool_key] = [bool(where.get(node, 0) & bit) for node in walk.path]
+        sizes = {pk: info.size for pk, info in src.info.items()}
+        return engine_reuse(held, sizes, src.groups)
+
+    def _walk(self, root: _Node, keys: list[bytes]) -> _Walk:
+        """Per publisher bit, how many of these blocks from the root it holds in a row;
+        and the nodes of the path while a publisher with several pools is on it."""
         alive = self._all_mask
+        several = self._several
         depths: dict[int, int] = {}
+        path: list[_Node] = []
         depth = 0
         children = root.children
         for key in keys:
@@ -530,49 +753,73 @@ class FleetIndex:
                 alive &= mask
                 if not alive:
                     break
+            if alive & several:
+                path.append(child)
             depth += 1
             children = child.children
         if alive and depth:
             _record(depths, alive, depth)
-        return depths
+        return _Walk(depths, path)
 
     def lookup_hashes(self, block_hashes: Sequence[BlockHash]) -> list[LookupRow]:
-        """Per instance, how many of these hashes, from the first, it holds now."""
-        depth_by_bit: dict[int, int] = {}
+        """Per instance, how many of these hashes, from the first, it would reuse now: the
+        run its GPU pools hold, then the run its lower tiers hold from there."""
+        found: dict[int, Reuse] = {}
         for src in self._sources.values():
-            pools = list(src.pools.values())
+            gpu = [p for pk, p in src.pools.items() if src.info[pk].tier == TIER_GPU]
+            lower = [(src.info[pk].tier, p) for pk, p in src.pools.items() if p not in gpu]
             depth = 0
             for h in block_hashes:
-                if not any(h in pool for pool in pools):
+                if not any(h in pool for pool in gpu):
                     break
                 depth += 1
-            depth_by_bit[src.bit] = depth
-        return self._rows(depth_by_bit, {})
+            by_tier = {TIER_GPU: depth} if depth else {}
+            for h in block_hashes[depth:]:
+                tier = next((t for t, pool in sorted(lower) if h in pool), None)
+                if tier is None:
+                    break
+                by_tier[tier] = by_tier.get(tier, 0) + 1
+            total = sum(by_tier.values())
+            if total:
+                found[src.bit] = Reuse(total, 0, by_tier, {})
+        return self._rows(found, 0)
 
-    def _rows(
-        self, depth_by_bit: dict[int, int], size_by_bit: dict[int, int], default_size: int = 0
-    ) -> list[LookupRow]:
-        """One row per instance, by name; a publisher missing from `depth_by_bit` matched
-        nothing (its row is shared between answers: rows are immutable)."""
+    def _rows(self, found: dict[int, Reuse], default_size: int = 0) -> list[LookupRow]:
+        """One row per instance, by name; a publisher missing from `found` matched nothing
+        (its row is shared between answers: rows are immutable)."""
         layout = self._layout or self._lay_out()
         empty = self._empty_rows.get(default_size) or self._make_empty_rows(default_size)
         rows = []
         for (name, ranks), nothing in zip(layout, empty, strict=True):
             if len(ranks) == 1:
                 rank, bit = ranks[0]
-                depth = depth_by_bit.get(bit)
-                if not depth:
+                reuse = found.get(bit)
+                if reuse is None or not reuse.blocks:
                     rows.append(nothing)
                     continue
-                size = size_by_bit.get(bit, default_size)
-                rows.append(LookupRow(name, depth, depth * size, size, rank, {rank: depth}))
+                rows.append(self._row(name, rank, {rank: reuse.blocks}, reuse, bit))
                 continue
-            per_rank = {rank: depth_by_bit.get(bit, 0) for rank, bit in ranks}
+            per_rank = {rank: (found[bit].blocks if bit in found else 0) for rank, bit in ranks}
             best_rank, best_bit = max(ranks, key=lambda rb: (per_rank[rb[0]], -rb[0]))
-            depth = per_rank[best_rank]
-            size = size_by_bit.get(best_bit, default_size)
-            rows.append(LookupRow(name, depth, depth * size, size, best_rank, per_rank))
+            reuse = found.get(best_bit)
+            if reuse is None or not reuse.blocks:
+                rows.append(nothing)
+                continue
+            rows.append(self._row(name, best_rank, per_rank, reuse, best_bit))
         return rows
+
+    def _row(
+        self, name: str, rank: int, ranks: dict[int, int], reuse: Reuse, bit: int
+    ) -> LookupRow:
+        by_tier, by_group = reuse.by_tier, reuse.by_group
+        if not by_tier:  # a publisher with one pool: all of it comes from that pool
+            group, medium = next(iter(self._by_bit[bit].pools), (0, DEFAULT_MEDIUM))
+            by_tier = {tier_of(medium): reuse.blocks}
+            by_group = {group: reuse.blocks}
+        size = reuse.size
+        return LookupRow(
+            name, reuse.blocks, reuse.blocks * size, size, rank, ranks, by_tier, by_group
+        )
 
     def _lay_out(self) -> list[tuple[str, list[tuple[int, int]]]]:
         """Instances by name, each with its (DP rank, bit) pairs by rank: what a lookup
@@ -594,10 +841,51 @@ class FleetIndex:
         return rows
 
 
+@dataclass(slots=True)
+class _Walk:
+    depths: dict[int, int]  # publisher bit -> blocks held in a row from the root
+    path: list[_Node]  # the prompt's nodes, while a publisher with several pools is on it
+
+
+def _plain(event: BlockStored) -> bool:
+    """No keys beside the tokens. vLLM 0.33 sends `[None, ...]` for a plain request."""
+    extra = event.extra_keys
+    return (
+        (extra is None or not any(extra))
+        and event.cache_salt is None
+        and event.lookahead_token_ids is None
+    )
+
+
+def _child(node: _Node, key: bytes, h: BlockHash) -> _Node:
+    """The child of `node` with this key, made if there is none."""
+    children = node.children
+    if children is None:
+        child = node.children = _Node(node, key, 0, None, h)
+    elif isinstance(children, _Node):
+        if children.key == key:
+            return children
+        child = _Node(node, key, 0, None, h)
+        node.children = {children.key: children, key: child}
+    else:
+        found = children.get(key)
+        if found is not None:
+            return found
+        child = children[key] = _Node(node, key, 0, None, h)
+    return child
+
+
 def _record(depths: dict[int, int], mask: int, depth: int) -> None:
     while mask:
         low = mask & -mask
         depths[low.bit_length() - 1] = depth
+        mask ^= low
+
+
+def _bits(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
         mask ^= low
 
 
@@ -630,41 +918,12 @@ def _kids(node: _Node) -> list[_Node]:
     return list(children.values())
 
 
-def _kept_elsewhere(src: _Source, pool: Pool, h: BlockHash, node: _Node) -> bool:
-    """Whether another of the publisher's pools still places `h` at `node` (then the
-    node keeps the publisher's bit). A pool holding `h` without a place takes it over."""
-    for other in src.pools.values():
-        if other is pool:
-            continue
-        held = other.get(h)
-        if held is _LOOSE:
-            other[h] = node
-            return True
-        if held is node:
-            return True
-    return False
+_K = TypeVar("_K")
 
 
-def _placed_elsewhere(src: _Source, h: BlockHash) -> _Node | None:
-    for pool in src.pools.values():
-        node = pool.get(h)
-        if node is not None and node is not _LOOSE:
-            return node
-    return None
-
-
-def _drop_copy(extra: dict[tuple[PoolKey, BlockHash], int], key: tuple[PoolKey, BlockHash]) -> None:
-    left = extra[key] - 1
+def _drop_copy(counts: dict[_K, int], key: _K) -> None:
+    left = counts[key] - 1
     if left:
-        extra[key] = left
+        counts[key] = left
     else:
-        del extra[key]
-
-
-def only_lora(extra_keys: list[object], lora_name: str | None) -> bool:
-    """Whether the per-block extra keys hold nothing but the LoRA name (the namespace)."""
-    return all(
-        k is None
-        or (lora_name is not None and isinstance(k, list | tuple) and list(k) == [lora_name])
-        for k in extra_keys
-    )
+        del counts[key]

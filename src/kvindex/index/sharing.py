@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvindex.index.fleet import FleetIndex, Namespace, key_tokens
+from kvindex.index.namespaces import lora_label, salt_digest
 
 __all__ = ["SharedPrefix", "Sharing", "sharing"]
 
@@ -32,6 +33,7 @@ class SharedPrefix:
     blocks: int
     instances: tuple[str, ...]
     token_ids: list[int]
+    salt: str | None = None  # a short digest of the cache salt (never the salt itself)
 
     @property
     def score(self) -> int:
@@ -99,12 +101,14 @@ class _Walk:
         score = frame.depth * len(frame.holders)
         if len(self.best) >= self.top and score <= self.best[0][0]:
             return
+        lora, salt, size = frame.namespace
         tokens: list[int] = []
         for f in self.stack:
-            tokens.extend(key_tokens(f.key))
-        lora, size = frame.namespace
+            tokens.extend(key_tokens(f.key, size))
         holders = tuple(sorted(frame.holders))
-        prefix = SharedPrefix(lora, size, frame.depth, holders, tokens)
+        prefix = SharedPrefix(
+            lora_label(lora), size, frame.depth, holders, tokens, salt_digest(salt)
+        )
         self.serial += 1
         entry = (score, -self.serial, prefix)
         if len(self.best) < self.top:

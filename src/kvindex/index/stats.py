@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(slots=True)
@@ -17,14 +17,19 @@ class CacheStats:
     batches: int = 0
     restarts: int = 0
     active: int = 0
+    # How the index placed what it holds (see `FleetIndex`): blocks held with no place in
+    # the prefix tree (no tokens, an unknown parent, a skipped position); blocks whose
+    # extra keys had a shape this version doesn't know; unkeyed lower-tier stores that kept
+    # the namespace of the publisher's other copy; entries moved when a keyed copy came.
+    unplaced: int = 0
+    unrecognised_keys: int = 0
+    namespace_kept: int = 0
+    namespace_moved: int = 0
 
     def merge(self, other: CacheStats) -> None:
-        self.stored += other.stored
-        self.removed += other.removed
-        self.clears += other.clears
-        self.batches += other.batches
-        self.restarts += other.restarts
-        self.active += other.active
+        for f in fields(self):
+            name = f.name
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 class RateWindow:

@@ -24,7 +24,7 @@ from typing import TypeAlias
 
 import msgspec
 
-from kvindex.index.fleet import DEFAULT_MEDIUM, only_lora
+from kvindex.index.fleet import DEFAULT_MEDIUM
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import (
     AllBlocksCleared,
@@ -384,6 +384,17 @@ class Mirror:
             self.snapshot_of[source] = None
 
 
+def only_lora(extra_keys: list[object], lora_name: str | None) -> bool:
+    """Whether the per-block extra keys hold nothing but the LoRA name. Until runs persist
+    their keys and namespace (issue 20), a run with other keys is saved hash-only: after a
+    warm restart it is held but not found by tokens (never a false hit)."""
+    return all(
+        k is None
+        or (lora_name is not None and isinstance(k, list | tuple) and list(k) == [lora_name])
+        for k in extra_keys
+    )
+
+
 def _rank(src: SourceState, pool: Pool, event: BlockStored) -> int:
     """How the index takes a store: hash-only, unplaced or placed in the prefix tree (as
     FleetIndex._anchor decides; token ids past 64 bits are found out when the run is
@@ -392,6 +403,8 @@ def _rank(src: SourceState, pool: Pool, event: BlockStored) -> int:
     if size <= 0 or len(event.token_ids) < size * len(event.block_hashes):
         return HASH_ONLY
     if event.extra_keys and not only_lora(event.extra_keys, event.lora_name):
+        return HASH_ONLY
+    if event.cache_salt is not None or event.lookahead_token_ids is not None:
         return HASH_ONLY
     parent = event.parent_block_hash
     if parent is None:

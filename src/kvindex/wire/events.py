@@ -29,6 +29,7 @@ MAX_HASH_BYTES = 128
 _WireHash = int | Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_HASH_BYTES)]
 
 MEDIUM_GPU = "GPU"
+"""The medium of an event that names none (vLLM before 0.10.2 only had the GPU)."""
 
 
 class BlockStored(
@@ -56,6 +57,9 @@ class BlockStored(
     ownership: str | None = None  # 0.29
     session_id: str | None = None  # 0.30
     lookahead_token_ids: list[list[int]] | None = None  # 0.33
+    # SGLang: set on every block of a salted request (vLLM puts its salt in block 0's
+    # extra_keys instead). Never in a vLLM array, so appending it keeps the array layout.
+    cache_salt: str | None = None
 
     type_name: ClassVar[str] = "BlockStored"
 

@@ -8,6 +8,8 @@ same against the engines' running code; these pin each rule down on its own.
 
 from __future__ import annotations
 
+import hashlib
+
 from kvindex.index import FleetIndex
 from kvindex.subscriber import SourceKey
 from kvindex.wire import BlockRemoved, BlockStored, EventBatch
@@ -15,6 +17,19 @@ from kvindex.wire import BlockRemoved, BlockStored, EventBatch
 BS = 4
 A = SourceKey("a")
 TOKENS = list(range(100, 148))  # 12 blocks
+
+
+def h(name: str) -> int:
+    """A block hash for a readable name ("h3": block 3 of chain h)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
+def hs(*names: str) -> set[int]:
+    return {h(n) for n in names}
+
+
+def removed(*names: str, **fields: object) -> BlockRemoved:
+    return BlockRemoved([h(n) for n in names], **fields)  # type: ignore[arg-type]
 
 
 def apply(index: FleetIndex, *events: object, source: SourceKey = A) -> None:
@@ -26,8 +41,8 @@ def matched(index: FleetIndex, tokens: list[int], **names: str | None) -> int:
     return rows["a"].matched_blocks if "a" in rows else 0
 
 
-def chain(first: int, last: int, tag: str = "h") -> list[str]:
-    return [f"{tag}{n}" for n in range(first, last)]
+def chain(first: int, last: int, tag: str = "h") -> list[int]:
+    return [h(f"{tag}{n}") for n in range(first, last)]
 
 
 def stored(
@@ -36,7 +51,7 @@ def stored(
     """Blocks first..last-1 of `tokens` (hashes `tagN`, as strings for readability), as
     vLLM >= 0.20 sends them (with `group_idx`)."""
     fields.setdefault("group_idx", 0)
-    parent = f"{tag}{first - 1}" if first else None
+    parent = h(f"{tag}{first - 1}") if first else None
     return BlockStored(
         chain(first, last, tag),  # type: ignore[arg-type]
         parent,  # type: ignore[arg-type]
@@ -52,7 +67,7 @@ def test_plain_blocks_of_a_multimodal_request_are_found() -> None:
     apply(index, stored(0, 3, "m", extra_keys=[None, None, [["img-hash", 0]]]))
     assert matched(index, TOKENS[:8]) == 2
     assert matched(index, TOKENS[:12]) == 2  # the image block needs its own keys
-    assert index.block_hashes("a") == {"m0", "m1", "m2"}
+    assert index.block_hashes("a") == hs("m0", "m1", "m2")
 
 
 def test_blocks_after_an_image_hang_under_it() -> None:
@@ -92,7 +107,7 @@ def test_sglang_salt_on_every_block() -> None:
     assert matched(index, TOKENS[:12], cache_salt="x") == 3
     assert matched(index, TOKENS[:12]) == 2
     # Evicting the salted leaf leaves the unsalted pages alone (they share tokens only).
-    apply(index, BlockRemoved(["s2"]), BlockRemoved(["s1"]))
+    apply(index, removed("s2"), removed("s1"))
     assert matched(index, TOKENS[:12]) == 2
     assert matched(index, TOKENS[:12], cache_salt="x") == 1
 
@@ -101,11 +116,11 @@ def test_two_hashes_on_the_same_tokens_hold_the_node_until_both_go() -> None:
     # A LoRA name reused with another adapter path: same namespace, same tokens, new hash.
     index = FleetIndex()
     apply(index, stored(0, 2, "x", lora_name="ad"), stored(0, 2, "y", lora_name="ad"))
-    apply(index, BlockRemoved(["x1"]), BlockRemoved(["x0"]))
+    apply(index, removed("x1"), removed("x0"))
     assert matched(index, TOKENS[:8], lora_name="ad") == 2
-    apply(index, BlockRemoved(["y1"]))
+    apply(index, removed("y1"))
     assert matched(index, TOKENS[:8], lora_name="ad") == 1
-    apply(index, BlockRemoved(["y0"]))
+    apply(index, removed("y0"))
     assert matched(index, TOKENS[:8], lora_name="ad") == 0
     assert index.tree_nodes() == 0
 
@@ -120,7 +135,7 @@ def test_lookahead_tokens_are_own_keys() -> None:
     index = FleetIndex()
     apply(index, stored(0, 2, "k", lookahead_token_ids=[[7], [8]]))
     assert matched(index, TOKENS[:8]) == 0
-    assert index.block_hashes("a") == {"k0", "k1"}
+    assert index.block_hashes("a") == hs("k0", "k1")
 
 
 def test_unrecognised_key_shapes_are_counted_and_never_plain() -> None:
@@ -148,8 +163,8 @@ def sw(first: int, hashes: list[str], window: int, tokens_from: int, **fields: o
     only of the blocks it kept (vLLM skips null and masked blocks)."""
     last = int(hashes[-1][1:]) + 1
     return BlockStored(
-        hashes,  # type: ignore[arg-type]
-        f"h{tokens_from - 1}" if tokens_from else None,  # type: ignore[arg-type]
+        [h(name) for name in hashes],
+        h(f"h{tokens_from - 1}") if tokens_from else None,
         TOKENS[tokens_from * BS : last * BS],
         BS,
         group_idx=1,
@@ -180,7 +195,7 @@ def test_skipped_blocks_take_the_full_attention_groups_place() -> None:
 def test_skipped_blocks_with_no_full_attention_placement_stay_out_of_the_tree() -> None:
     index = FleetIndex()
     apply(index, sw(0, ["h3"], window=5, tokens_from=2))
-    assert index.block_hashes("a") == {"h3"}
+    assert index.block_hashes("a") == hs("h3")
     assert index.cache_stats("a").unplaced == 1
     assert matched(index, TOKENS[:16]) == 0
 
@@ -198,16 +213,16 @@ def test_hybrid_lookup_follows_the_window_rule() -> None:
     apply(index, sw(5, ["h5"], window=9, tokens_from=5))
     assert index.lookup(TOKENS[:32])[0].matched_blocks == 7
     # Full attention bounds it: once block 4 leaves group 0 the hit is 4 at most.
-    apply(index, BlockRemoved(["h4"], group_idx=0))
+    apply(index, removed("h4", group_idx=0))
     assert index.lookup(TOKENS[:32])[0].matched_blocks == 4
 
 
 def test_partial_block_event_hangs_in_its_own_block_size() -> None:
     index = FleetIndex()
     apply(index, stored(0, 4, **FA))  # group 0: 4-token blocks h0..h3
-    big = BlockStored(["h1", "h3"], None, TOKENS[:16], 2 * BS, group_idx=1)  # type: ignore[list-item]
+    big = BlockStored([h("h1"), h("h3")], None, TOKENS[:16], 2 * BS, group_idx=1)  # type: ignore[list-item]
     apply(index, big)  # group 1: 8-token blocks, hashed at the 4-token boundaries
-    partial = BlockStored(["h2"], "h1", TOKENS[8:12], BS, group_idx=1)  # type: ignore[arg-type]
+    partial = BlockStored([h("h2")], h("h1"), TOKENS[8:12], BS, group_idx=1)  # type: ignore[arg-type]
     apply(index, partial)
     assert index.cache_stats("a").unplaced == 0
     (row,) = index.lookup(TOKENS[:16])
@@ -220,10 +235,10 @@ def test_partial_block_event_hangs_in_its_own_block_size() -> None:
 def test_gpu_run_then_the_lower_tiers_run() -> None:
     index = FleetIndex()
     apply(index, stored(0, 2))
-    apply(index, BlockStored(["h2", "h3"], "h1", TOKENS[8:16], BS, medium="CPU"))  # type: ignore[arg-type]
+    apply(index, BlockStored([h("h2"), h("h3")], h("h1"), TOKENS[8:16], BS, medium="CPU"))  # type: ignore[arg-type]
     (row,) = index.lookup(TOKENS[:16])
     assert (row.matched_blocks, row.by_tier) == (4, {"gpu": 2, "cpu": 2})
-    apply(index, BlockRemoved(["h1"]))
+    apply(index, removed("h1"))
     # GPU holds block 0 only; the CPU tier does not hold block 1: the reuse ends there.
     assert index.lookup(TOKENS[:16])[0].by_tier == {"gpu": 1}
 
@@ -234,7 +249,7 @@ def test_salted_offload_copies_keep_their_namespace() -> None:
     index = FleetIndex()
     apply(index, stored(0, 3, "s", extra_keys=[["tenant"], None, None]))
     apply(index, stored(0, 3, "s", medium="CPU"))
-    apply(index, BlockRemoved(["s0", "s1", "s2"]))  # evicted from the GPU
+    apply(index, removed("s0", "s1", "s2"))  # evicted from the GPU
     assert matched(index, TOKENS[:12]) == 0
     (row,) = index.lookup(TOKENS[:12], cache_salt="tenant")
     assert (row.matched_blocks, row.by_tier) == (3, {"cpu": 3})
@@ -245,7 +260,7 @@ def test_a_keyed_copy_arriving_later_moves_the_lower_tier_entries() -> None:
     index = FleetIndex()
     apply(index, stored(0, 2, "s", medium="CPU"))  # no keys: placed as plain for now
     apply(index, stored(0, 2, "s", extra_keys=[["tenant"], None]))  # the keyed GPU copy
-    apply(index, BlockRemoved(["s0", "s1"]))
+    apply(index, removed("s0", "s1"))
     assert matched(index, TOKENS[:8]) == 0
     assert matched(index, TOKENS[:8], cache_salt="tenant") == 2
     assert index.cache_stats("a").namespace_moved == 2
@@ -253,14 +268,14 @@ def test_a_keyed_copy_arriving_later_moves_the_lower_tier_entries() -> None:
 
 def test_medium_filter_takes_raw_names_and_tiers() -> None:
     index = FleetIndex()
-    apply(index, stored(0, 1), BlockStored(["c0"], None, [], BS, medium="CPU_PINNED"))  # type: ignore[list-item]
-    assert index.block_hashes("a", "CPU_PINNED") == {"c0"}
-    assert index.block_hashes("a", "cpu") == {"c0"}
-    assert index.block_hashes("a", "gpu") == {"h0"}
+    apply(index, stored(0, 1), BlockStored([h("c0")], None, [], BS, medium="CPU_PINNED"))  # type: ignore[list-item]
+    assert index.block_hashes("a", "CPU_PINNED") == hs("c0")
+    assert index.block_hashes("a", "cpu") == hs("c0")
+    assert index.block_hashes("a", "gpu") == hs("h0")
 
 
 def test_lookup_by_hashes_counts_gpu_then_lower_tiers() -> None:
     index = FleetIndex()
-    apply(index, stored(0, 2), BlockStored(["h2"], "h1", [], BS, medium="CPU"))  # type: ignore[arg-type]
-    (row,) = index.lookup_hashes(["h0", "h1", "h2", "h3"])  # type: ignore[list-item]
+    apply(index, stored(0, 2), BlockStored([h("h2")], h("h1"), [], BS, medium="CPU"))  # type: ignore[arg-type]
+    (row,) = index.lookup_hashes([h("h0"), h("h1"), h("h2"), h("h3")])
     assert (row.matched_blocks, row.by_tier) == (3, {"gpu": 2, "cpu": 1})

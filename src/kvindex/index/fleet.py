@@ -48,14 +48,15 @@ from typing import TypeVar
 
 import msgspec
 
-from kvindex.index.keys import block_keys, key_tokens, one_block_key
+from kvindex.index.base import IndexBase, LookupRow, medium_matches
+from kvindex.index.keys import block_keys, chain_keys_bytes, key_tokens
 from kvindex.index.namespaces import PLAIN, ChainKeys, LoraKey, chain_keys, lora_key
 from kvindex.index.reuse import GroupSpec, Reuse, engine_reuse
-from kvindex.index.stats import CacheStats, RateWindow
-from kvindex.subscriber.messages import Delivery, Item, Restarted, SourceKey
+from kvindex.index.stats import CacheStats
+from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from kvindex.wire.events import MEDIUM_GPU
-from kvindex.wire.tiers import TIER_GPU, tier_of
+from kvindex.wire.tiers import TIER_GPU, TIERS, tier_of
 
 __all__ = [
     "DEFAULT_MEDIUM",
@@ -64,6 +65,7 @@ __all__ = [
     "Namespace",
     "PoolKey",
     "block_keys",
+    "is_keyed",
     "key_tokens",
     "medium_matches",
 ]
@@ -141,43 +143,16 @@ class _Source:
         self.flag = 1 << self.bit
 
 
-class LookupRow(msgspec.Struct, frozen=True, gc=False):
-    """What one instance (its best DP rank) would reuse of a prompt.
-
-    `matched_blocks` counts whole blocks from the first token: GPU blocks, then the run
-    lower tiers hold from there. `by_tier` splits them by tier (`gpu`, `cpu`, `disk`,
-    `external`); `by_group` is each KV cache group's own GPU hit (hybrid models).
-    """
-
-    instance: str
-    matched_blocks: int
-    matched_tokens: int
-    block_size: int
-    best_rank: int
-    ranks: dict[int, int]  # DP rank -> matched blocks
-    by_tier: dict[str, int] = {}
-    by_group: dict[int, int] = {}
-
-
-def medium_matches(medium: str, wanted: str) -> bool:
-    """Whether a pool's medium is the one asked for, by raw name or by tier name."""
-    return medium == wanted or tier_of(medium) == wanted.lower()
-
-
-class FleetIndex:
+class FleetIndex(IndexBase[_Source]):
     """Exact per-publisher block state and token-prefix lookups for a whole fleet."""
 
     def __init__(self, rate_window: float = 60.0) -> None:
-        self._sources: dict[SourceKey, _Source] = {}
-        self._by_bit: dict[int, _Source] = {}
-        self._free_bits: list[int] = []
+        super().__init__(rate_window)
         self._roots: dict[Namespace, _Node] = {}
-        self._root_size: dict[int, int] = {}  # id(root) -> its block size
+        self._root_ns: dict[int, Namespace] = {}  # id(root) -> its namespace
+        self._sizes: dict[int, int] = {}  # block size -> roots of that size
         self._all_mask = 0
         self._several = 0  # bits of the publishers with two pools or more (`where`)
-        self._layout: list[tuple[str, list[tuple[int, int]]]] | None = None
-        self._empty_rows: dict[int, list[LookupRow]] = {}
-        self.rates = RateWindow(rate_window)
 
     def __del__(self) -> None:
         # The tree's nodes are invisible to the cyclic GC: unlink them so they are freed.
@@ -229,7 +204,7 @@ class FleetIndex:
                             continue
                         mask = node.mask = node.mask & keep
                         if not mask and not node.children:
-                            _prune(node)
+                            self._prune(node)
             elif isinstance(event, BlockStored):
                 self._store(src, event)
                 stored += len(event.block_hashes)
@@ -247,13 +222,6 @@ class FleetIndex:
         src.last_ts = batch.ts
         self.rates.add(stored, removed, clears)
 
-    def handle(self, item: Item) -> None:
-        """Feed one item of a `Subscriber`: apply deliveries, drop state on restarts."""
-        if isinstance(item, Delivery):
-            self.apply(item.source, item.batch, item.seq)
-        elif isinstance(item, Restarted):
-            self.drop_source(item.source)
-
     def drop_source(self, source: SourceKey) -> None:
         """Forget what `source` holds (its engine restarted): its cache is empty now."""
         src = self._sources.get(source)
@@ -262,19 +230,15 @@ class FleetIndex:
             src.stats.restarts += 1
 
     def remove_instance(self, name: str) -> None:
-        for key in [k for k in self._sources if k.instance == name]:
-            src = self._sources.pop(key)
+        for src in list(self._instance_publishers(name)):
             self._clear(src)
-            del self._by_bit[src.bit]
             self._all_mask &= ~src.flag
-            self._free_bits.append(src.bit)
-        self._layout = None
+            self._forget(src)
 
     def _source(self, key: SourceKey) -> _Source:
-        bit = self._free_bits.pop() if self._free_bits else len(self._by_bit)
+        bit = self._new_bit()
         src = self._sources[key] = self._by_bit[bit] = _Source(key, bit)
         self._all_mask |= src.flag
-        self._layout = None
         return src
 
     def _pool(self, src: _Source, pool_key: PoolKey) -> tuple[Pool, _PoolInfo]:
@@ -296,20 +260,22 @@ class FleetIndex:
         pool_key = (event.group_idx or 0, event.medium or DEFAULT_MEDIUM)
         pool, info = self._pool(src, pool_key)
         hashes = event.block_hashes
-        size = event.block_size
+        size = event.block_size if 0 < event.block_size < MAX_BLOCK_SIZE else 0
         if size > info.size:
             info.size = size
         if event.kv_cache_spec_kind is not None:
             src.groups[info.group] = GroupSpec(
                 event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window
             )
-        keys = PLAIN if _plain(event) else chain_keys(event)
+        keys = PLAIN if is_plain(event) else chain_keys(event)
         src.stats.unrecognised_keys += keys.unrecognised
+        if not hashes:
+            return
         # An unkeyed store on a lower tier may lack the namespace its GPU copy had (vLLM's
         # offload events carry no extra keys): it keeps the placement it already has.
-        keyed = info.tier == TIER_GPU or keys is not PLAIN or lora_key(event) is not None
+        keyed = info.tier == TIER_GPU or is_keyed(event, keys)
         tokens = event.token_ids
-        if size <= 0 or len(tokens) != size * len(hashes):
+        if size == 0 or len(tokens) != size * len(hashes):
             # Skipped blocks (a sliding-window group), a partial block or no tokens: the
             # event can't say where each hash goes.
             self._store_elsewhere_placed(src, pool, info, pool_key, hashes, size)
@@ -318,16 +284,7 @@ class FleetIndex:
         if parent is None:
             self._store_elsewhere_placed(src, pool, info, pool_key, hashes, size)
             return
-        if len(hashes) == 1 and keys.own is None:
-            # One block (a decode step's new block, the commonest store): no splitting.
-            key = one_block_key(tokens)
-            chain = [] if key is None else [key]
-        else:
-            chain = block_keys(tokens, size, len(hashes))
-            if keys.own is not None:
-                chain = [
-                    k if own is None else k + own for k, own in zip(chain, keys.own, strict=False)
-                ]
+        chain = chain_keys_bytes(tokens, size, len(hashes), keys.own)
         self._insert_chain(src, pool, info, pool_key, parent, hashes, chain, keyed, size)
         if len(chain) < len(hashes):  # a token id that can't be keyed ends the chain
             self._store_elsewhere_placed(src, pool, info, pool_key, hashes[len(chain) :], size)
@@ -410,7 +367,7 @@ class FleetIndex:
     ) -> None:
         """A chain of a publisher with several pools: an unkeyed lower-tier block keeps
         the node the publisher holds its hash at; a keyed one takes the others over."""
-        size = self._size_of(node) if node.parent is not None else self._root_size[id(node)]
+        size = self._size_of(node)
         for h, key in zip(hashes, chain, strict=False):  # the chain may end early
             if not keyed:
                 kept = self._placed_elsewhere(src, h, size, pool)
@@ -503,7 +460,7 @@ class FleetIndex:
             where.pop(node, None)
         mask = node.mask = node.mask & ~src.flag
         if not mask and not node.children:
-            _prune(node)
+            self._prune(node)
 
     def _anchor(
         self, src: _Source, event: BlockStored, keys: ChainKeys, pool: Pool, info: _PoolInfo
@@ -515,7 +472,8 @@ class FleetIndex:
             root = self._roots.get(namespace)
             if root is None:
                 root = self._roots[namespace] = _Node(None, b"")
-                self._root_size[id(root)] = event.block_size
+                self._root_ns[id(root)] = namespace
+                self._sizes[namespace[2]] = self._sizes.get(namespace[2], 0) + 1
             return root
         size = event.block_size
         node = pool.get(parent_hash)
@@ -550,7 +508,23 @@ class FleetIndex:
         """The block size of the tree a node is in (walks up to its root: rare paths)."""
         while node.parent is not None:
             node = node.parent
-        return self._root_size.get(id(node), 0)
+        namespace = self._root_ns.get(id(node))
+        return 0 if namespace is None else namespace[2]
+
+    def _prune(self, node: _Node) -> None:
+        """Free a node nobody holds and nothing hangs from, then its parents likewise, so
+        memory follows what is cached; a root left with nothing goes with its namespace (a
+        fleet of many salted tenants would otherwise keep a root per salt)."""
+        root = _prune(node)
+        if root is not None and not root.children:
+            namespace = self._root_ns.pop(id(root), None)
+            if namespace is not None:
+                del self._roots[namespace]
+                left = self._sizes[namespace[2]] - 1
+                if left:
+                    self._sizes[namespace[2]] = left
+                else:
+                    del self._sizes[namespace[2]]
 
     def _remove(self, src: _Source, pool_key: PoolKey, hashes: list[BlockHash]) -> None:
         pool = src.pools.get(pool_key)
@@ -576,7 +550,7 @@ class FleetIndex:
             node.mask &= keep
         for node in nodes.values():
             if not node.mask and not node.children:
-                _prune(node)
+                self._prune(node)
         src.pools.clear()
         src.info.clear()
         src.extra.clear()
@@ -587,24 +561,14 @@ class FleetIndex:
 
     # -- questions ---------------------------------------------------------------------
 
-    def instances(self) -> list[str]:
-        return sorted({key.instance for key in self._sources})
+    def _pool_keys(self, pub: _Source) -> list[PoolKey]:
+        return list(pub.pools)
 
-    def sources(self, instance: str | None = None) -> list[SourceKey]:
-        return [k for k in self._sources if instance is None or k.instance == instance]
+    def _pool_hashes(self, pub: _Source, index: int) -> Iterable[BlockHash]:
+        return list(pub.pools.values())[index]
 
-    def has_instance(self, name: str) -> bool:
-        return any(k.instance == name for k in self._sources)
-
-    def block_hashes(self, instance: str, medium: str | None = None) -> set[BlockHash]:
-        """Every distinct hash the instance holds now (all ranks, groups; one medium or
-        tier, or all)."""
-        out: set[BlockHash] = set()
-        for src in self._instance_sources(instance):
-            for (_, pool_medium), pool in src.pools.items():
-                if medium is None or medium_matches(pool_medium, medium):
-                    out.update(pool)
-        return out
+    def _stats(self, pub: _Source) -> CacheStats:
+        return pub.stats
 
     def copies(self, source: SourceKey) -> dict[PoolKey, dict[BlockHash, int]]:
         """The pools of one publisher: (group, medium) -> hash -> copies (a snapshot)."""
@@ -625,28 +589,6 @@ class FleetIndex:
             return 0
         assert src is not None
         return 1 + src.extra.get(((group, medium), block_hash), 0)
-
-    def blocks_by_medium(self, instance: str) -> dict[str, int]:
-        """Distinct hashes held per medium (union over ranks and groups)."""
-        per_medium: dict[str, set[BlockHash]] = {}
-        for src in self._instance_sources(instance):
-            for (_, medium), pool in src.pools.items():
-                per_medium.setdefault(medium, set()).update(pool)
-        return {medium: len(hashes) for medium, hashes in sorted(per_medium.items())}
-
-    def block_count(self, instance: str) -> int:
-        return len(self.block_hashes(instance))
-
-    def cache_stats(self, instance: str) -> CacheStats:
-        total = CacheStats()
-        for src in self._instance_sources(instance):
-            total.merge(src.stats)
-        total.active = self.block_count(instance)
-        return total
-
-    def source_state(self, source: SourceKey) -> tuple[int | None, float | None]:
-        src = self._sources.get(source)
-        return (None, None) if src is None else (src.last_seq, src.last_ts)
 
     def entries(self) -> int:
         """(publisher, pool, hash) entries held: the index's size."""
@@ -676,13 +618,6 @@ class FleetIndex:
                 yield namespace, depth, node.key, node.mask
                 stack.extend((child, depth + 1) for child in _kids(node))
 
-    def source_bits(self) -> dict[int, SourceKey]:
-        """Bit number (as in the tree's masks) -> the publisher it stands for."""
-        return {bit: src.key for bit, src in self._by_bit.items()}
-
-    def _instance_sources(self, instance: str) -> Iterable[_Source]:
-        return (s for k, s in self._sources.items() if k.instance == instance)
-
     def lookup(
         self,
         token_ids: Sequence[int],
@@ -692,13 +627,14 @@ class FleetIndex:
         """Per instance, what the engine would reuse of this prompt (see `LookupRow`): the
         chains of the namespace the request names (its LoRA adapter and cache salt)."""
         walks: dict[int, _Walk] = {}
-        default_size = 0  # what an instance matching nothing reports as its block size
-        for (lora, salt, size), root in self._roots.items():
-            if lora != lora_name or salt != cache_salt or not root.children:
+        for size in sorted(self._sizes):  # ascending: ties between sizes go to the smaller
+            root = self._roots.get((lora_name, cache_salt, size))
+            if root is None or not root.children:
                 continue
-            default_size = size
             keys = block_keys(token_ids, size, len(token_ids) // size)
             walks[size] = self._walk(root, keys)
+        # What an instance matching nothing reports as its block size: the smallest.
+        default_size = next(iter(walks), 0)
         found: dict[int, Reuse] = {}
         for size, walk in walks.items():
             for bit, depth in walk.depths.items():
@@ -763,11 +699,19 @@ class FleetIndex:
 
     def lookup_hashes(self, block_hashes: Sequence[BlockHash]) -> list[LookupRow]:
         """Per instance, how many of these hashes, from the first, it would reuse now: the
-        run its GPU pools hold, then the run its lower tiers hold from there."""
+        run its GPU pools hold, then the run its lower tiers hold from there (the fastest
+        tier holding each next block serves it)."""
         found: dict[int, Reuse] = {}
         for src in self._sources.values():
             gpu = [p for pk, p in src.pools.items() if src.info[pk].tier == TIER_GPU]
-            lower = [(src.info[pk].tier, p) for pk, p in src.pools.items() if p not in gpu]
+            lower = sorted(
+                (
+                    (src.info[pk].tier, p)
+                    for pk, p in src.pools.items()
+                    if src.info[pk].tier != TIER_GPU
+                ),
+                key=lambda tier_pool: TIERS.index(tier_pool[0]),
+            )
             depth = 0
             for h in block_hashes:
                 if not any(h in pool for pool in gpu):
@@ -775,7 +719,7 @@ class FleetIndex:
                 depth += 1
             by_tier = {TIER_GPU: depth} if depth else {}
             for h in block_hashes[depth:]:
-                tier = next((t for t, pool in sorted(lower) if h in pool), None)
+                tier = next((t for t, pool in lower if h in pool), None)
                 if tier is None:
                     break
                 by_tier[tier] = by_tier.get(tier, 0) + 1
@@ -784,62 +728,6 @@ class FleetIndex:
                 found[src.bit] = Reuse(total, 0, by_tier, {})
         return self._rows(found, 0)
 
-    def _rows(self, found: dict[int, Reuse], default_size: int = 0) -> list[LookupRow]:
-        """One row per instance, by name; a publisher missing from `found` matched nothing
-        (its row is shared between answers: rows are immutable)."""
-        layout = self._layout or self._lay_out()
-        empty = self._empty_rows.get(default_size) or self._make_empty_rows(default_size)
-        rows = []
-        for (name, ranks), nothing in zip(layout, empty, strict=True):
-            if len(ranks) == 1:
-                rank, bit = ranks[0]
-                reuse = found.get(bit)
-                if reuse is None or not reuse.blocks:
-                    rows.append(nothing)
-                    continue
-                rows.append(self._row(name, rank, {rank: reuse.blocks}, reuse, bit))
-                continue
-            per_rank = {rank: (found[bit].blocks if bit in found else 0) for rank, bit in ranks}
-            best_rank, best_bit = max(ranks, key=lambda rb: (per_rank[rb[0]], -rb[0]))
-            reuse = found.get(best_bit)
-            if reuse is None or not reuse.blocks:
-                rows.append(nothing)
-                continue
-            rows.append(self._row(name, best_rank, per_rank, reuse, best_bit))
-        return rows
-
-    def _row(
-        self, name: str, rank: int, ranks: dict[int, int], reuse: Reuse, bit: int
-    ) -> LookupRow:
-        by_tier, by_group = reuse.by_tier, reuse.by_group
-        if not by_tier:  # a publisher with one pool: all of it comes from that pool
-            group, medium = next(iter(self._by_bit[bit].pools), (0, DEFAULT_MEDIUM))
-            by_tier = {tier_of(medium): reuse.blocks}
-            by_group = {group: reuse.blocks}
-        size = reuse.size
-        return LookupRow(
-            name, reuse.blocks, reuse.blocks * size, size, rank, ranks, by_tier, by_group
-        )
-
-    def _lay_out(self) -> list[tuple[str, list[tuple[int, int]]]]:
-        """Instances by name, each with its (DP rank, bit) pairs by rank: what a lookup
-        answer is shaped like, kept until the set of publishers changes."""
-        by_name: dict[str, list[tuple[int, int]]] = {}
-        for key, src in self._sources.items():
-            by_name.setdefault(key.instance, []).append((key.rank, src.bit))
-        self._layout = [(name, sorted(ranks)) for name, ranks in sorted(by_name.items())]
-        self._empty_rows = {}
-        return self._layout
-
-    def _make_empty_rows(self, size: int) -> list[LookupRow]:
-        layout = self._layout or self._lay_out()
-        rows = [
-            LookupRow(name, 0, 0, size, ranks[0][0], {rank: 0 for rank, _ in ranks})
-            for name, ranks in layout
-        ]
-        self._empty_rows[size] = rows
-        return rows
-
 
 @dataclass(slots=True)
 class _Walk:
@@ -847,7 +735,16 @@ class _Walk:
     path: list[_Node]  # the prompt's nodes, while a publisher with several pools is on it
 
 
-def _plain(event: BlockStored) -> bool:
+MAX_BLOCK_SIZE = 1 << 31  # a size from 2**31 on can't be a block's: such events have no place
+
+
+def is_keyed(event: BlockStored, keys: ChainKeys) -> bool:
+    """Whether a store names its namespace or has own keys (else an unkeyed store on a
+    lower tier keeps the placement its hash already has: see the module doc)."""
+    return lora_key(event) is not None or keys.salt is not None or keys.own is not None
+
+
+def is_plain(event: BlockStored) -> bool:
     """No keys beside the tokens. vLLM 0.33 sends `[None, ...]` for a plain request."""
     extra = event.extra_keys
     return (
@@ -889,13 +786,13 @@ def _bits(mask: int) -> Iterator[int]:
         mask ^= low
 
 
-def _prune(node: _Node) -> None:
-    """Free a node nobody holds and nothing hangs from, then its parents likewise, so
-    memory follows what is cached. Roots stay."""
+def _prune(node: _Node) -> _Node | None:
+    """Free a node nobody holds and nothing hangs from, then its parents likewise; the
+    node the climb ended at if it has no parent (a root, or one already unlinked)."""
     while True:
         parent = node.parent
         if parent is None:
-            return  # a root, or already unlinked
+            return node
         siblings = parent.children
         if siblings is node:
             parent.children = None
@@ -905,7 +802,7 @@ def _prune(node: _Node) -> None:
                 parent.children = next(iter(siblings.values()))
         node.parent = None
         if parent.mask or parent.children:
-            return
+            return None
         node = parent
 
 

@@ -20,7 +20,7 @@ import struct
 from array import array
 from collections.abc import Sequence
 
-__all__ = ["OWN_KEY_BYTES", "block_keys", "key_tokens", "one_block_key"]
+__all__ = ["OWN_KEY_BYTES", "block_keys", "chain_keys_bytes", "key_tokens", "one_block_key"]
 
 OWN_KEY_BYTES = 16
 
@@ -43,6 +43,21 @@ def one_block_key(tokens: Sequence[int]) -> bytes | None:
     except (OverflowError, TypeError):
         keys = _keys_slowly(tokens, len(tokens), 1)
         return keys[0] if keys else None
+
+
+def chain_keys_bytes(
+    tokens: Sequence[int], size: int, blocks: int, own: Sequence[bytes | None] | None
+) -> list[bytes]:
+    """The tree keys of a stored chain of `blocks` blocks: their token keys, each followed
+    by the digest of its own keys if it has any (fewer keys if a token can't be keyed)."""
+    if blocks == 1 and own is None:
+        # One block (a decode step's new block, the commonest store): no splitting.
+        key = one_block_key(tokens)
+        return [] if key is None else [key]
+    chain = block_keys(tokens, size, blocks)
+    if own is not None:
+        chain = [k if digest is None else k + digest for k, digest in zip(chain, own, strict=False)]
+    return chain
 
 
 def _split(data: memoryview, width: int, blocks: int) -> list[bytes]:

@@ -1,0 +1,52 @@
+"""The compiled core (kvindex.index._core), built by a plain `pip install -e .`.
+
+Without a C compiler (or Python's headers) the build says so in one line and the package
+installs anyway: kvindex then runs its pure-Python implementation (as it does with
+KVINDEX_PURE=1).
+"""
+
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+CORE = "src/kvindex/index/csrc"
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that falls back to pure Python instead of failing the install."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # no compiler at all: distutils raises here
+            _warn(exc)
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # the compiler or headers failed on this extension
+            _warn(exc)
+
+
+def _warn(exc: BaseException) -> None:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    print(
+        f"kvindex: WARNING: the compiled core was not built ({first}); "
+        "the pure-Python implementation will be used",
+        file=sys.stderr,
+    )
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "kvindex.index._core",
+            sources=[f"{CORE}/core.c", f"{CORE}/parse.c", f"{CORE}/module.c"],
+            depends=[f"{CORE}/core.h", f"{CORE}/map.h", f"{CORE}/msgpack.h", f"{CORE}/intern.h"],
+            extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
+            extra_link_args=["-pthread"],
+        )
+    ],
+    cmdclass={"build_ext": OptionalBuildExt},
+)

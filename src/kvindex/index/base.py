@@ -1,0 +1,226 @@
+"""What both index implementations share: publishers and their bits, and answers' shape.
+
+`kvindex.index.fleet.FleetIndex` (pure Python, the reference) and
+`kvindex.index.compiled.CompiledIndex` (the C core) keep a fleet's state differently; both
+number publishers with bits the same way, answer `lookup` with the same rows, and count
+the same stats, through this base.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Generic, Protocol, TypeVar
+
+import msgspec
+
+from kvindex.index.reuse import Reuse
+from kvindex.index.stats import CacheStats, RateWindow
+from kvindex.subscriber.messages import Delivery, Item, Restarted, SourceKey
+from kvindex.wire import BlockHash, EventBatch
+from kvindex.wire.events import MEDIUM_GPU
+from kvindex.wire.tiers import tier_of
+
+__all__ = ["IndexBase", "LookupRow", "Publisher", "medium_matches"]
+
+
+class LookupRow(msgspec.Struct, frozen=True, gc=False):
+    """What one instance (its best DP rank) would reuse of a prompt.
+
+    `matched_blocks` counts whole blocks from the first token: GPU blocks, then the run
+    lower tiers hold from there. `by_tier` splits them by tier (`gpu`, `cpu`, `disk`,
+    `external`); `by_group` is each KV cache group's own GPU hit (hybrid models).
+    """
+
+    instance: str
+    matched_blocks: int
+    matched_tokens: int
+    block_size: int
+    best_rank: int
+    ranks: dict[int, int]  # DP rank -> matched blocks
+    by_tier: dict[str, int] = {}
+    by_group: dict[int, int] = {}
+
+
+def medium_matches(medium: str, wanted: str) -> bool:
+    """Whether a pool's medium is the one asked for, by raw name or by tier name."""
+    return medium == wanted or tier_of(medium) == wanted.lower()
+
+
+class Publisher(Protocol):
+    key: SourceKey
+    bit: int
+    last_seq: int | None
+    last_ts: float | None
+
+
+P = TypeVar("P", bound=Publisher)
+
+Layout = list[tuple[str, list[tuple[int, int]]]]  # instance -> [(DP rank, bit)]
+DEFAULT_POOL = (0, MEDIUM_GPU)
+
+
+class IndexBase(Generic[P]):
+    """Publishers by key and by bit; the answer's layout; rates; `handle`."""
+
+    def __init__(self, rate_window: float = 60.0) -> None:
+        self._sources: dict[SourceKey, P] = {}
+        self._by_bit: dict[int, P] = {}
+        self._free_bits: list[int] = []
+        self._layout: Layout | None = None
+        self._empty_rows: dict[int, list[LookupRow]] = {}
+        self.rates = RateWindow(rate_window)
+
+    # -- what each implementation provides ----------------------------------------------
+
+    def apply(self, source: SourceKey, batch: EventBatch, seq: int | None = None) -> None:
+        raise NotImplementedError
+
+    def drop_source(self, source: SourceKey) -> None:
+        raise NotImplementedError
+
+    def remove_instance(self, name: str) -> None:
+        raise NotImplementedError
+
+    def _pool_keys(self, pub: P) -> list[tuple[int, str]]:
+        """The publisher's pools, (KV cache group, medium), in the order they came."""
+        raise NotImplementedError
+
+    def _pool_hashes(self, pub: P, index: int) -> Iterable[BlockHash]:
+        """The hashes one pool of the publisher holds (its index in `_pool_keys`)."""
+        raise NotImplementedError
+
+    def _stats(self, pub: P) -> CacheStats:
+        raise NotImplementedError
+
+    def _hashes(self, pub: P, medium: str | None) -> Iterator[BlockHash]:
+        for index, (_, pool_medium) in enumerate(self._pool_keys(pub)):
+            if medium is None or medium_matches(pool_medium, medium):
+                yield from self._pool_hashes(pub, index)
+
+    def _only_pool(self, pub: P) -> tuple[int, str]:
+        """(group, medium) of a publisher with one pool (or the GPU's if it has none)."""
+        return next(iter(self._pool_keys(pub)), DEFAULT_POOL)
+
+    # -- publishers -----------------------------------------------------------------------
+
+    def handle(self, item: Item) -> None:
+        """Feed one item of a `Subscriber`: apply deliveries, drop state on restarts."""
+        if isinstance(item, Delivery):
+            self.apply(item.source, item.batch, item.seq)
+        elif isinstance(item, Restarted):
+            self.drop_source(item.source)
+
+    def _new_bit(self) -> int:
+        self._layout = None
+        return self._free_bits.pop() if self._free_bits else len(self._by_bit)
+
+    def _forget(self, pub: P) -> None:
+        del self._sources[pub.key], self._by_bit[pub.bit]
+        self._free_bits.append(pub.bit)
+        self._layout = None
+
+    def _instance_publishers(self, instance: str) -> Iterator[P]:
+        return (p for k, p in self._sources.items() if k.instance == instance)
+
+    def instances(self) -> list[str]:
+        return sorted({key.instance for key in self._sources})
+
+    def sources(self, instance: str | None = None) -> list[SourceKey]:
+        return [k for k in self._sources if instance is None or k.instance == instance]
+
+    def has_instance(self, name: str) -> bool:
+        return any(k.instance == name for k in self._sources)
+
+    def source_bits(self) -> dict[int, SourceKey]:
+        """Bit number (as in the tree's masks) -> the publisher it stands for."""
+        return {bit: pub.key for bit, pub in self._by_bit.items()}
+
+    def source_state(self, source: SourceKey) -> tuple[int | None, float | None]:
+        pub = self._sources.get(source)
+        return (None, None) if pub is None else (pub.last_seq, pub.last_ts)
+
+    # -- held blocks ----------------------------------------------------------------------
+
+    def block_hashes(self, instance: str, medium: str | None = None) -> set[BlockHash]:
+        """Every distinct hash the instance holds now (all ranks, groups; one medium or
+        tier, or all)."""
+        out: set[BlockHash] = set()
+        for pub in self._instance_publishers(instance):
+            out.update(self._hashes(pub, medium))
+        return out
+
+    def block_count(self, instance: str) -> int:
+        return len(self.block_hashes(instance))
+
+    def blocks_by_medium(self, instance: str) -> dict[str, int]:
+        """Distinct hashes held per medium (union over ranks and groups)."""
+        per_medium: dict[str, set[BlockHash]] = {}
+        for pub in self._instance_publishers(instance):
+            for index, (_, medium) in enumerate(self._pool_keys(pub)):
+                per_medium.setdefault(medium, set()).update(self._pool_hashes(pub, index))
+        return {medium: len(hashes) for medium, hashes in sorted(per_medium.items())}
+
+    def cache_stats(self, instance: str) -> CacheStats:
+        total = CacheStats()
+        for pub in self._instance_publishers(instance):
+            total.merge(self._stats(pub))
+        total.active = self.block_count(instance)
+        return total
+
+    # -- answers --------------------------------------------------------------------------
+
+    def _rows(self, found: dict[int, Reuse], default_size: int = 0) -> list[LookupRow]:
+        """One row per instance, by name; a publisher missing from `found` matched nothing
+        (its row is shared between answers: rows are immutable)."""
+        layout = self._layout or self._lay_out()
+        empty = self._empty_rows.get(default_size) or self._make_empty_rows(default_size)
+        rows = []
+        for (name, ranks), nothing in zip(layout, empty, strict=True):
+            if len(ranks) == 1:
+                rank, bit = ranks[0]
+                reuse = found.get(bit)
+                if reuse is None or not reuse.blocks:
+                    rows.append(nothing)
+                    continue
+                rows.append(self._row(name, rank, {rank: reuse.blocks}, reuse, bit))
+                continue
+            per_rank = {rank: (found[bit].blocks if bit in found else 0) for rank, bit in ranks}
+            best_rank, best_bit = max(ranks, key=lambda rb: (per_rank[rb[0]], -rb[0]))
+            reuse = found.get(best_bit)
+            if reuse is None or not reuse.blocks:
+                rows.append(nothing)
+                continue
+            rows.append(self._row(name, best_rank, per_rank, reuse, best_bit))
+        return rows
+
+    def _row(
+        self, name: str, rank: int, ranks: dict[int, int], reuse: Reuse, bit: int
+    ) -> LookupRow:
+        by_tier, by_group = reuse.by_tier, reuse.by_group
+        if not by_tier:  # a publisher with one pool: all of it comes from that pool
+            group, medium = self._only_pool(self._by_bit[bit])
+            by_tier = {tier_of(medium): reuse.blocks}
+            by_group = {group: reuse.blocks}
+        size = reuse.size
+        return LookupRow(
+            name, reuse.blocks, reuse.blocks * size, size, rank, ranks, by_tier, by_group
+        )
+
+    def _lay_out(self) -> Layout:
+        """Instances by name, each with its (DP rank, bit) pairs by rank: what a lookup
+        answer is shaped like, kept until the set of publishers changes."""
+        by_name: dict[str, list[tuple[int, int]]] = {}
+        for key, pub in self._sources.items():
+            by_name.setdefault(key.instance, []).append((key.rank, pub.bit))
+        self._layout = [(name, sorted(ranks)) for name, ranks in sorted(by_name.items())]
+        self._empty_rows = {}
+        return self._layout
+
+    def _make_empty_rows(self, size: int) -> list[LookupRow]:
+        layout = self._layout or self._lay_out()
+        rows = [
+            LookupRow(name, 0, 0, size, ranks[0][0], {rank: 0 for rank, _ in ranks})
+            for name, ranks in layout
+        ]
+        self._empty_rows[size] = rows
+        return rows

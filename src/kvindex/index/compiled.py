@@ -1,0 +1,251 @@
+"""`CompiledIndex`: the fleet index on the C core (`kvindex.index._core`), same answers.
+
+The model is fleet.py's, kept in compact C memory (see _core/core.h). Batches come in two
+ways:
+
+- `apply_payload`: the msgpack bytes as the publisher sent them, parsed and applied in C
+  with the GIL released (no Python object per event or block). A batch the fast parser
+  does not take (an unknown event type, multimodal or lookahead keys, a token id past 32
+  bits, a malformed payload...) is decoded by kvindex.wire's Python decoder instead, which
+  decides what it means and counts what is malformed, and then applied as ops: nothing is
+  lost and nothing changes meaning.
+- `apply`: an already decoded `EventBatch` (tests, the simulator, a store's warm load),
+  turned into the same ops.
+
+Ops carry what fleet.py computes in Python per stored event (its chain keys, namespace
+and tree keys), so both implementations place every block the same way; the differential
+tests (tests/test_core.py) hold them to identical state and answers.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvindex.index._core import Core
+from kvindex.index.base import IndexBase, LookupRow
+from kvindex.index.fleet import MAX_BLOCK_SIZE, Namespace, PoolKey, is_keyed, is_plain
+from kvindex.index.keys import chain_keys_bytes
+from kvindex.index.namespaces import PLAIN, chain_keys
+from kvindex.index.reuse import Reuse
+from kvindex.index.stats import CacheStats
+from kvindex.subscriber.messages import SourceKey
+from kvindex.wire import (
+    AllBlocksCleared,
+    BatchDecoder,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
+
+__all__ = ["CompiledIndex", "PayloadResult", "batch_ops"]
+
+
+@dataclass(slots=True)
+class _Pub:
+    key: SourceKey
+    bit: int
+    last_seq: int | None = None
+    last_ts: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadResult:
+    """What `apply_payload` applied: the batch's time and DP rank, and (on the Python
+    path) its events that were malformed or of an unknown type, skipped and counted."""
+
+    ts: float
+    dp_rank: int | None
+    malformed_events: int = 0
+    unknown_events: int = 0
+    fast: bool = True
+
+
+class CompiledIndex(IndexBase[_Pub]):
+    """Exact per-publisher block state and token-prefix lookups, in C."""
+
+    def __init__(self, rate_window: float = 60.0, seed: int | None = None) -> None:
+        super().__init__(rate_window)
+        self._core = Core(seed)
+        self._decoder = BatchDecoder()
+        self.slow_batches = 0  # payloads the fast parser left to the Python decoder
+
+    # -- feeding -----------------------------------------------------------------------
+
+    def _pub(self, source: SourceKey) -> _Pub:
+        pub = self._sources.get(source)
+        if pub is None:
+            bit = self._new_bit()
+            pub = self._sources[source] = self._by_bit[bit] = _Pub(source, bit)
+        return pub
+
+    def apply(self, source: SourceKey, batch: EventBatch, seq: int | None = None) -> None:
+        """Apply one decoded batch of `source`."""
+        pub = self._pub(source)
+        ops, stored, removed, clears = batch_ops(batch)
+        self._core.apply_ops(pub.bit, ops)
+        pub.last_seq, pub.last_ts = seq, batch.ts
+        self.rates.add(stored, removed, clears)
+
+    def apply_payload(
+        self, source: SourceKey, payload: bytes | memoryview, seq: int | None = None
+    ) -> PayloadResult:
+        """Parse and apply one batch as the publisher sent it. Raises `WireError` (from
+        the Python decoder) for a payload that is not an event batch at all."""
+        pub = self._pub(source)
+        applied, ts, rank, counts = self._core.apply_payload(pub.bit, payload)
+        if applied and ts is not None and counts is not None:
+            pub.last_seq, pub.last_ts = seq, ts
+            self.rates.add(*counts)
+            return PayloadResult(ts, rank)
+        self.slow_batches += 1
+        batch = self._decoder.decode(payload)
+        self.apply(source, batch, seq)
+        return PayloadResult(
+            batch.ts,
+            batch.data_parallel_rank,
+            batch.malformed_events,
+            batch.unknown_events,
+            fast=False,
+        )
+
+    def drop_source(self, source: SourceKey) -> None:
+        """Forget what `source` holds (its engine restarted): its cache is empty now."""
+        pub = self._sources.get(source)
+        if pub is not None:
+            self._core.clear(pub.bit, True)
+
+    def remove_instance(self, name: str) -> None:
+        for pub in list(self._instance_publishers(name)):
+            self._core.remove(pub.bit)
+            self._forget(pub)
+
+    # -- questions ---------------------------------------------------------------------
+
+    def _pool_keys(self, pub: _Pub) -> list[PoolKey]:
+        keys: list[PoolKey] = self._core.pool_keys(pub.bit)
+        return keys
+
+    def _pool_hashes(self, pub: _Pub, index: int) -> Iterable[BlockHash]:
+        hashes: list[BlockHash] = self._core.pool_hashes(pub.bit, index)
+        return hashes
+
+    def _stats(self, pub: _Pub) -> CacheStats:
+        stored, removed, clears, batches, restarts, unplaced, odd, kept, moved = (
+            self._core.stats(pub.bit)
+        )
+        return CacheStats(
+            stored=stored,
+            removed=removed,
+            clears=clears,
+            batches=batches,
+            restarts=restarts,
+            unplaced=unplaced,
+            unrecognised_keys=odd,
+            namespace_kept=kept,
+            namespace_moved=moved,
+        )
+
+    def copies(self, source: SourceKey) -> dict[PoolKey, dict[BlockHash, int]]:
+        """The pools of one publisher: (group, medium) -> hash -> copies (a snapshot)."""
+        pub = self._sources.get(source)
+        if pub is None:
+            return {}
+        return {(group, medium): held for group, medium, held in self._core.pools(pub.bit)}
+
+    def count(self, source: SourceKey, group: int, medium: str, block_hash: BlockHash) -> int:
+        """Copies of one hash in one pool of one publisher (0 if not held)."""
+        pub = self._sources.get(source)
+        return 0 if pub is None else int(self._core.count(pub.bit, group, medium, block_hash))
+
+    def entries(self) -> int:
+        """(publisher, pool, hash) entries held: the index's size."""
+        return int(self._core.entries())
+
+    def tree_nodes(self) -> int:
+        return int(self._core.tree_nodes())
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of the core's structures, by part (malloc's own overhead aside)."""
+        parts: dict[str, int] = self._core.memory()
+        return parts
+
+    def walk_tree(self) -> Iterator[tuple[Namespace, int, bytes, int]]:
+        """As `FleetIndex.walk_tree`; a node's key is its tokens as uint32 bytes where the
+        core kept them (nodes two publishers or more hold: the shared prefixes), else
+        empty (the core keys the tree by digests)."""
+        for lora, salt, size, depth, _digest, tokens, holders in self._core.walk_tree():
+            yield (lora, salt, size), depth, tokens or b"", holders
+
+    def lookup(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[LookupRow]:
+        """As `FleetIndex.lookup`."""
+        default_size, found = self._core.lookup(token_ids, lora_name, cache_salt)
+        return self._rows(
+            {
+                bit: Reuse(blocks, size, by_tier or {}, by_group or {})
+                for bit, blocks, size, by_tier, by_group in found
+            },
+            default_size,
+        )
+
+    def lookup_hashes(self, block_hashes: Sequence[BlockHash]) -> list[LookupRow]:
+        """As `FleetIndex.lookup_hashes`."""
+        found = self._core.lookup_hashes(block_hashes)
+        return self._rows({bit: Reuse(blocks, 0, by_tier, {}) for bit, blocks, by_tier in found})
+
+
+def batch_ops(batch: EventBatch) -> tuple[list[tuple[Any, ...]], int, int, int]:
+    """A decoded batch as the core's ops (see module.c's op_from_tuple), and its stored,
+    removed and cleared counts. The keys are fleet.py's, computed the same way."""
+    ops: list[tuple[Any, ...]] = []
+    stored = removed = clears = 0
+    for event in batch.events:
+        if isinstance(event, BlockRemoved):
+            removed += len(event.block_hashes)
+            ops.append(("R", event.block_hashes, event.medium, event.group_idx))
+        elif isinstance(event, BlockStored):
+            stored += len(event.block_hashes)
+            ops.append(_stored_op(event))
+        elif isinstance(event, AllBlocksCleared):
+            clears += 1
+            ops.append(("C",))
+    return ops, stored, removed, clears
+
+
+def _stored_op(event: BlockStored) -> tuple[Any, ...]:
+    keys = PLAIN if is_plain(event) else chain_keys(event)
+    tokens = event.token_ids
+    hashes = event.block_hashes
+    size = event.block_size if 0 < event.block_size < MAX_BLOCK_SIZE else 0
+    positioned = size > 0 and len(tokens) == size * len(hashes) and hashes
+    chain = chain_keys_bytes(tokens, size, len(hashes), keys.own) if positioned else []
+    try:
+        token_bytes: bytes | None = array("I", tokens).tobytes() if positioned else None
+    except (OverflowError, TypeError):
+        token_bytes = None
+    return (
+        "S",
+        hashes,
+        event.parent_block_hash,
+        chain,
+        len(tokens),
+        token_bytes,
+        event.block_size,
+        event.lora_name,
+        event.lora_id,
+        keys.salt,
+        is_keyed(event, keys),
+        event.medium,
+        event.group_idx,
+        event.kv_cache_spec_kind,
+        event.kv_cache_spec_sliding_window,
+        keys.unrecognised,
+    )

@@ -1,0 +1,1302 @@
+/* The index model of kvindex/index/fleet.py in C: nodes, holders, pools, placement.
+ *
+ * Each function here has a twin of the same name in fleet.py (`src_hold` is `_hold`,
+ * `insert_chain` is `_insert_chain`, ...); the differential tests hold the two to the same
+ * state and answers. Comments here say what is C-specific; the why of each rule is in
+ * fleet.py.
+ */
+#include "core.h"
+
+#include <stdio.h>
+
+#include "intern.h"
+
+/* -- the key digest ------------------------------------------------------------------ */
+
+static inline uint64_t wymix(uint64_t a, uint64_t b) {
+    __uint128_t r = (__uint128_t)a * b;
+    return (uint64_t)r ^ (uint64_t)(r >> 64);
+}
+
+static inline uint64_t read64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* A 64-bit digest of a tree key's bytes, keyed by the index's random seed (wyhash's
+ * construction: 128-bit multiply-fold of each 16 bytes with the running state). Two
+ * different keys under one parent get the same digest with probability about 2^-64 per
+ * pair, whatever the tokens: the seed is drawn per process, so collisions can't be aimed
+ * at (docs/performance.md states the bound). */
+uint64_t key_digest(const core_t *c, const uint8_t *p, size_t len) {
+    const uint64_t s0 = 0xa0761d6478bd642fULL, s1 = 0xe7037ed1a0b428dbULL;
+    const uint64_t s2 = 0x8ebc6af09c88c6e3ULL, s3 = 0x589965cc75374cc3ULL;
+    uint64_t seed = c->seed ^ wymix(c->seed ^ s0, s1);
+    uint64_t a, b;
+    size_t i = len;
+    if (len <= 16) {
+        if (len >= 4) {
+            a = ((uint64_t)(uint32_t)read64(p) << 32) | (uint32_t)read64(p + ((len >> 3) << 2));
+            uint32_t x, y;
+            memcpy(&x, p + len - 4, 4);
+            memcpy(&y, p + len - 4 - ((len >> 3) << 2), 4);
+            b = ((uint64_t)x << 32) | y;
+        } else if (len > 0) {
+            a = ((uint64_t)p[0] << 16) | ((uint64_t)p[len >> 1] << 8) | p[len - 1];
+            b = 0;
+        } else {
+            a = b = 0;
+        }
+    } else {
+        if (i > 48) {
+            uint64_t see1 = seed, see2 = seed;
+            do {
+                seed = wymix(read64(p) ^ s1, read64(p + 8) ^ seed);
+                see1 = wymix(read64(p + 16) ^ s2, read64(p + 24) ^ see1);
+                see2 = wymix(read64(p + 32) ^ s3, read64(p + 40) ^ see2);
+                p += 48;
+                i -= 48;
+            } while (i > 48);
+            seed ^= see1 ^ see2;
+        }
+        while (i > 16) {
+            seed = wymix(read64(p) ^ s1, read64(p + 8) ^ seed);
+            i -= 16;
+            p += 16;
+        }
+        a = read64(p + i - 16);
+        b = read64(p + i - 8);
+    }
+    a ^= s1;
+    b ^= seed;
+    __uint128_t r = (__uint128_t)a * b;
+    a = (uint64_t)r;
+    b = (uint64_t)(r >> 64);
+    return wymix(a ^ s0 ^ len, b ^ s1);
+}
+
+/* -- tiers --------------------------------------------------------------------------- */
+
+/* kvindex.wire.tiers.tier_of, for an interned medium name (case-insensitive). */
+static uint8_t tier_of_bytes(const uint8_t *s, uint32_t n) {
+    char up[16];
+    if (n == 0 || n >= sizeof up)
+        return TIER_EXTERNAL;
+    for (uint32_t i = 0; i < n; i++)
+        up[i] = (char)((s[i] >= 'a' && s[i] <= 'z') ? s[i] - 32 : s[i]);
+    up[n] = 0;
+    static const struct {
+        const char *name;
+        uint8_t tier;
+    } known[] = {
+        {"GPU", TIER_GPU},       {"CPU", TIER_CPU},           {"CPU_PINNED", TIER_CPU},
+        {"HOST", TIER_CPU},      {"DISK", TIER_DISK},         {"STORAGE", TIER_DISK},
+        {"LOCAL_DISK", TIER_DISK}, {"EXTERNAL", TIER_EXTERNAL},
+    };
+    for (size_t k = 0; k < sizeof known / sizeof known[0]; k++)
+        if (strcmp(up, known[k].name) == 0)
+            return known[k].tier;
+    return TIER_EXTERNAL; /* "external" itself, and any medium not known */
+}
+
+uint8_t core_tier_of(core_t *c, uint32_t medium) {
+    if (medium == 0)
+        return TIER_GPU;
+    const blob_t *b = &c->strings.items[medium];
+    return tier_of_bytes(b->data, b->len);
+}
+
+/* -- setup --------------------------------------------------------------------------- */
+
+int core_init(core_t *c, uint64_t seed) {
+    memset(c, 0, sizeof *c);
+    c->seed = seed;
+    map_init(&c->children);
+    map_init(&c->root_ns);
+    map_init(&c->tokens);
+    map_init(&c->ns_by_key);
+    interner_init(&c->strings, seed ^ 0x5bd1e995u);
+    interner_init(&c->bytes, seed ^ 0x27d4eb2fu);
+    c->nnodes = 1; /* index 0: NODE_NONE */
+    c->set_words = 1;
+    c->gpu_medium = intern(&c->strings, (const uint8_t *)"GPU", 3);
+    return c->gpu_medium ? 0 : -1;
+}
+
+static void source_free(core_t *c, source_t *s);
+
+void core_free(core_t *c) {
+    for (uint32_t b = 0; b < c->nsources_cap; b++)
+        if (c->sources[b] != NULL) {
+            source_free(c, c->sources[b]);
+            free(c->sources[b]);
+        }
+    free(c->sources);
+    free(c->nodes);
+    free(c->sets);
+    free(c->ns);
+    map_free(&c->children);
+    map_free(&c->root_ns);
+    map_free(&c->ns_by_key);
+    MAP_FOREACH(&c->tokens, e) { /* the live slots (free ones hold the free list) */
+        free(c->token_store[e->value]);
+    }
+    free(c->token_store);
+    map_free(&c->tokens);
+    interner_free(&c->strings);
+    interner_free(&c->bytes);
+    memset(c, 0, sizeof *c);
+}
+
+/* -- nodes --------------------------------------------------------------------------- */
+
+static inline uint64_t node_key(const node_t *n) {
+    return ((uint64_t)n->key_hi << 32) | n->key_lo;
+}
+
+static uint32_t node_new(core_t *c, uint64_t key, uint32_t parent) {
+    uint32_t i;
+    if (c->free_nodes != NODE_NONE) {
+        i = c->free_nodes;
+        c->free_nodes = c->nodes[i].parent;
+    } else {
+        if (c->nnodes >= c->nodes_cap) {
+            uint32_t cap = c->nodes_cap ? c->nodes_cap * 2 : 1024;
+            if (cap >= NODE_LOOSE)
+                return NODE_NONE;
+            node_t *nodes = realloc(c->nodes, (size_t)cap * sizeof(node_t));
+            if (nodes == NULL)
+                return NODE_NONE;
+            c->nodes = nodes;
+            c->nodes_cap = cap;
+        }
+        i = c->nnodes++;
+    }
+    c->nodes[i] = (node_t){(uint32_t)key, (uint32_t)(key >> 32), parent, 0, 0};
+    c->live_nodes++;
+    return i;
+}
+
+static void tokens_forget(core_t *c, uint32_t n);
+static void set_free(core_t *c, uint32_t s);
+
+static void node_free(core_t *c, uint32_t i) {
+    node_t *n = &c->nodes[i];
+    if (n->holders & HOLD_SET)
+        set_free(c, n->holders & ~HOLD_SET);
+    tokens_forget(c, i);
+    n->holders = NODE_FREED;
+    n->parent = c->free_nodes;
+    c->free_nodes = i;
+    c->live_nodes--;
+}
+
+static inline int node_freed(const core_t *c, uint32_t i) {
+    return c->nodes[i].holders == NODE_FREED;
+}
+
+uint32_t child_get(const core_t *c, uint32_t parent, uint64_t key) {
+    map_entry *e = map_find(&c->children, key, parent);
+    return e ? e->value : NODE_NONE;
+}
+
+/* `_child`: the child of `parent` with this key, made if there is none. NODE_NONE: out of
+ * memory. */
+static uint32_t child_make(core_t *c, uint32_t parent, uint64_t key) {
+    int made;
+    map_entry *e = map_put(&c->children, key, parent, &made);
+    if (e == NULL)
+        return NODE_NONE;
+    if (!made)
+        return e->value;
+    uint32_t child = node_new(c, key, parent);
+    if (child == NODE_NONE) {
+        map_remove(&c->children, key, parent, NULL);
+        return NODE_NONE;
+    }
+    /* node_new may have moved c->nodes, never the children table: `e` is still good */
+    e->value = child;
+    c->nodes[parent].nchild++;
+    return child;
+}
+
+/* -- namespaces ---------------------------------------------------------------------- */
+
+static void size_count(core_t *c, uint32_t size, int delta) {
+    for (uint32_t i = 0; i < c->nsizes; i++)
+        if (c->sizes[i] == size) {
+            c->size_roots[i] += delta;
+            if (c->size_roots[i] == 0) { /* keep the array dense */
+                c->sizes[i] = c->sizes[c->nsizes - 1];
+                c->size_roots[i] = c->size_roots[c->nsizes - 1];
+                c->nsizes--;
+            }
+            return;
+        }
+    if (delta > 0 && c->nsizes < sizeof c->sizes / sizeof c->sizes[0]) {
+        c->sizes[c->nsizes] = size;
+        c->size_roots[c->nsizes++] = (uint32_t)delta;
+    }
+}
+
+/* The root of namespace (lora, salt, size); made if `make`. NODE_NONE if absent (or out of
+ * memory, or past 16 distinct block sizes: the event is then held without a place). */
+static uint32_t root_of(core_t *c, uint32_t lora, uint32_t salt, uint32_t size, int make) {
+    uint64_t k = ((uint64_t)lora << 32) | salt;
+    map_entry *e = map_find(&c->ns_by_key, k, size);
+    if (e != NULL)
+        return c->ns[e->value].root;
+    if (!make)
+        return NODE_NONE;
+    int known_size = 0;
+    for (uint32_t i = 0; i < c->nsizes; i++)
+        known_size |= c->sizes[i] == size;
+    if (!known_size && c->nsizes == sizeof c->sizes / sizeof c->sizes[0])
+        return NODE_NONE;
+    if (c->nns == c->ns_cap) {
+        uint32_t cap = c->ns_cap ? c->ns_cap * 2 : 16;
+        namespace_t *ns = realloc(c->ns, cap * sizeof(namespace_t));
+        if (ns == NULL)
+            return NODE_NONE;
+        c->ns = ns;
+        c->ns_cap = cap;
+    }
+    uint32_t root = node_new(c, 0, NODE_NONE);
+    if (root == NODE_NONE)
+        return NODE_NONE;
+    int made;
+    e = map_put(&c->ns_by_key, k, size, &made);
+    map_entry *r = e ? map_put(&c->root_ns, root, 0, &made) : NULL;
+    if (r == NULL) {
+        if (e)
+            map_remove(&c->ns_by_key, k, size, NULL);
+        node_free(c, root);
+        return NODE_NONE;
+    }
+    uint32_t index = c->nns++;
+    c->ns[index] = (namespace_t){lora, salt, size, root};
+    e = map_find(&c->ns_by_key, k, size);
+    e->value = index;
+    r->value = index;
+    size_count(c, size, 1);
+    return root;
+}
+
+/* A root nobody holds and nothing hangs from goes, with its namespace (a fleet of many
+ * salted tenants would otherwise keep a root per salt forever). */
+static void root_drop(core_t *c, uint32_t root) {
+    uint32_t index;
+    if (!map_remove(&c->root_ns, root, 0, &index))
+        return;
+    namespace_t ns = c->ns[index];
+    map_remove(&c->ns_by_key, ((uint64_t)ns.lora << 32) | ns.salt, ns.size, NULL);
+    size_count(c, ns.size, -1);
+    uint32_t last = --c->nns;
+    if (index != last) { /* keep the array dense: the last namespace takes its index */
+        c->ns[index] = c->ns[last];
+        map_find(&c->root_ns, c->ns[index].root, 0)->value = index;
+        map_find(&c->ns_by_key, ((uint64_t)c->ns[index].lora << 32) | c->ns[index].salt,
+                 c->ns[index].size)
+            ->value = index;
+    }
+    node_free(c, root);
+}
+
+/* `_size_of`: the block size of the tree a node is in (walks up: rare paths only). */
+uint32_t size_of(const core_t *c, uint32_t n) {
+    while (c->nodes[n].parent != NODE_NONE)
+        n = c->nodes[n].parent;
+    map_entry *e = map_find(&c->root_ns, n, 0);
+    return e ? c->ns[e->value].size : 0;
+}
+
+/* `_prune`: free a node nobody holds and nothing hangs from, then its parents likewise. */
+static void prune(core_t *c, uint32_t n) {
+    for (;;) {
+        node_t *node = &c->nodes[n];
+        uint32_t parent = node->parent;
+        if (parent == NODE_NONE) {
+            if (node->nchild == 0 && node->holders == 0)
+                root_drop(c, n);
+            return;
+        }
+        map_remove(&c->children, node_key(node), parent, NULL);
+        node_free(c, n);
+        node_t *p = &c->nodes[parent];
+        p->nchild--;
+        if (p->holders || p->nchild)
+            return;
+        n = parent;
+    }
+}
+
+/* -- who holds a node ---------------------------------------------------------------- */
+
+static uint32_t set_new(core_t *c) {
+    uint32_t s;
+    if (c->free_sets) {
+        s = c->free_sets;
+        c->free_sets = (uint32_t)c->sets[(size_t)s * c->set_words];
+    } else {
+        if (c->nsets == c->sets_cap) {
+            uint32_t cap = c->sets_cap ? c->sets_cap * 2 : 64;
+            uint64_t *sets = realloc(c->sets, (size_t)cap * c->set_words * sizeof(uint64_t));
+            if (sets == NULL)
+                return 0;
+            c->sets = sets;
+            c->sets_cap = cap;
+        }
+        s = c->nsets++;
+        if (s == 0) { /* set 0 is "none": take the next */
+            s = c->nsets++;
+        }
+    }
+    memset(&c->sets[(size_t)s * c->set_words], 0, c->set_words * sizeof(uint64_t));
+    return s;
+}
+
+static void set_free(core_t *c, uint32_t s) {
+    c->sets[(size_t)s * c->set_words] = c->free_sets;
+    c->free_sets = s;
+}
+
+/* Make room for bit `bit` in every set (a publisher past the sets' current width). */
+static int sets_widen(core_t *c, uint32_t bit) {
+    uint32_t words = bit / 64 + 1;
+    if (words <= c->set_words)
+        return 0;
+    uint32_t cap = c->sets_cap ? c->sets_cap : 64;
+    uint64_t *sets = calloc((size_t)cap * words, sizeof(uint64_t));
+    if (sets == NULL)
+        return -1;
+    for (uint32_t s = 0; s < c->nsets; s++)
+        memcpy(&sets[(size_t)s * words], &c->sets[(size_t)s * c->set_words],
+               c->set_words * sizeof(uint64_t));
+    free(c->sets);
+    c->sets = sets;
+    c->sets_cap = cap;
+    c->set_words = words;
+    return 0;
+}
+
+static inline uint64_t *set_words(const core_t *c, uint32_t holders) {
+    return &c->sets[(size_t)(holders & ~HOLD_SET) * c->set_words];
+}
+
+int holds(const core_t *c, uint32_t n, uint32_t bit) {
+    uint32_t h = c->nodes[n].holders;
+    if (h == 0)
+        return 0;
+    if (!(h & HOLD_SET))
+        return h - 1 == bit;
+    return (set_words(c, h)[bit / 64] >> (bit % 64)) & 1;
+}
+
+/* Add `bit` to the node's holders; 1 if it became shared (a second holder), -1 OOM. */
+static int holders_add(core_t *c, uint32_t n, uint32_t bit) {
+    uint32_t h = c->nodes[n].holders;
+    if (h == 0) {
+        c->nodes[n].holders = bit + 1;
+        return 0;
+    }
+    if (!(h & HOLD_SET)) {
+        if (h - 1 == bit)
+            return 0;
+        uint32_t s = set_new(c);
+        if (s == 0)
+            return -1;
+        uint64_t *w = &c->sets[(size_t)s * c->set_words];
+        w[(h - 1) / 64] |= 1ULL << ((h - 1) % 64);
+        w[bit / 64] |= 1ULL << (bit % 64);
+        c->nodes[n].holders = HOLD_SET | s;
+        return 1;
+    }
+    set_words(c, h)[bit / 64] |= 1ULL << (bit % 64);
+    return 0;
+}
+
+static void holders_del(core_t *c, uint32_t n, uint32_t bit) {
+    uint32_t h = c->nodes[n].holders;
+    if (h == 0)
+        return;
+    if (!(h & HOLD_SET)) {
+        if (h - 1 == bit)
+            c->nodes[n].holders = 0;
+        return;
+    }
+    uint64_t *w = set_words(c, h);
+    w[bit / 64] &= ~(1ULL << (bit % 64));
+    uint32_t count = 0, last = 0;
+    for (uint32_t i = 0; i < c->set_words && count < 2; i++)
+        if (w[i]) {
+            count += (uint32_t)__builtin_popcountll(w[i]);
+            last = i * 64 + (uint32_t)__builtin_ctzll(w[i]);
+        }
+    if (count >= 2)
+        return;
+    set_free(c, h & ~HOLD_SET);
+    c->nodes[n].holders = count ? last + 1 : 0;
+    if (count == 1)
+        tokens_forget(c, n); /* no longer shared: the dashboard won't ask for its tokens */
+}
+
+/* -- tokens of shared nodes (for the dashboard's shared prefixes) --------------------- */
+
+static void tokens_keep(core_t *c, uint32_t n, const uint32_t *tokens, uint32_t count) {
+    if (tokens == NULL || map_find(&c->tokens, n, 0) != NULL)
+        return;
+    uint32_t *copy = malloc(((size_t)count + 1) * sizeof(uint32_t));
+    if (copy == NULL)
+        return; /* only the dashboard's token display loses */
+    copy[0] = count;
+    memcpy(copy + 1, tokens, count * sizeof(uint32_t));
+    uint32_t slot;
+    if (c->free_token_slots) {
+        slot = c->free_token_slots;
+        c->free_token_slots = (uint32_t)(uintptr_t)c->token_store[slot];
+    } else {
+        if (c->ntoken_store == c->token_store_cap) {
+            uint32_t cap = c->token_store_cap ? c->token_store_cap * 2 : 64;
+            uint32_t **store = realloc(c->token_store, cap * sizeof(uint32_t *));
+            if (store == NULL) {
+                free(copy);
+                return;
+            }
+            c->token_store = store;
+            c->token_store_cap = cap;
+            if (c->ntoken_store == 0)
+                c->ntoken_store = 1; /* slot 0 unused: 0 ends the free list */
+        }
+        slot = c->ntoken_store++;
+    }
+    int made;
+    map_entry *e = map_put(&c->tokens, n, 0, &made);
+    if (e == NULL) {
+        free(copy);
+        c->token_store[slot] = (uint32_t *)(uintptr_t)c->free_token_slots;
+        c->free_token_slots = slot;
+        return;
+    }
+    e->value = slot;
+    c->token_store[slot] = copy;
+}
+
+static void tokens_forget(core_t *c, uint32_t n) {
+    uint32_t slot;
+    if (c->tokens.count == 0 || !map_remove(&c->tokens, n, 0, &slot))
+        return;
+    free(c->token_store[slot]);
+    c->token_store[slot] = (uint32_t *)(uintptr_t)c->free_token_slots;
+    c->free_token_slots = slot;
+}
+
+const uint32_t *node_tokens(const core_t *c, uint32_t n) {
+    map_entry *e = c->tokens.count ? map_find(&c->tokens, n, 0) : NULL;
+    return e ? c->token_store[e->value] : NULL;
+}
+
+/* -- publishers ---------------------------------------------------------------------- */
+
+static inline uint32_t hk_b(hkey h) { return h.kind; }
+
+/* A pool entry's hash as a map key: (value, kind). */
+#define POOL_FIND(pool, h) map_find(&(pool)->blocks, (h).v, (h).kind)
+
+source_t *source_get(core_t *c, uint32_t bit, int make) {
+    if (bit < c->nsources_cap && c->sources[bit] != NULL)
+        return c->sources[bit];
+    if (!make)
+        return NULL;
+    if (bit >= c->nsources_cap) {
+        uint32_t cap = c->nsources_cap ? c->nsources_cap : 16;
+        while (cap <= bit)
+            cap *= 2;
+        source_t **sources = realloc(c->sources, cap * sizeof(source_t *));
+        if (sources == NULL)
+            return NULL;
+        memset(sources + c->nsources_cap, 0, (cap - c->nsources_cap) * sizeof(source_t *));
+        c->sources = sources;
+        c->nsources_cap = cap;
+    }
+    if (sets_widen(c, bit) < 0)
+        return NULL;
+    source_t *s = calloc(1, sizeof(source_t));
+    if (s == NULL)
+        return NULL;
+    s->used = 1;
+    s->bit = bit;
+    map_init(&s->extra);
+    map_init(&s->refs);
+    map_init(&s->where);
+    c->sources[bit] = s;
+    if (bit + 1 > c->max_bit)
+        c->max_bit = bit + 1;
+    return s;
+}
+
+/* A bytes hash's interned id is referenced once per pool entry holding it. */
+static inline void hkey_ref(core_t *c, hkey h) {
+    if (h.kind == HK_BYTES)
+        c->bytes.items[h.v].refs++;
+}
+
+static inline void hkey_unref(core_t *c, hkey h) {
+    if (h.kind == HK_BYTES && --c->bytes.items[h.v].refs == 0)
+        intern_drop(&c->bytes, (uint32_t)h.v);
+}
+
+/* `_pool`: the pool of (group, medium), made if new. On the publisher's second pool,
+ * `where` starts: every node of the first pool is held by pool 0. */
+static pool_t *pool_get(core_t *c, source_t *s, int64_t group, uint32_t medium) {
+    for (uint32_t i = 0; i < s->npools; i++)
+        if (s->pools[i].group == group && s->pools[i].medium == medium)
+            return &s->pools[i];
+    if (s->npools == MAX_POOLS)
+        return NULL;
+    pool_t *p = &s->pools[s->npools];
+    p->group = (int32_t)group;
+    p->medium = medium;
+    p->tier = core_tier_of(c, medium);
+    p->index = (uint8_t)s->npools;
+    p->size = 0;
+    map_init(&p->blocks);
+    s->npools++;
+    if (s->npools == 2) {
+        s->several = 1;
+        MAP_FOREACH(&s->pools[0].blocks, e) {
+            if (e->value == NODE_LOOSE)
+                continue;
+            int made;
+            map_entry *w = map_put(&s->where, e->value, 0, &made);
+            if (w == NULL)
+                return NULL;
+            w->value = 1;
+        }
+    }
+    return p;
+}
+
+static inline void count_add(map_t *m, uint64_t a, uint32_t b) {
+    int made;
+    map_entry *e = map_put(m, a, b, &made);
+    if (e != NULL)
+        e->value++;
+}
+
+/* `_drop_copy`: one less; the entry goes at zero. 1 if there was one. */
+static inline int count_drop(map_t *m, uint64_t a, uint32_t b) {
+    if (m->count == 0)
+        return 0;
+    map_entry *e = map_find(m, a, b);
+    if (e == NULL)
+        return 0;
+    if (--e->value == 0)
+        map_delete(m, e);
+    return 1;
+}
+
+/* `_hold`: one more (pool, hash) entry of the publisher points at node `n`. Returns 1 if
+ * the node became shared by two publishers (its tokens are then kept). */
+static int src_hold(core_t *c, source_t *s, uint32_t index, uint32_t n) {
+    if (n == NODE_LOOSE)
+        return 0;
+    if (!s->several) {
+        if (holds(c, n, s->bit)) {
+            count_add(&s->refs, n, 0);
+            return 0;
+        }
+        return holders_add(c, n, s->bit) == 1;
+    }
+    int made;
+    map_entry *w = map_put(&s->where, n, 0, &made);
+    if (w == NULL)
+        return 0;
+    uint32_t bit = 1u << index;
+    if (w->value & bit) {
+        count_add(&s->refs, n, index);
+        return 0;
+    }
+    w->value |= bit;
+    return holders_add(c, n, s->bit) == 1;
+}
+
+/* `_release`: one (pool, hash) entry of the publisher no longer points at node `n`. */
+static void src_release(core_t *c, source_t *s, uint32_t index, uint32_t n) {
+    if (n == NODE_LOOSE)
+        return;
+    if (count_drop(&s->refs, n, index))
+        return;
+    if (s->several) {
+        map_entry *w = map_find(&s->where, n, 0);
+        if (w != NULL) {
+            w->value &= ~(1u << index);
+            if (w->value)
+                return;
+            map_delete(&s->where, w);
+        }
+    }
+    holders_del(c, n, s->bit);
+    node_t *node = &c->nodes[n];
+    if (node->holders == 0 && node->nchild == 0)
+        prune(c, n);
+}
+
+/* `_placed_elsewhere`: the node the publisher holds `h` at in a pool (other than `skip`)
+ * of `size`-token blocks. */
+static uint32_t placed_elsewhere(core_t *c, source_t *s, hkey h, uint32_t size, pool_t *skip) {
+    for (uint32_t i = 0; i < s->npools; i++) {
+        pool_t *p = &s->pools[i];
+        if (p == skip)
+            continue;
+        map_entry *e = POOL_FIND(p, h);
+        if (e == NULL || e->value == NODE_LOOSE)
+            continue;
+        if (p->size == size || size_of(c, e->value) == size)
+            return e->value;
+    }
+    return NODE_NONE;
+}
+
+/* `_put`: the pool holds `h` at node `n` (or one more copy of it). */
+static void put(core_t *c, source_t *s, pool_t *p, hkey h, uint32_t n, const uint32_t *tokens,
+                uint32_t ntokens) {
+    int made;
+    map_entry *e = map_put(&p->blocks, h.v, h.kind, &made);
+    if (e == NULL)
+        return;
+    if (made) {
+        e->value = n;
+        hkey_ref(c, h);
+        if (src_hold(c, s, p->index, n))
+            tokens_keep(c, n, tokens, ntokens);
+        return;
+    }
+    count_add(&s->extra, h.v, h.kind | ((uint32_t)p->index << 8));
+    uint32_t old = e->value;
+    if (old != n && n != NODE_LOOSE) {
+        e->value = n;
+        if (src_hold(c, s, p->index, n))
+            tokens_keep(c, n, tokens, ntokens);
+        src_release(c, s, p->index, old);
+    }
+}
+
+/* `_take_over`: a GPU or keyed copy of `h` was placed at node `n`: the publisher's other
+ * pools of that block size holding `h` without a place, or on a lower tier elsewhere,
+ * take this place. */
+static void take_over(core_t *c, source_t *s, pool_t *placed_in, hkey h, uint32_t n) {
+    uint32_t size = size_of(c, n);
+    for (uint32_t i = 0; i < s->npools; i++) {
+        pool_t *p = &s->pools[i];
+        if (p == placed_in)
+            continue;
+        map_entry *e = POOL_FIND(p, h);
+        if (e == NULL || e->value == n)
+            continue;
+        if (p->size && p->size != size)
+            continue;
+        uint32_t old = e->value;
+        if (old != NODE_LOOSE && p->tier == TIER_GPU)
+            continue;
+        e->value = n;
+        src_hold(c, s, p->index, n);
+        src_release(c, s, p->index, old);
+        s->stats.namespace_moved += old != NODE_LOOSE;
+    }
+}
+
+/* `_store_elsewhere_placed`. */
+static void store_elsewhere_placed(core_t *c, source_t *s, pool_t *p, const hkey *hashes,
+                                   uint32_t n, uint32_t size) {
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t node = s->several ? placed_elsewhere(c, s, hashes[i], size, p) : NODE_NONE;
+        if (node == NODE_NONE) {
+            node = NODE_LOOSE;
+            if (POOL_FIND(p, hashes[i]) == NULL)
+                s->stats.unplaced++;
+        }
+        put(c, s, p, hashes[i], node, NULL, 0);
+    }
+}
+
+/* An op with its strings and hashes interned (the form the model works on). */
+typedef struct {
+    const op_t *op;
+    const hkey *hashes;
+    hkey parent;
+    uint8_t parent_known; /* a bytes parent never interned is held by nobody */
+    uint32_t medium, lora, salt, spec_kind;
+} rop_t;
+
+/* `_anchor`: the node the event's first block hangs from, or NODE_NONE. */
+static uint32_t anchor(core_t *c, source_t *s, const rop_t *r, pool_t *p) {
+    const op_t *op = r->op;
+    uint32_t size = (uint32_t)op->block_size;
+    if (!op->has_parent)
+        return root_of(c, r->lora, r->salt, size, 1);
+    if (!r->parent_known)
+        return NODE_NONE;
+    map_entry *e = POOL_FIND(p, r->parent);
+    if (e != NULL && e->value != NODE_LOOSE && (p->size == size || size_of(c, e->value) == size))
+        return e->value;
+    if (!s->several)
+        return NODE_NONE;
+    return placed_elsewhere(c, s, r->parent, size, p);
+}
+
+/* `_insert_chain` and `_insert_chain_in_several`. */
+static void insert_chain(core_t *c, source_t *s, pool_t *p, uint32_t node, const scratch_t *sc,
+                         const rop_t *r) {
+    const op_t *op = r->op;
+    const hkey *hashes = r->hashes;
+    const uint64_t *keys = sc->keys + op->keys_off;
+    const uint32_t *tokens = op->tokens_kept ? sc->tokens + op->tokens_off : NULL;
+    uint32_t size = (uint32_t)op->block_size;
+    uint32_t tree_size = s->several ? size_of(c, node) : size;
+    int keyed = op->keyed || p->tier == TIER_GPU;
+    uint32_t n = op->nkeys < op->nhashes ? op->nkeys : op->nhashes;
+    for (uint32_t i = 0; i < n; i++) {
+        const uint32_t *block = tokens ? tokens + (size_t)i * size : NULL;
+        if (s->several && !keyed) {
+            uint32_t kept = placed_elsewhere(c, s, hashes[i], tree_size, p);
+            if (kept != NODE_NONE) {
+                s->stats.namespace_kept++;
+                put(c, s, p, hashes[i], kept, block, size);
+                node = kept;
+                continue;
+            }
+        }
+        uint32_t child = child_make(c, node, keys[i]);
+        if (child == NODE_NONE) { /* out of memory: held without a place */
+            store_elsewhere_placed(c, s, p, hashes + i, n - i, size);
+            return;
+        }
+        node = child;
+        put(c, s, p, hashes[i], node, block, size);
+        if (s->several && keyed)
+            take_over(c, s, p, hashes[i], node);
+    }
+}
+
+/* `_store`. */
+static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r) {
+    const op_t *op = r->op;
+    pool_t *p = pool_get(c, s, op->has_group ? op->group : 0, r->medium);
+    if (p == NULL)
+        return -1;
+    uint32_t size = op->block_size > 0 && op->block_size < (1LL << 31) ? (uint32_t)op->block_size : 0;
+    if (size > p->size)
+        p->size = size;
+    if (op->has_spec && p->group >= 0 && p->group < MAX_GROUPS)
+        s->groups[p->group] = (group_spec){r->spec_kind, op->has_window ? op->window : 0, 1};
+    s->stats.unrecognised_keys += op->unrecognised;
+    const hkey *hashes = r->hashes;
+    uint32_t n = op->nhashes;
+    if (n == 0)
+        return 0;
+    if (size == 0 || (uint64_t)op->ntokens != (uint64_t)size * n) {
+        store_elsewhere_placed(c, s, p, hashes, n, size);
+        return 0;
+    }
+    uint32_t parent = anchor(c, s, r, p);
+    if (parent == NODE_NONE) {
+        store_elsewhere_placed(c, s, p, hashes, n, size);
+        return 0;
+    }
+    insert_chain(c, s, p, parent, sc, r);
+    if (op->nkeys < n)
+        store_elsewhere_placed(c, s, p, hashes + op->nkeys, n - op->nkeys, size);
+    return 0;
+}
+
+/* `_remove`. */
+static void remove_hashes(core_t *c, source_t *s, int64_t group, uint32_t medium,
+                          const hkey *hashes, uint32_t n) {
+    pool_t *p = NULL;
+    for (uint32_t i = 0; i < s->npools; i++)
+        if (s->pools[i].group == group && s->pools[i].medium == medium)
+            p = &s->pools[i];
+    if (p == NULL)
+        return;
+    uint32_t extra_b = (uint32_t)p->index << 8;
+    for (uint32_t i = 0; i < n; i++) {
+        hkey h = hashes[i];
+        map_entry *e = POOL_FIND(p, h);
+        if (e == NULL)
+            continue; /* not known to be held (e.g. stored before a loss) */
+        if (count_drop(&s->extra, h.v, h.kind | extra_b))
+            continue; /* one of several copies went */
+        uint32_t node = e->value;
+        map_delete(&p->blocks, e);
+        hkey_unref(c, h);
+        src_release(c, s, p->index, node);
+    }
+}
+
+/* `_clear`: everything the publisher holds goes (AllBlocksCleared, a restart). */
+void source_clear(core_t *c, source_t *s) {
+    for (uint32_t i = 0; i < s->npools; i++) {
+        MAP_FOREACH(&s->pools[i].blocks, e) {
+            if (e->value != NODE_LOOSE && !node_freed(c, e->value))
+                holders_del(c, e->value, s->bit);
+        }
+    }
+    for (uint32_t i = 0; i < s->npools; i++) {
+        MAP_FOREACH(&s->pools[i].blocks, e) {
+            uint32_t n = e->value;
+            hkey_unref(c, (hkey){e->a, e->b});
+            if (n == NODE_LOOSE || node_freed(c, n))
+                continue;
+            if (c->nodes[n].holders == 0 && c->nodes[n].nchild == 0)
+                prune(c, n);
+        }
+        map_free(&s->pools[i].blocks);
+    }
+    s->npools = 0;
+    s->several = 0;
+    map_free(&s->extra);
+    map_free(&s->refs);
+    map_free(&s->where);
+    memset(s->groups, 0, sizeof s->groups);
+}
+
+static void source_free(core_t *c, source_t *s) {
+    source_clear(c, s);
+}
+
+void source_remove(core_t *c, uint32_t bit) {
+    source_t *s = source_get(c, bit, 0);
+    if (s == NULL)
+        return;
+    source_clear(c, s);
+    free(s);
+    c->sources[bit] = NULL;
+}
+
+static uint32_t intern_span(core_t *c, span_t sp) {
+    return sp.p == NULL ? 0 : intern(&c->strings, sp.p, sp.len);
+}
+
+/* The interned id of a hash; bytes are interned only if `make` (a store), else a hash
+ * never interned is reported unknown (returns 0). */
+static int hash_of(core_t *c, const phash *ph, int make, hkey *out) {
+    if (ph->kind != HK_BYTES) {
+        *out = (hkey){ph->v, ph->kind};
+        return 1;
+    }
+    uint32_t id = make ? intern(&c->bytes, ph->p, ph->len) : intern_find(&c->bytes, ph->p, ph->len);
+    *out = (hkey){id, HK_BYTES};
+    return id != 0;
+}
+
+static int resolve(core_t *c, scratch_t *sc, const op_t *op, rop_t *r) {
+    memset(r, 0, sizeof *r);
+    r->op = op;
+    r->medium = op->medium.p == NULL ? c->gpu_medium : intern_span(c, op->medium);
+    if (op->medium.p != NULL && r->medium == 0)
+        return -1;
+    if (sc->hk_cap < op->nhashes) {
+        hkey *hk = realloc(sc->hk, op->nhashes * sizeof(hkey));
+        if (hk == NULL)
+            return -1;
+        sc->hk = hk;
+        sc->hk_cap = op->nhashes;
+    }
+    r->hashes = sc->hk;
+    if (op->type == OP_REMOVED) {
+        uint32_t known = 0;
+        for (uint32_t i = 0; i < op->nhashes; i++)
+            if (hash_of(c, &sc->hashes[op->hashes_off + i], 0, &sc->hk[known]))
+                known++;
+        return (int)known; /* unknown bytes hashes are held by nobody: left out */
+    }
+    for (uint32_t i = 0; i < op->nhashes; i++)
+        if (!hash_of(c, &sc->hashes[op->hashes_off + i], 1, &sc->hk[i]))
+            return -1;
+    if (op->has_parent)
+        r->parent_known = (uint8_t)hash_of(c, &op->parent, 0, &r->parent);
+    if (op->lora.p != NULL) {
+        r->lora = intern_span(c, op->lora);
+    } else if (op->has_lora_id) {
+        char text[32];
+        int n = snprintf(text, sizeof text, "\xff%lld", (long long)op->lora_id);
+        r->lora = intern(&c->strings, (const uint8_t *)text, (uint32_t)n);
+    }
+    r->salt = intern_span(c, op->salt);
+    r->spec_kind = intern_span(c, op->spec_kind);
+    return (int)op->nhashes;
+}
+
+/* Apply a parsed batch to one publisher: `apply` in fleet.py. -1: out of memory. */
+int apply_ops(core_t *c, source_t *s, scratch_t *sc) {
+    int64_t stored = 0, removed = 0, clears = 0;
+    for (uint32_t i = 0; i < sc->nops; i++) {
+        const op_t *op = &sc->ops[i];
+        rop_t r;
+        if (op->type == OP_REMOVED) {
+            removed += op->nhashes;
+            int known = resolve(c, sc, op, &r);
+            if (known < 0)
+                return -1;
+            remove_hashes(c, s, op->has_group ? op->group : 0, r.medium, r.hashes,
+                          (uint32_t)known);
+        } else if (op->type == OP_STORED) {
+            stored += op->nhashes;
+            if (resolve(c, sc, op, &r) < 0 || store(c, s, sc, &r) < 0)
+                return -1;
+        } else if (op->type == OP_CLEARED) {
+            clears++;
+            source_clear(c, s);
+        }
+    }
+    s->stats.stored += stored;
+    s->stats.removed += removed;
+    s->stats.clears += clears;
+    s->stats.batches++;
+    return 0;
+}
+
+/* -- what an engine would reuse: kvindex/index/reuse.py ------------------------------- */
+
+enum kind_class { KIND_PREFIX, KIND_WINDOW, KIND_MAMBA, KIND_UNCACHED };
+
+static int blob_is(const core_t *c, uint32_t sid, const char *text) {
+    const blob_t *b = &c->strings.items[sid];
+    return b->len == strlen(text) && memcmp(b->data, text, b->len) == 0;
+}
+
+static int kind_class(const core_t *c, const group_spec *g) {
+    if (!g->present || g->kind == 0)
+        return KIND_PREFIX;
+    if (blob_is(c, g->kind, "sliding_window") || blob_is(c, g->kind, "sliding_window_mla"))
+        return g->window ? KIND_WINDOW : KIND_PREFIX;
+    if (blob_is(c, g->kind, "mamba"))
+        return KIND_MAMBA;
+    if (blob_is(c, g->kind, "encoder_only_attention") || blob_is(c, g->kind, "cross_attention"))
+        return KIND_UNCACHED;
+    return KIND_PREFIX; /* full, mla, sink, chunked local, unknown, and kinds not known yet */
+}
+
+/* Whether pool `p` of publisher `s` holds path node `d`. */
+static inline int held_at(const core_t *c, const source_t *s, const pool_t *p,
+                          const walk_path *w, uint32_t d) {
+    (void)c;
+    if (d >= w->len)
+        return 0;
+    map_entry *e = map_find(&s->where, w->path[d], 0);
+    return e != NULL && ((e->value >> p->index) & 1);
+}
+
+static uint32_t leading(const core_t *c, const source_t *s, const pool_t *p, const walk_path *w) {
+    uint32_t d = 0;
+    while (held_at(c, s, p, w, d))
+        d++;
+    return d;
+}
+
+/* `_group_hit`: one group's hit in blocks, at most `limit` blocks. */
+static uint32_t group_hit(const core_t *c, const source_t *s, const pool_t *p, const walk_path *w,
+                          int klass, int64_t window, uint32_t limit) {
+    if (limit > w->len)
+        limit = w->len;
+    if (klass == KIND_MAMBA) {
+        for (uint32_t i = limit; i-- > 0;)
+            if (held_at(c, s, p, w, i))
+                return i + 1;
+        return 0;
+    }
+    if (klass == KIND_WINDOW) {
+        int64_t needed = (window - 1 + p->size - 1) / p->size; /* ceil((window - 1) / size) */
+        if (needed < 1)
+            needed = 1;
+        uint32_t run = 0;
+        for (uint32_t i = limit; i-- > 0;) {
+            if (held_at(c, s, p, w, i)) {
+                if (++run >= needed)
+                    return i + run;
+            } else {
+                run = 0;
+            }
+        }
+        return run;
+    }
+    uint32_t d = leading(c, s, p, w);
+    return d < limit ? d : limit;
+}
+
+static int tier_rank(uint8_t tier) { return tier; } /* the enum is in TIERS order */
+
+/* `engine_reuse`. `walks[i]` is the path of block size `sizes[i]`. */
+void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
+                  const walk_path *walks, uint32_t nsizes, reuse_t *out) {
+    memset(out, 0, sizeof *out);
+    out->several = 1;
+    const walk_path *wp[MAX_POOLS] = {0};
+    int klass[MAX_POOLS];
+    int64_t window[MAX_POOLS];
+    int gpu[MAX_POOLS], cached[MAX_POOLS], lower[MAX_POOLS];
+    for (uint32_t i = 0; i < s->npools; i++) {
+        const pool_t *p = &s->pools[i];
+        for (uint32_t k = 0; k < nsizes; k++)
+            if (sizes[k] == p->size && p->size)
+                wp[i] = &walks[k];
+        const group_spec *g =
+            p->group >= 0 && p->group < MAX_GROUPS ? &s->groups[p->group] : NULL;
+        group_spec none = {0, 0, 0};
+        klass[i] = kind_class(c, g ? g : &none);
+        window[i] = g ? g->window : 0;
+        gpu[i] = wp[i] != NULL && p->tier == TIER_GPU;
+        cached[i] = gpu[i] && klass[i] != KIND_UNCACHED;
+        lower[i] = wp[i] != NULL && p->tier != TIER_GPU;
+    }
+    /* `_hybrid_hit` */
+    uint64_t gpu_tokens = 0;
+    int any = 0, prefix = 0;
+    uint64_t bound = 0;
+    for (uint32_t i = 0; i < s->npools; i++)
+        if (cached[i]) {
+            any = 1;
+            uint64_t full = (uint64_t)wp[i]->len * s->pools[i].size;
+            if (full > bound)
+                bound = full;
+        }
+    if (any) {
+        int others_distinct = 0;
+        int64_t first_kind = -1, first_window = 0;
+        uint32_t first_size = 0;
+        for (uint32_t i = 0; i < s->npools; i++) {
+            if (!cached[i])
+                continue;
+            if (klass[i] == KIND_PREFIX) {
+                prefix++;
+                uint64_t hit = (uint64_t)leading(c, s, &s->pools[i], wp[i]) * s->pools[i].size;
+                if (hit < bound)
+                    bound = hit;
+            } else {
+                uint32_t kind = s->pools[i].group >= 0 && s->pools[i].group < MAX_GROUPS
+                                    ? s->groups[s->pools[i].group].kind
+                                    : 0;
+                if (first_kind < 0) {
+                    first_kind = kind, first_window = window[i], first_size = s->pools[i].size;
+                    others_distinct = 1;
+                } else if (kind != first_kind || window[i] != first_window ||
+                           s->pools[i].size != first_size) {
+                    others_distinct = 2;
+                }
+            }
+        }
+        int simple = prefix >= 1 && others_distinct <= 1;
+        for (;;) {
+            uint64_t hit = bound;
+            for (uint32_t i = 0; i < s->npools; i++) {
+                if (!cached[i] || klass[i] == KIND_PREFIX)
+                    continue;
+                uint32_t size = s->pools[i].size;
+                hit = (uint64_t)group_hit(c, s, &s->pools[i], wp[i], klass[i], window[i],
+                                          (uint32_t)(hit / size)) *
+                      size;
+            }
+            if (hit >= bound)
+                break;
+            bound = hit;
+            if (simple)
+                break;
+        }
+        gpu_tokens = bound;
+    }
+    /* by_group: each group's own hit */
+    for (uint32_t i = 0; i < s->npools; i++) {
+        if (!cached[i] || out->ngroups == MAX_POOLS)
+            continue;
+        out->groups[out->ngroups] = s->pools[i].group;
+        out->group_blocks[out->ngroups++] =
+            group_hit(c, s, &s->pools[i], wp[i], klass[i], window[i], UINT32_MAX);
+    }
+    /* `_row_size` */
+    uint32_t size = 0;
+    for (uint32_t i = 0; i < s->npools; i++)
+        if (cached[i] && s->pools[i].group == 0) {
+            size = s->pools[i].size;
+            break;
+        }
+    if (!size)
+        for (uint32_t i = 0; i < s->npools; i++)
+            if (cached[i] && (!size || s->pools[i].size < size))
+                size = s->pools[i].size;
+    /* `_lower_run`: the fastest tier holding the next block serves it */
+    uint64_t tier_tokens[TIER_COUNT] = {0};
+    tier_tokens[TIER_GPU] = gpu_tokens;
+    uint32_t order[MAX_POOLS], norder = 0;
+    for (uint32_t i = 0; i < s->npools; i++)
+        if (lower[i])
+            order[norder++] = i;
+    for (uint32_t a = 1; a < norder; a++) /* by (tier, -size): insertion sort, few pools */
+        for (uint32_t b = a; b > 0; b--) {
+            const pool_t *x = &s->pools[order[b - 1]], *y = &s->pools[order[b]];
+            if (tier_rank(x->tier) < tier_rank(y->tier) ||
+                (x->tier == y->tier && x->size >= y->size))
+                break;
+            uint32_t t = order[b];
+            order[b] = order[b - 1];
+            order[b - 1] = t;
+        }
+    uint64_t at = gpu_tokens;
+    for (;;) {
+        int served = 0;
+        for (uint32_t k = 0; k < norder; k++) {
+            const pool_t *p = &s->pools[order[k]];
+            if (at % p->size == 0 && held_at(c, s, p, wp[order[k]], (uint32_t)(at / p->size))) {
+                tier_tokens[p->tier] += p->size;
+                at += p->size;
+                served = 1;
+                break;
+            }
+        }
+        if (!served)
+            break;
+    }
+    if (!size)
+        for (uint32_t k = 0; k < norder; k++)
+            if (!size || s->pools[order[k]].size < size)
+                size = s->pools[order[k]].size;
+    if (!size) {
+        out->ngroups = 0;
+        return;
+    }
+    uint64_t total = 0;
+    for (int t = 0; t < TIER_COUNT; t++) {
+        total += tier_tokens[t];
+        out->by_tier[t] = (uint32_t)(tier_tokens[t] / size);
+    }
+    out->blocks = (uint32_t)(total / size);
+    out->size = size;
+}
+
+uint32_t intern_str(core_t *c, const uint8_t *p, uint32_t len) {
+    return intern(&c->strings, p, len);
+}
+
+uint32_t find_str(const core_t *c, const uint8_t *p, uint32_t len) {
+    return intern_find(&c->strings, p, len);
+}
+
+uint32_t find_bytes(const core_t *c, const uint8_t *p, uint32_t len) {
+    return intern_find(&c->bytes, p, len);
+}
+
+const uint64_t *set_words_of(const core_t *c, uint32_t holders) {
+    return set_words(c, holders);
+}
+
+uint32_t root_find(const core_t *c, uint32_t lora, uint32_t salt, uint32_t size) {
+    map_entry *e = map_find(&c->ns_by_key, ((uint64_t)lora << 32) | salt, size);
+    return e ? c->ns[e->value].root : NODE_NONE;
+}
+
+/* -- lookups ------------------------------------------------------------------------- */
+
+/* One prompt's keys in one block size: a digest per whole block (fewer if a token can't
+ * be keyed: past 64 bits). `tokens` are the prompt's ids as int64 with `big` saying which
+ * don't fit 32 bits unsigned (those blocks are keyed as b"\\x00" + int64s, as fleet.py's
+ * block_keys does). */
+uint32_t prompt_keys(const core_t *c, const int64_t *tokens, uint32_t ntokens, uint32_t size,
+                     uint64_t *keys) {
+    uint32_t blocks = size ? ntokens / size : 0;
+    uint8_t small[4 * 256], *buf = small;
+    size_t need = (size_t)size * 8 + 1;
+    if (need > sizeof small) {
+        buf = malloc(need);
+        if (buf == NULL)
+            return 0;
+    }
+    uint32_t done = 0;
+    for (; done < blocks; done++) {
+        const int64_t *t = tokens + (size_t)done * size;
+        int fits = 1;
+        for (uint32_t k = 0; k < size; k++)
+            if (t[k] < 0 || t[k] > 0xFFFFFFFFLL) {
+                fits = 0;
+                break;
+            }
+        size_t len;
+        if (fits) {
+            for (uint32_t k = 0; k < size; k++) {
+                uint32_t v = (uint32_t)t[k];
+                memcpy(buf + 4 * k, &v, 4); /* native order: x86 and arm64 are little-endian */
+            }
+            len = (size_t)size * 4;
+        } else {
+            buf[0] = 0;
+            memcpy(buf + 1, t, (size_t)size * 8);
+            len = (size_t)size * 8 + 1;
+        }
+        keys[done] = key_digest(c, buf, len);
+    }
+    if (buf != small)
+        free(buf);
+    return done;
+}
+
+/* `_walk`: per publisher bit, how many of these blocks it holds in a row from the root
+ * (`depth`, left untouched for publishers matching nothing); `path` gets the nodes while a
+ * publisher with several pools is on it. `alive` is scratch of c->set_words words. */
+uint32_t walk(const core_t *c, uint32_t root, const uint64_t *keys, uint32_t nkeys,
+              uint32_t *depth, uint32_t *path, uint64_t *alive, const uint64_t *several) {
+    uint32_t words = c->set_words;
+    for (uint32_t w = 0; w < words; w++)
+        alive[w] = 0;
+    for (uint32_t b = 0; b < c->max_bit; b++)
+        if (c->sources[b] != NULL)
+            alive[b / 64] |= 1ULL << (b % 64);
+    uint32_t node = root, d = 0, npath = 0;
+    int any_alive = 1, any_several = 0;
+    for (uint32_t w = 0; w < words; w++)
+        any_several |= (alive[w] & several[w]) != 0;
+    for (; d < nkeys; d++) {
+        if (c->nodes[node].nchild == 0)
+            break;
+        map_entry *e = map_find(&c->children, keys[d], node);
+        if (e == NULL)
+            break;
+        uint32_t child = e->value;
+        uint32_t h = c->nodes[child].holders;
+        /* alive &= holders; publishers dropping out past depth 0 get depth d */
+        any_alive = 0;
+        for (uint32_t w = 0; w < words; w++) {
+            uint64_t mask;
+            if (h & HOLD_SET)
+                mask = c->sets[(size_t)(h & ~HOLD_SET) * words + w];
+            else
+                mask = (h && (h - 1) / 64 == w) ? 1ULL << ((h - 1) % 64) : 0;
+            uint64_t dropped = alive[w] & ~mask;
+            if (dropped && d) {
+                while (dropped) {
+                    depth[w * 64 + (uint32_t)__builtin_ctzll(dropped)] = d;
+                    dropped &= dropped - 1;
+                }
+            }
+            alive[w] &= mask;
+            any_alive |= alive[w] != 0;
+        }
+        if (!any_alive)
+            break;
+        if (any_several) {
+            any_several = 0;
+            for (uint32_t w = 0; w < words; w++)
+                any_several |= (alive[w] & several[w]) != 0;
+            if (any_several)
+                path[npath++] = child;
+        }
+        node = child;
+    }
+    if (any_alive && d)
+        for (uint32_t w = 0; w < words; w++) {
+            uint64_t left = alive[w];
+            while (left) {
+                depth[w * 64 + (uint32_t)__builtin_ctzll(left)] = d;
+                left &= left - 1;
+            }
+        }
+    return npath;
+}

@@ -1,0 +1,1140 @@
+/* kvindex.index._core: the compiled index's Python face (kvindex/index/compiled.py wraps it).
+ *
+ * The GIL and the lock: `apply_payload` parses with the GIL released and no lock (parsing
+ * reads nothing shared but the digest seed), then applies under the write lock, still
+ * without the GIL, so HTTP lookups run on the other core meanwhile. Questions (lookups,
+ * counts, walks) take the read lock and keep the GIL: they are short, and giving the GIL
+ * away mid-request would let an ingest thread keep it for a whole switch interval. No code
+ * needs the GIL while holding the write lock, so the two never wait on each other in a
+ * circle. Readers never see half a batch: a batch is applied under one write lock.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+
+#include "core.h"
+
+typedef struct {
+    PyObject_HEAD
+    core_t core;
+    pthread_rwlock_t lock;
+    pthread_key_t scratch_key; /* one parse scratch per ingest thread */
+    int ready;
+} CoreObject;
+
+static void scratch_destroy(void *p) {
+    if (p != NULL) {
+        scratch_free((scratch_t *)p);
+        free(p);
+    }
+}
+
+static scratch_t *thread_scratch(CoreObject *self) {
+    scratch_t *sc = pthread_getspecific(self->scratch_key);
+    if (sc == NULL) {
+        sc = calloc(1, sizeof(scratch_t));
+        if (sc == NULL || pthread_setspecific(self->scratch_key, sc) != 0) {
+            free(sc);
+            return NULL;
+        }
+    }
+    return sc;
+}
+
+static int Core_init(CoreObject *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"seed", NULL};
+    unsigned long long seed = 0;
+    PyObject *seed_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O", names, &seed_obj))
+        return -1;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "Core is already initialised");
+        return -1;
+    }
+    if (seed_obj == Py_None) {
+        /* A fresh seed per index: key digests can't be aimed at (see key_digest). */
+        PyObject *os = PyImport_ImportModule("os");
+        PyObject *raw = os ? PyObject_CallMethod(os, "urandom", "i", 8) : NULL;
+        Py_XDECREF(os);
+        if (raw == NULL)
+            return -1;
+        memcpy(&seed, PyBytes_AS_STRING(raw), 8);
+        Py_DECREF(raw);
+    } else {
+        seed = PyLong_AsUnsignedLongLongMask(seed_obj);
+        if (PyErr_Occurred())
+            return -1;
+    }
+    if (core_init(&self->core, seed) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (pthread_rwlock_init(&self->lock, NULL) != 0 ||
+        pthread_key_create(&self->scratch_key, scratch_destroy) != 0) {
+        core_free(&self->core);
+        PyErr_SetString(PyExc_OSError, "could not make the index's lock");
+        return -1;
+    }
+    self->ready = 1;
+    return 0;
+}
+
+static void Core_dealloc(CoreObject *self) {
+    if (self->ready) {
+        scratch_destroy(pthread_getspecific(self->scratch_key));
+        pthread_setspecific(self->scratch_key, NULL);
+        pthread_key_delete(self->scratch_key);
+        pthread_rwlock_destroy(&self->lock);
+        core_free(&self->core);
+        self->ready = 0;
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+#define READY(self)                                                                        \
+    do {                                                                                   \
+        if (!(self)->ready) {                                                              \
+            PyErr_SetString(PyExc_RuntimeError, "Core is not initialised");               \
+            return NULL;                                                                   \
+        }                                                                                  \
+    } while (0)
+
+static int bit_arg(PyObject *obj, uint32_t *bit) {
+    long v = PyLong_AsLong(obj);
+    if (v == -1 && PyErr_Occurred())
+        return 0;
+    if (v < 0 || v > 1 << 20) {
+        PyErr_SetString(PyExc_ValueError, "publisher bit out of range");
+        return 0;
+    }
+    *bit = (uint32_t)v;
+    return 1;
+}
+
+/* -- ingest -------------------------------------------------------------------------- */
+
+/* apply_payload(bit, payload) -> (applied, ts, dp_rank, (stored, removed, clears))
+
+   Parse and apply one batch of publisher `bit`. `applied` False: the fast path can't take
+   it; nothing was applied (decode it with kvindex.wire and call apply_ops). */
+static PyObject *Core_apply_payload(CoreObject *self, PyObject *args) {
+    READY(self);
+    PyObject *bit_obj, *payload;
+    if (!PyArg_ParseTuple(args, "OO", &bit_obj, &payload))
+        return NULL;
+    uint32_t bit;
+    if (!bit_arg(bit_obj, &bit))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    scratch_t *sc = thread_scratch(self);
+    if (sc == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    int res, failed = 0;
+    int64_t counts[3] = {0, 0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    res = parse_batch(&self->core, view.buf, (size_t)view.len, sc);
+    if (res == PARSE_OK) {
+        pthread_rwlock_wrlock(&self->lock);
+        source_t *s = source_get(&self->core, bit, 1);
+        if (s != NULL) {
+            source_stats before = s->stats;
+            failed = apply_ops(&self->core, s, sc) < 0;
+            counts[0] = s->stats.stored - before.stored;
+            counts[1] = s->stats.removed - before.removed;
+            counts[2] = s->stats.clears - before.clears;
+        } else {
+            failed = 1;
+        }
+        pthread_rwlock_unlock(&self->lock);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (res == PARSE_NOMEM || failed)
+        return PyErr_NoMemory();
+    if (res != PARSE_OK)
+        return Py_BuildValue("(OOOO)", Py_False, Py_None, Py_None, Py_None);
+    PyObject *rank = sc->has_rank ? PyLong_FromLongLong(sc->dp_rank) : (Py_INCREF(Py_None), Py_None);
+    if (rank == NULL)
+        return NULL;
+    return Py_BuildValue("(OdN(LLL))", Py_True, sc->ts, rank, counts[0], counts[1], counts[2]);
+}
+
+/* A block hash from Python: an int in [-2^63, 2^64) or bytes (kept alive by the caller). */
+static int hash_arg(PyObject *obj, phash *h) {
+    if (PyBytes_Check(obj)) {
+        h->kind = HK_BYTES;
+        h->p = (const uint8_t *)PyBytes_AS_STRING(obj);
+        h->len = (uint32_t)PyBytes_GET_SIZE(obj);
+        h->v = 0;
+        return 1;
+    }
+    if (!PyLong_Check(obj)) {
+        PyErr_SetString(PyExc_TypeError, "a block hash is an int or bytes");
+        return 0;
+    }
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow == 0) {
+        if (v == -1 && PyErr_Occurred())
+            return 0;
+        h->kind = v < 0 ? HK_NEGATIVE : HK_UINT;
+        h->v = (uint64_t)v;
+    } else if (overflow > 0) {
+        unsigned long long u = PyLong_AsUnsignedLongLong(obj);
+        if (PyErr_Occurred())
+            return 0;
+        h->kind = HK_UINT;
+        h->v = u;
+    } else {
+        PyErr_SetString(PyExc_OverflowError, "a block hash below -2**63");
+        return 0;
+    }
+    h->p = NULL;
+    h->len = 0;
+    return 1;
+}
+
+static int opt_str(PyObject *obj, span_t *out) {
+    if (obj == Py_None) {
+        out->p = NULL;
+        out->len = 0;
+        return 1;
+    }
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(obj, &n);
+    if (s == NULL)
+        return 0;
+    out->p = (const uint8_t *)s;
+    out->len = (uint32_t)n;
+    return 1;
+}
+
+static int opt_int(PyObject *obj, int64_t *v, uint8_t *present) {
+    if (obj == Py_None) {
+        *present = 0;
+        return 1;
+    }
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (x == -1 && PyErr_Occurred())
+        return 0;
+    /* An int past 64 bits can't name a group, rank or window: it never matches one. */
+    *v = overflow ? (overflow > 0 ? INT64_MAX : INT64_MIN) : x;
+    *present = 1;
+    return 1;
+}
+
+/* One op of the Python path, a tuple built by kvindex.index.compiled:
+     ("S", hashes, parent|None, keys: list[bytes], ntokens, tokens: bytes|None, block_size,
+      lora_name|None, lora_id|None, salt|None, keyed, medium|None, group|None,
+      spec_kind|None, window|None, unrecognised)
+     ("R", hashes, medium|None, group|None)
+     ("C",)
+   `keys` are the fleet.py tree keys of the blocks (digested here), `tokens` the uint32
+   token bytes when they all fit (kept for shared nodes). */
+static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(t, 0))) {
+        PyErr_SetString(PyExc_TypeError, "an op is a tuple starting with its kind");
+        return 0;
+    }
+    const char *kind = PyUnicode_AsUTF8(PyTuple_GET_ITEM(t, 0));
+    if (kind == NULL)
+        return 0;
+    if (sc->nops == sc->ops_cap) {
+        uint32_t cap = sc->ops_cap ? sc->ops_cap * 2 : 64;
+        op_t *ops = realloc(sc->ops, cap * sizeof(op_t));
+        if (ops == NULL) {
+            PyErr_NoMemory();
+            return 0;
+        }
+        sc->ops = ops;
+        sc->ops_cap = cap;
+    }
+    op_t *op = &sc->ops[sc->nops];
+    memset(op, 0, sizeof *op);
+    Py_ssize_t size = PyTuple_GET_SIZE(t);
+    if (kind[0] == 'C') {
+        op->type = OP_CLEARED;
+        sc->nops++;
+        return 1;
+    }
+    if ((kind[0] == 'S' && size != 16) || (kind[0] == 'R' && size != 4) ||
+        (kind[0] != 'S' && kind[0] != 'R')) {
+        PyErr_SetString(PyExc_ValueError, "malformed op");
+        return 0;
+    }
+    PyObject *hashes = PySequence_Fast(PyTuple_GET_ITEM(t, 1), "hashes must be a sequence");
+    if (hashes == NULL)
+        return 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    if (sc->nhashes + n > sc->hashes_cap) {
+        uint32_t cap = sc->hashes_cap ? sc->hashes_cap : 64;
+        while (cap < sc->nhashes + n)
+            cap *= 2;
+        phash *hs = realloc(sc->hashes, cap * sizeof(phash));
+        if (hs == NULL) {
+            Py_DECREF(hashes);
+            PyErr_NoMemory();
+            return 0;
+        }
+        sc->hashes = hs;
+        sc->hashes_cap = cap;
+    }
+    op->hashes_off = sc->nhashes;
+    op->nhashes = (uint32_t)n;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!hash_arg(PySequence_Fast_GET_ITEM(hashes, i), &sc->hashes[sc->nhashes + i])) {
+            Py_DECREF(hashes);
+            return 0;
+        }
+    Py_DECREF(hashes); /* the items stay alive: the caller's tuple holds them */
+    sc->nhashes += (uint32_t)n;
+    if (kind[0] == 'R') {
+        op->type = OP_REMOVED;
+        if (!opt_str(PyTuple_GET_ITEM(t, 2), &op->medium) ||
+            !opt_int(PyTuple_GET_ITEM(t, 3), &op->group, &op->has_group))
+            return 0;
+        sc->nops++;
+        return 1;
+    }
+    op->type = OP_STORED;
+    PyObject *parent = PyTuple_GET_ITEM(t, 2);
+    if (parent != Py_None) {
+        op->has_parent = 1;
+        if (!hash_arg(parent, &op->parent))
+            return 0;
+    }
+    PyObject *keys = PySequence_Fast(PyTuple_GET_ITEM(t, 3), "keys must be a sequence");
+    if (keys == NULL)
+        return 0;
+    Py_ssize_t nk = PySequence_Fast_GET_SIZE(keys);
+    if (sc->nkeys + nk > sc->keys_cap) {
+        uint32_t cap = sc->keys_cap ? sc->keys_cap : 64;
+        while (cap < sc->nkeys + nk)
+            cap *= 2;
+        uint64_t *ks = realloc(sc->keys, cap * sizeof(uint64_t));
+        if (ks == NULL) {
+            Py_DECREF(keys);
+            PyErr_NoMemory();
+            return 0;
+        }
+        sc->keys = ks;
+        sc->keys_cap = cap;
+    }
+    op->keys_off = sc->nkeys;
+    op->nkeys = (uint32_t)nk;
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        PyObject *k = PySequence_Fast_GET_ITEM(keys, i);
+        if (!PyBytes_Check(k)) {
+            Py_DECREF(keys);
+            PyErr_SetString(PyExc_TypeError, "a key is bytes");
+            return 0;
+        }
+        sc->keys[sc->nkeys + i] = key_digest(&self->core, (const uint8_t *)PyBytes_AS_STRING(k),
+                                             (size_t)PyBytes_GET_SIZE(k));
+    }
+    Py_DECREF(keys);
+    sc->nkeys += (uint32_t)nk;
+    op->ntokens = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(t, 4));
+    if (PyErr_Occurred())
+        return 0;
+    PyObject *tokens = PyTuple_GET_ITEM(t, 5);
+    if (tokens != Py_None) {
+        if (!PyBytes_Check(tokens)) {
+            PyErr_SetString(PyExc_TypeError, "tokens are uint32 bytes");
+            return 0;
+        }
+        uint32_t count = (uint32_t)(PyBytes_GET_SIZE(tokens) / 4);
+        if (sc->ntokens + count > sc->tokens_cap) {
+            uint32_t cap = sc->tokens_cap ? sc->tokens_cap : 64;
+            while (cap < sc->ntokens + count)
+                cap *= 2;
+            uint32_t *ts = realloc(sc->tokens, cap * sizeof(uint32_t));
+            if (ts == NULL) {
+                PyErr_NoMemory();
+                return 0;
+            }
+            sc->tokens = ts;
+            sc->tokens_cap = cap;
+        }
+        memcpy(sc->tokens + sc->ntokens, PyBytes_AS_STRING(tokens), (size_t)count * 4);
+        op->tokens_off = sc->ntokens;
+        op->tokens_kept = 1;
+        sc->ntokens += count;
+    }
+    uint8_t present;
+    int64_t lora_id;
+    if (!opt_int(PyTuple_GET_ITEM(t, 6), &op->block_size, &present))
+        return 0;
+    if (!opt_str(PyTuple_GET_ITEM(t, 7), &op->lora) ||
+        !opt_int(PyTuple_GET_ITEM(t, 8), &lora_id, &op->has_lora_id) ||
+        !opt_str(PyTuple_GET_ITEM(t, 9), &op->salt))
+        return 0;
+    op->lora_id = lora_id;
+    op->keyed = (uint8_t)PyObject_IsTrue(PyTuple_GET_ITEM(t, 10));
+    if (!opt_str(PyTuple_GET_ITEM(t, 11), &op->medium) ||
+        !opt_int(PyTuple_GET_ITEM(t, 12), &op->group, &op->has_group) ||
+        !opt_str(PyTuple_GET_ITEM(t, 13), &op->spec_kind) ||
+        !opt_int(PyTuple_GET_ITEM(t, 14), &op->window, &op->has_window))
+        return 0;
+    op->has_spec = op->spec_kind.p != NULL;
+    op->unrecognised = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(t, 15));
+    if (PyErr_Occurred())
+        return 0;
+    sc->nops++;
+    return 1;
+}
+
+/* apply_ops(bit, ops): apply a batch the Python decoder made (under one write lock). */
+static PyObject *Core_apply_ops(CoreObject *self, PyObject *args) {
+    READY(self);
+    PyObject *bit_obj, *ops;
+    if (!PyArg_ParseTuple(args, "OO", &bit_obj, &ops))
+        return NULL;
+    uint32_t bit;
+    if (!bit_arg(bit_obj, &bit))
+        return NULL;
+    PyObject *fast = PySequence_Fast(ops, "ops must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    scratch_t sc = {0};
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!op_from_tuple(self, &sc, PySequence_Fast_GET_ITEM(fast, i))) {
+            scratch_free(&sc);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    /* The spans point into the tuples' objects: `fast` keeps them alive until here. */
+    int failed;
+    pthread_rwlock_wrlock(&self->lock);
+    source_t *s = source_get(&self->core, bit, 1);
+    failed = s == NULL || apply_ops(&self->core, s, &sc) < 0;
+    pthread_rwlock_unlock(&self->lock);
+    scratch_free(&sc);
+    Py_DECREF(fast);
+    if (failed)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* clear(bit, restart): drop what the publisher holds (a restart also counts one). */
+static PyObject *Core_clear(CoreObject *self, PyObject *args) {
+    READY(self);
+    PyObject *bit_obj;
+    int restart;
+    if (!PyArg_ParseTuple(args, "Op", &bit_obj, &restart))
+        return NULL;
+    uint32_t bit;
+    if (!bit_arg(bit_obj, &bit))
+        return NULL;
+    pthread_rwlock_wrlock(&self->lock);
+    source_t *s = source_get(&self->core, bit, 0);
+    if (s != NULL) {
+        source_clear(&self->core, s);
+        s->stats.restarts += restart;
+    }
+    pthread_rwlock_unlock(&self->lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_remove(CoreObject *self, PyObject *bit_obj) {
+    READY(self);
+    uint32_t bit;
+    if (!bit_arg(bit_obj, &bit))
+        return NULL;
+    pthread_rwlock_wrlock(&self->lock);
+    source_remove(&self->core, bit);
+    pthread_rwlock_unlock(&self->lock);
+    Py_RETURN_NONE;
+}
+
+/* -- questions ----------------------------------------------------------------------- */
+
+static const char *TIER_NAMES[TIER_COUNT] = {"gpu", "cpu", "disk", "external"};
+
+static PyObject *tier_dict(const uint32_t *by_tier) {
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    for (int t = 0; t < TIER_COUNT; t++) {
+        if (!by_tier[t])
+            continue;
+        PyObject *v = PyLong_FromUnsignedLong(by_tier[t]);
+        if (v == NULL || PyDict_SetItemString(d, TIER_NAMES[t], v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return d;
+}
+
+/* The prompt's tokens as int64 (fast for lists of small ints). 0 on error. */
+static int tokens_arg(PyObject *obj, int64_t **out, uint32_t *n) {
+    PyObject *fast = PySequence_Fast(obj, "token_ids must be a sequence of ints");
+    if (fast == NULL)
+        return 0;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
+    int64_t *tokens = malloc(((size_t)len + 1) * sizeof(int64_t));
+    if (tokens == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return 0;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t i = 0;
+    for (; i < len; i++) {
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (v == -1 && PyErr_Occurred())
+            break;
+        if (overflow)
+            break; /* past 64 bits: no block from here can be keyed (as fleet.py) */
+        tokens[i] = v;
+    }
+    Py_DECREF(fast);
+    if (PyErr_Occurred()) {
+        free(tokens);
+        return 0;
+    }
+    *out = tokens;
+    *n = (uint32_t)i;
+    return 1;
+}
+
+static int lookup_names(CoreObject *self, PyObject *lora, PyObject *salt, uint32_t *lora_id,
+                        uint32_t *salt_id, int *unknown) {
+    span_t l, s;
+    if (!opt_str(lora, &l) || !opt_str(salt, &s))
+        return 0;
+    *lora_id = l.p ? find_str(&self->core, l.p, l.len) : 0;
+    *salt_id = s.p ? find_str(&self->core, s.p, s.len) : 0;
+    *unknown = (l.p && !*lora_id) || (s.p && !*salt_id);
+    return 1;
+}
+
+/* lookup(token_ids, lora_name, cache_salt) -> (default_size, [(bit, blocks, size, by_tier,
+   by_group), ...]): the publishers that would reuse something; by_tier/by_group are None
+   for a publisher with one pool (all of it from that pool). */
+static PyObject *Core_lookup(CoreObject *self, PyObject *args) {
+    READY(self);
+    PyObject *tokens_obj, *lora, *salt;
+    if (!PyArg_ParseTuple(args, "OOO", &tokens_obj, &lora, &salt))
+        return NULL;
+    int64_t *tokens;
+    uint32_t ntokens;
+    uint32_t lora_id, salt_id;
+    int unknown;
+    if (!lookup_names(self, lora, salt, &lora_id, &salt_id, &unknown))
+        return NULL;
+    if (!tokens_arg(tokens_obj, &tokens, &ntokens))
+        return NULL;
+    core_t *c = &self->core;
+    PyObject *rows = PyList_New(0);
+    if (rows == NULL) {
+        free(tokens);
+        return NULL;
+    }
+    uint32_t default_size = 0;
+    pthread_rwlock_rdlock(&self->lock);
+    uint32_t bits = c->max_bit;
+    uint32_t words = c->set_words;
+    uint32_t sizes[16], nsizes = 0, roots[16];
+    if (!unknown)
+        for (uint32_t i = 0; i < c->nsizes; i++) {
+            uint32_t root = root_find(c, lora_id, salt_id, c->sizes[i]);
+            if (root == NODE_NONE || !c->nodes[root].nchild)
+                continue;
+            /* by block size, ascending: ties between sizes go to the smaller */
+            uint32_t k = nsizes++;
+            while (k > 0 && sizes[k - 1] > c->sizes[i]) {
+                sizes[k] = sizes[k - 1];
+                roots[k] = roots[k - 1];
+                k--;
+            }
+            sizes[k] = c->sizes[i];
+            roots[k] = root;
+        }
+    /* What publishers matching nothing report as their block size: the smallest. */
+    default_size = nsizes ? sizes[0] : 0;
+    uint64_t *several = calloc(words, sizeof(uint64_t));
+    uint64_t *alive = calloc(words, sizeof(uint64_t));
+    uint32_t *best_blocks = calloc(bits + 1, sizeof(uint32_t));
+    uint32_t *best_size = calloc(bits + 1, sizeof(uint32_t));
+    uint32_t *depth = calloc(bits + 1, sizeof(uint32_t));
+    uint64_t *keys = malloc(((size_t)ntokens + 1) * sizeof(uint64_t));
+    uint32_t *paths = malloc(((size_t)ntokens + 1) * (nsizes ? nsizes : 1) * sizeof(uint32_t));
+    walk_path walks[16];
+    reuse_t *reuses = NULL;
+    int oom = !several || !alive || !best_blocks || !best_size || !depth || !keys || !paths;
+    int any_several = 0;
+    if (!oom) {
+        for (uint32_t b = 0; b < bits; b++)
+            if (c->sources[b] && c->sources[b]->several) {
+                several[b / 64] |= 1ULL << (b % 64);
+                any_several = 1;
+            }
+        for (uint32_t k = 0; k < nsizes; k++) {
+            uint32_t nkeys = prompt_keys(c, tokens, ntokens, sizes[k], keys);
+            memset(depth, 0, (bits + 1) * sizeof(uint32_t));
+            uint32_t *path = paths + (size_t)k * (ntokens + 1);
+            walks[k].path = path;
+            walks[k].len = walk(c, roots[k], keys, nkeys, depth, path, alive, several);
+            for (uint32_t b = 0; b < bits; b++) /* the most tokens over the sizes */
+                if (depth[b] && (uint64_t)depth[b] * sizes[k] > (uint64_t)best_blocks[b] * best_size[b]) {
+                    best_blocks[b] = depth[b];
+                    best_size[b] = sizes[k];
+                }
+        }
+        if (any_several && nsizes) {
+            reuses = calloc(bits + 1, sizeof(reuse_t));
+            if (reuses == NULL)
+                oom = 1;
+            else
+                for (uint32_t b = 0; b < bits; b++)
+                    if (c->sources[b] && c->sources[b]->several)
+                        engine_reuse(c, c->sources[b], sizes, walks, nsizes, &reuses[b]);
+        }
+    }
+    pthread_rwlock_unlock(&self->lock);
+    free(tokens);
+    PyObject *result = NULL;
+    if (oom) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (uint32_t b = 0; b < bits; b++) {
+        PyObject *row;
+        if (reuses && reuses[b].several) {
+            reuse_t *r = &reuses[b];
+            if (!r->blocks)
+                continue;
+            PyObject *groups = PyDict_New();
+            for (uint32_t g = 0; groups && g < r->ngroups; g++) {
+                PyObject *k = PyLong_FromLong(r->groups[g]);
+                PyObject *v = PyLong_FromUnsignedLong(r->group_blocks[g]);
+                if (!k || !v || PyDict_SetItem(groups, k, v) < 0)
+                    Py_CLEAR(groups);
+                Py_XDECREF(k);
+                Py_XDECREF(v);
+            }
+            PyObject *tiers = groups ? tier_dict(r->by_tier) : NULL;
+            if (tiers == NULL) {
+                Py_XDECREF(groups);
+                goto done;
+            }
+            row = Py_BuildValue("(IIINN)", b, r->blocks, r->size, tiers, groups);
+        } else {
+            if (!best_blocks[b])
+                continue;
+            row = Py_BuildValue("(IIIOO)", b, best_blocks[b], best_size[b], Py_None, Py_None);
+        }
+        if (row == NULL || PyList_Append(rows, row) < 0) {
+            Py_XDECREF(row);
+            goto done;
+        }
+        Py_DECREF(row);
+    }
+    result = Py_BuildValue("(IO)", default_size, rows);
+done:
+    Py_DECREF(rows);
+    free(several);
+    free(alive);
+    free(best_blocks);
+    free(best_size);
+    free(depth);
+    free(keys);
+    free(paths);
+    free(reuses);
+    return result;
+}
+
+/* lookup_hashes(hashes) -> [(bit, blocks, by_tier), ...]: per publisher, the run of these
+   hashes its GPU pools hold from the first, then the run its lower tiers hold. */
+static PyObject *Core_lookup_hashes(CoreObject *self, PyObject *hashes_obj) {
+    READY(self);
+    PyObject *fast = PySequence_Fast(hashes_obj, "hashes must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    phash *ph = malloc(((size_t)n + 1) * sizeof(phash));
+    hkey *hk = malloc(((size_t)n + 1) * sizeof(hkey));
+    uint8_t *known = malloc((size_t)n + 1);
+    if (!ph || !hk || !known) {
+        free(ph), free(hk), free(known);
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!hash_arg(PySequence_Fast_GET_ITEM(fast, i), &ph[i])) {
+            free(ph), free(hk), free(known);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    core_t *c = &self->core;
+    PyObject *rows = PyList_New(0);
+    pthread_rwlock_rdlock(&self->lock);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (ph[i].kind == HK_BYTES) {
+            uint32_t id = find_bytes(c, ph[i].p, ph[i].len);
+            hk[i] = (hkey){id, HK_BYTES};
+            known[i] = id != 0;
+        } else {
+            hk[i] = (hkey){ph[i].v, ph[i].kind};
+            known[i] = 1;
+        }
+    }
+    uint32_t bits = c->max_bit;
+    for (uint32_t b = 0; rows && b < bits; b++) {
+        source_t *s = c->sources[b];
+        if (s == NULL)
+            continue;
+        uint32_t by_tier[TIER_COUNT] = {0};
+        Py_ssize_t d = 0;
+        for (; d < n; d++) { /* the GPU run */
+            int held = 0;
+            for (uint32_t p = 0; known[d] && !held && p < s->npools; p++)
+                held = s->pools[p].tier == TIER_GPU &&
+                       map_find(&s->pools[p].blocks, hk[d].v, hk[d].kind) != NULL;
+            if (!held)
+                break;
+        }
+        by_tier[TIER_GPU] = (uint32_t)d;
+        for (; d < n; d++) { /* then the fastest lower tier holding each next block */
+            int tier = -1;
+            for (int t = TIER_CPU; t < TIER_COUNT && tier < 0 && known[d]; t++)
+                for (uint32_t p = 0; tier < 0 && p < s->npools; p++)
+                    if (s->pools[p].tier == t &&
+                        map_find(&s->pools[p].blocks, hk[d].v, hk[d].kind) != NULL)
+                        tier = t;
+            if (tier < 0)
+                break;
+            by_tier[tier]++;
+        }
+        if (d == 0)
+            continue;
+        PyObject *tiers = tier_dict(by_tier);
+        PyObject *row = tiers ? Py_BuildValue("(InN)", b, d, tiers) : NULL;
+        if (row == NULL || PyList_Append(rows, row) < 0)
+            Py_CLEAR(rows);
+        Py_XDECREF(row);
+    }
+    pthread_rwlock_unlock(&self->lock);
+    free(ph), free(hk), free(known);
+    Py_DECREF(fast);
+    return rows;
+}
+
+static PyObject *hash_object(const core_t *c, uint64_t v, uint32_t kind) {
+    if (kind == HK_BYTES) {
+        const blob_t *b = &c->bytes.items[v];
+        return PyBytes_FromStringAndSize((const char *)b->data, b->len);
+    }
+    if (kind == HK_NEGATIVE)
+        return PyLong_FromLongLong((long long)v);
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+static PyObject *str_object(const core_t *c, uint32_t sid) {
+    const blob_t *b = &c->strings.items[sid];
+    return PyUnicode_DecodeUTF8((const char *)b->data, b->len, "replace");
+}
+
+/* pools(bit) -> [(group, medium, {hash: copies}), ...] */
+static PyObject *Core_pools(CoreObject *self, PyObject *bit_obj) {
+    READY(self);
+    uint32_t bit;
+    if (!bit_arg(bit_obj, &bit))
+        return NULL;
+    core_t *c = &self->core;
+    PyObject *out = PyList_New(0);
+    pthread_rwlock_rdlock(&self->lock);
+    source_t *s = source_get(c, bit, 0);
+    for (uint32_t i = 0; out && s && i < s->npools; i++) {
+        pool_t *p = &s->pools[i];
+        PyObject *d = PyDict_New();
+        MAP_FOREACH(&p->blocks, e) {
+            if (d == NULL)
+                break;
+            map_entry *x = s->extra.count ? map_find(&s->extra, e->a, e->b | ((uint32_t)p->index << 8)) : NULL;
+            PyObject *k = hash_object(c, e->a, e->b);
+            PyObject *v = PyLong_FromUnsignedLong(1 + (x ? x->value : 0));
+            if (!k || !v || PyDict_SetItem(d, k, v) < 0)
+                Py_CLEAR(d);
+            Py_XDECREF(k);
+            Py_XDECREF(v);
+        }
+        PyObject *medium = d ? str_object(c, p->medium) : NULL;
+        PyObject *row = medium ? Py_BuildValue("(iNN)", p->group, medium, d) : NULL;
+        if (row == NULL) {
+            Py_XDECREF(d);
+            Py_CLEAR(out);
+            break;
+        }
+        if (PyList_Append(out, row) < 0)
+            Py_CLEAR(out);
+        Py_DECREF(row);
+    }
+    pthread_rwlock_unlock(&self->lock);
+    return out;
+}
+
+/* pool_keys(bit) -> [(group, medium), ...] in the order the pools came. */
+static PyObject *Core_pool_keys(CoreObject *self, PyObject *bit_obj) {
+    READY(self);
+    uint32_t bit;
+    if (!bit_arg(bit_obj, &bit))
+        return NULL;
+    core_t *c = &self->core;
+    PyObject *out = PyList_New(0);
+    pthread_rwlock_rdlock(&self->lock);
+    source_t *s = source_get(c, bit, 0);
+    for (uint32_t i = 0; out && s && i < s->npools; i++) {
+        PyObject *medium = str_object(c, s->pools[i].medium);
+        PyObject *row = medium ? Py_BuildValue("(iN)", s->pools[i].group, medium) : NULL;
+        if (row == NULL || PyList_Append(out, row) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(row);
+    }
+    pthread_rwlock_unlock(&self->lock);
+    return out;
+}
+
+/* pool_hashes(bit, index) -> [hash, ...] of one pool. */
+static PyObject *Core_pool_hashes(CoreObject *self, PyObject *args) {
+    READY(self);
+    PyObject *bit_obj;
+    unsigned int index;
+    if (!PyArg_ParseTuple(args, "OI", &bit_obj, &index))
+        return NULL;
+    uint32_t bit;
+    if (!bit_arg(bit_obj, &bit))
+        return NULL;
+    core_t *c = &self->core;
+    PyObject *out = PyList_New(0);
+    pthread_rwlock_rdlock(&self->lock);
+    source_t *s = source_get(c, bit, 0);
+    if (out && s && index < s->npools) {
+        MAP_FOREACH(&s->pools[index].blocks, e) {
+            PyObject *k = hash_object(c, e->a, e->b);
+            if (k == NULL || PyList_Append(out, k) < 0) {
+                Py_XDECREF(k);
+                Py_CLEAR(out);
+                break;
+            }
+            Py_DECREF(k);
+        }
+    }
+    pthread_rwlock_unlock(&self->lock);
+    return out;
+}
+
+static int medium_matches(const core_t *c, uint32_t medium, span_t wanted) {
+    const blob_t *b = &c->strings.items[medium];
+    if (b->len == wanted.len && memcmp(b->data, wanted.p, b->len) == 0)
+        return 1;
+    const char *tier = TIER_NAMES[core_tier_of((core_t *)c, medium)];
+    if (strlen(tier) != wanted.len)
+        return 0;
+    for (uint32_t i = 0; i < wanted.len; i++) {
+        uint8_t ch = wanted.p[i];
+        if ((ch >= 'A' && ch <= 'Z' ? ch + 32 : ch) != (uint8_t)tier[i])
+            return 0;
+    }
+    return 1;
+}
+
+/* hashes(bit, medium|None) -> [hash, ...]: every pool entry (a hash held in two pools comes
+   twice: the caller makes the set), of pools of that medium or tier, or all. */
+static PyObject *Core_hashes(CoreObject *self, PyObject *args) {
+    READY(self);
+    PyObject *bit_obj, *medium_obj;
+    if (!PyArg_ParseTuple(args, "OO", &bit_obj, &medium_obj))
+        return NULL;
+    uint32_t bit;
+    span_t medium;
+    if (!bit_arg(bit_obj, &bit) || !opt_str(medium_obj, &medium))
+        return NULL;
+    core_t *c = &self->core;
+    PyObject *out = PyList_New(0);
+    pthread_rwlock_rdlock(&self->lock);
+    source_t *s = source_get(c, bit, 0);
+    for (uint32_t i = 0; out && s && i < s->npools; i++) {
+        pool_t *p = &s->pools[i];
+        if (medium.p != NULL && !medium_matches(c, p->medium, medium))
+            continue;
+        MAP_FOREACH(&p->blocks, e) {
+            PyObject *k = hash_object(c, e->a, e->b);
+            if (k == NULL || PyList_Append(out, k) < 0) {
+                Py_XDECREF(k);
+                Py_CLEAR(out);
+                break;
+            }
+            Py_DECREF(k);
+        }
+    }
+    pthread_rwlock_unlock(&self->lock);
+    return out;
+}
+
+/* count(bit, group, medium, hash) -> copies held in that pool (0 if none). */
+static PyObject *Core_count(CoreObject *self, PyObject *args) {
+    READY(self);
+    PyObject *bit_obj, *medium_obj, *hash_obj;
+    long long group;
+    if (!PyArg_ParseTuple(args, "OLOO", &bit_obj, &group, &medium_obj, &hash_obj))
+        return NULL;
+    uint32_t bit;
+    span_t medium;
+    phash ph;
+    if (!bit_arg(bit_obj, &bit) || !opt_str(medium_obj, &medium) || !hash_arg(hash_obj, &ph))
+        return NULL;
+    core_t *c = &self->core;
+    unsigned long copies = 0;
+    pthread_rwlock_rdlock(&self->lock);
+    source_t *s = source_get(c, bit, 0);
+    uint32_t mid = medium.p ? find_str(c, medium.p, medium.len) : 0;
+    hkey h = {ph.v, ph.kind};
+    if (ph.kind == HK_BYTES)
+        h.v = find_bytes(c, ph.p, ph.len);
+    for (uint32_t i = 0; s && mid && (ph.kind != HK_BYTES || h.v) && i < s->npools; i++) {
+        pool_t *p = &s->pools[i];
+        if (p->group != group || p->medium != mid)
+            continue;
+        if (map_find(&p->blocks, h.v, h.kind) != NULL) {
+            map_entry *x = map_find(&s->extra, h.v, h.kind | ((uint32_t)p->index << 8));
+            copies = 1 + (x ? x->value : 0);
+        }
+    }
+    pthread_rwlock_unlock(&self->lock);
+    return PyLong_FromUnsignedLong(copies);
+}
+
+/* stats(bit) -> (stored, removed, clears, batches, restarts, unplaced, unrecognised_keys,
+   namespace_kept, namespace_moved) */
+static PyObject *Core_stats(CoreObject *self, PyObject *bit_obj) {
+    READY(self);
+    uint32_t bit;
+    if (!bit_arg(bit_obj, &bit))
+        return NULL;
+    source_stats st = {0};
+    pthread_rwlock_rdlock(&self->lock);
+    source_t *s = source_get(&self->core, bit, 0);
+    if (s != NULL)
+        st = s->stats;
+    pthread_rwlock_unlock(&self->lock);
+    return Py_BuildValue("(LLLLLLLLL)", st.stored, st.removed, st.clears, st.batches, st.restarts,
+                         st.unplaced, st.unrecognised_keys, st.namespace_kept, st.namespace_moved);
+}
+
+static PyObject *Core_entries(CoreObject *self, PyObject *Py_UNUSED(unused)) {
+    READY(self);
+    unsigned long long total = 0;
+    pthread_rwlock_rdlock(&self->lock);
+    for (uint32_t b = 0; b < self->core.max_bit; b++) {
+        source_t *s = self->core.sources[b];
+        for (uint32_t i = 0; s && i < s->npools; i++)
+            total += s->pools[i].blocks.count;
+    }
+    pthread_rwlock_unlock(&self->lock);
+    return PyLong_FromUnsignedLongLong(total);
+}
+
+static PyObject *Core_tree_nodes(CoreObject *self, PyObject *Py_UNUSED(unused)) {
+    READY(self);
+    pthread_rwlock_rdlock(&self->lock);
+    unsigned long n = self->core.live_nodes - self->core.nns; /* roots aside */
+    pthread_rwlock_unlock(&self->lock);
+    return PyLong_FromUnsignedLong(n);
+}
+
+/* memory() -> {part: bytes} of the structures (not malloc's own overhead). */
+static PyObject *Core_memory(CoreObject *self, PyObject *Py_UNUSED(unused)) {
+    READY(self);
+    core_t *c = &self->core;
+    unsigned long long pools = 0, side = 0;
+    pthread_rwlock_rdlock(&self->lock);
+    for (uint32_t b = 0; b < c->max_bit; b++) {
+        source_t *s = c->sources[b];
+        if (s == NULL)
+            continue;
+        side += sizeof(source_t) + map_bytes(&s->extra) + map_bytes(&s->refs) + map_bytes(&s->where);
+        for (uint32_t i = 0; i < s->npools; i++)
+            pools += map_bytes(&s->pools[i].blocks);
+    }
+    unsigned long long nodes = (unsigned long long)c->nodes_cap * sizeof(node_t);
+    unsigned long long children = map_bytes(&c->children);
+    unsigned long long sets = (unsigned long long)c->sets_cap * c->set_words * 8;
+    unsigned long long tokens = map_bytes(&c->tokens) + (unsigned long long)c->tokens.count * 68;
+    pthread_rwlock_unlock(&self->lock);
+    return Py_BuildValue("{sKsKsKsKsKsK}", "nodes", nodes, "children", children, "pools", pools,
+                         "holder_sets", sets, "shared_tokens", tokens, "publishers", side);
+}
+
+static PyObject *one_bit(uint32_t bit) {
+    PyObject *one = PyLong_FromLong(1), *shift = PyLong_FromUnsignedLong(bit);
+    PyObject *out = one && shift ? PyNumber_Lshift(one, shift) : NULL;
+    Py_XDECREF(one);
+    Py_XDECREF(shift);
+    return out;
+}
+
+/* walk_tree() -> [(lora, salt, size, depth, digest, tokens|None, holders), ...]: every node,
+   depth first, parents before children (fleet.py's walk_tree; siblings in no set order).
+   `lora` is the name, or the int lora_id; `holders` the publishers' bits as an int. */
+static PyObject *Core_walk_tree(CoreObject *self, PyObject *Py_UNUSED(unused)) {
+    READY(self);
+    core_t *c = &self->core;
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    pthread_rwlock_rdlock(&self->lock);
+    /* Children lists from the one children table: first child and next sibling. */
+    uint32_t *first = calloc(c->nnodes + 1, sizeof(uint32_t));
+    uint32_t *next = calloc(c->nnodes + 1, sizeof(uint32_t));
+    uint32_t *stack = malloc((c->nnodes + 1) * sizeof(uint32_t) * 2);
+    if (!first || !next || !stack) {
+        pthread_rwlock_unlock(&self->lock);
+        free(first), free(next), free(stack);
+        Py_DECREF(out);
+        return PyErr_NoMemory();
+    }
+    MAP_FOREACH(&c->children, e) {
+        next[e->value] = first[e->b];
+        first[e->b] = e->value;
+    }
+    for (uint32_t k = 0; out && k < c->nns; k++) {
+        namespace_t ns = c->ns[k];
+        PyObject *lora, *salt;
+        if (ns.lora == 0) {
+            lora = Py_None, Py_INCREF(lora);
+        } else if (c->strings.items[ns.lora].len && c->strings.items[ns.lora].data[0] == 0xff) {
+            lora = PyLong_FromString((const char *)c->strings.items[ns.lora].data + 1, NULL, 10);
+        } else {
+            lora = str_object(c, ns.lora);
+        }
+        salt = ns.salt ? str_object(c, ns.salt) : (Py_INCREF(Py_None), Py_None);
+        uint32_t top = 0;
+        for (uint32_t ch = first[ns.root]; ch; ch = next[ch]) {
+            stack[top++] = ch;
+            stack[top++] = 1;
+        }
+        while (top && out && lora && salt) {
+            uint32_t depth = stack[--top];
+            uint32_t n = stack[--top];
+            node_t *node = &c->nodes[n];
+            PyObject *holders;
+            if (node->holders & HOLD_SET)
+                holders = _PyLong_FromByteArray((const unsigned char *)set_words_of(c, node->holders),
+                                                c->set_words * 8, 1, 0);
+            else if (node->holders)
+                holders = one_bit(node->holders - 1);
+            else
+                holders = PyLong_FromLong(0);
+            const uint32_t *toks = node_tokens(c, n);
+            PyObject *tokens = toks ? PyBytes_FromStringAndSize((const char *)(toks + 1), toks[0] * 4)
+                                    : (Py_INCREF(Py_None), Py_None);
+            PyObject *row = (holders && tokens)
+                                ? Py_BuildValue("(OOIIKNN)", lora, salt, ns.size, depth,
+                                                (unsigned long long)(((uint64_t)node->key_hi << 32) | node->key_lo),
+                                                tokens, holders)
+                                : NULL;
+            if (row == NULL || PyList_Append(out, row) < 0)
+                Py_CLEAR(out);
+            Py_XDECREF(row);
+            for (uint32_t ch = first[n]; ch; ch = next[ch]) {
+                stack[top++] = ch;
+                stack[top++] = depth + 1;
+            }
+        }
+        Py_XDECREF(lora);
+        Py_XDECREF(salt);
+    }
+    pthread_rwlock_unlock(&self->lock);
+    free(first), free(next), free(stack);
+    return out;
+}
+
+static PyObject *Core_key_digest(CoreObject *self, PyObject *data) {
+    READY(self);
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    uint64_t d = key_digest(&self->core, view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(d);
+}
+
+static PyObject *Core_tier_of(CoreObject *self, PyObject *medium) {
+    READY(self);
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(medium, &n);
+    if (s == NULL)
+        return NULL;
+    pthread_rwlock_wrlock(&self->lock);
+    uint32_t id = intern_str(&self->core, (const uint8_t *)s, (uint32_t)n);
+    uint8_t tier = id ? core_tier_of(&self->core, id) : TIER_EXTERNAL;
+    pthread_rwlock_unlock(&self->lock);
+    return PyUnicode_FromString(TIER_NAMES[tier]);
+}
+
+static PyMethodDef Core_methods[] = {
+    {"apply_payload", (PyCFunction)Core_apply_payload, METH_VARARGS, NULL},
+    {"apply_ops", (PyCFunction)Core_apply_ops, METH_VARARGS, NULL},
+    {"clear", (PyCFunction)Core_clear, METH_VARARGS, NULL},
+    {"remove", (PyCFunction)Core_remove, METH_O, NULL},
+    {"lookup", (PyCFunction)Core_lookup, METH_VARARGS, NULL},
+    {"lookup_hashes", (PyCFunction)Core_lookup_hashes, METH_O, NULL},
+    {"pools", (PyCFunction)Core_pools, METH_O, NULL},
+    {"pool_keys", (PyCFunction)Core_pool_keys, METH_O, NULL},
+    {"pool_hashes", (PyCFunction)Core_pool_hashes, METH_VARARGS, NULL},
+    {"hashes", (PyCFunction)Core_hashes, METH_VARARGS, NULL},
+    {"count", (PyCFunction)Core_count, METH_VARARGS, NULL},
+    {"stats", (PyCFunction)Core_stats, METH_O, NULL},
+    {"entries", (PyCFunction)Core_entries, METH_NOARGS, NULL},
+    {"tree_nodes", (PyCFunction)Core_tree_nodes, METH_NOARGS, NULL},
+    {"memory", (PyCFunction)Core_memory, METH_NOARGS, NULL},
+    {"walk_tree", (PyCFunction)Core_walk_tree, METH_NOARGS, NULL},
+    {"key_digest", (PyCFunction)Core_key_digest, METH_O, NULL},
+    {"tier_of", (PyCFunction)Core_tier_of, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvindex.index._core.Core",
+    .tp_basicsize = sizeof(CoreObject),
+    .tp_dealloc = (destructor)Core_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The compiled index (see kvindex/index/compiled.py).",
+    .tp_methods = Core_methods,
+    .tp_init = (initproc)Core_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static struct PyModuleDef core_module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "kvindex.index._core",
+    .m_doc = "The compiled index core.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__core(void) {
+    if (PyType_Ready(&CoreType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&core_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&CoreType);
+    if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(&CoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

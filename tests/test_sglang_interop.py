@@ -58,18 +58,6 @@ MEDIA = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
 
 # -- why checks fail today ---------------------------------------------------------------
 
-SALT_DROPPED = (
-    "issue 20: cache_salt is dropped and FleetIndex.lookup takes no cache_salt: salted "
-    "chains share token nodes with plain ones (false and missed hits)"
-)
-SALT_LEAKS = (
-    "issue 20: salted pages sit in the plain token tree, so a salted prompt asked without "
-    "its salt (or with another) is found where SGLang reuses only the plain pages"
-)
-ONE_BIT = (
-    "issue 20: a node keeps one bit per publisher; removing one of two hashes on the same "
-    "tokens (salted/plain, lower media) clears it although the other is still held"
-)
 BIGRAM_DECODE = (
     "issue 19: bigram pages (token pairs) fail the typed decode: missing from the pools, "
     "their removals ignored"
@@ -79,40 +67,14 @@ BIGRAM_LOOKUP = (
     "from the raw tokens (page i = (t[i], t[i+1]))"
 )
 
-SALTED_TOO = "its salted probes: " + SALT_DROPPED
-SHARED_NODES = (
-    "salted and unsalted chains of one rank share token nodes (cache_salt dropped), so " + ONE_BIT
-)
-
 # (engine, scenario) -> why kvindex's lookups differ from SGLang's today.
 LOOKUP_XFAIL: dict[tuple[str, str], str] = {
-    ("sgl-p1", "diverged"): SALTED_TOO,
-    ("sgl-p1", "lora"): "LoRA and LoRA+salt chains share token nodes: " + ONE_BIT,
-    ("sgl-p1", "lora-salted"): SALT_DROPPED,
-    ("sgl-p1", "salted"): SALT_DROPPED,
-    ("sgl-p1", "salted-asked-plain"): SALT_LEAKS,
-    ("sgl-p1", "salted-wrong-salt"): SALT_DROPPED,
-    ("sgl-p1", "tier"): SHARED_NODES + "; " + SALTED_TOO,
-    ("sgl-p16", "diverged"): SALTED_TOO,
-    ("sgl-p16", "lora"): "LoRA and LoRA+salt chains share token nodes: " + ONE_BIT,
-    ("sgl-p16", "lora-asked-plain"): SHARED_NODES,
-    ("sgl-p16", "lora-salted"): SALT_DROPPED,
-    ("sgl-p16", "lora-salted-asked-plain"): SALT_LEAKS + "; " + SHARED_NODES,
-    ("sgl-p16", "plain"): SHARED_NODES,
-    ("sgl-p16", "salted"): SALT_DROPPED,
-    ("sgl-p16", "salted-asked-plain"): SALT_LEAKS,
-    ("sgl-p16", "salted-wrong-salt"): SALT_DROPPED,
-    ("sgl-p16", "tier"): SHARED_NODES + "; " + SALTED_TOO,
     ("sgl-bigram", "diverged"): BIGRAM_LOOKUP,
     ("sgl-bigram", "plain"): BIGRAM_LOOKUP,
-    ("sgl-bigram", "salted"): BIGRAM_LOOKUP + "; " + SALT_DROPPED,
+    ("sgl-bigram", "salted"): BIGRAM_LOOKUP,
     ("sgl-bigram", "salted-asked-plain"): BIGRAM_LOOKUP,
-    ("sgl-bigram", "salted-wrong-salt"): BIGRAM_LOOKUP + "; " + SALT_DROPPED,
+    ("sgl-bigram", "salted-wrong-salt"): BIGRAM_LOOKUP,
     ("sgl-bigram", "tier"): BIGRAM_LOOKUP,
-    ("sgl-extra-key", "diverged"): SALTED_TOO,
-    ("sgl-extra-key", "salted"): SALT_DROPPED,
-    ("sgl-extra-key", "salted-asked-plain"): SALT_LEAKS,
-    ("sgl-extra-key", "salted-wrong-salt"): SALT_DROPPED,
 }
 # (engine, rank) -> why the pages kvindex holds differ from SGLang's today.
 HELD_XFAIL: dict[tuple[str, int], str] = {

@@ -41,9 +41,9 @@ class Kvindex:
         self.sources = [SourceKey(f"i{i}") for i in range(instances)]
 
     def feed(self, batches: Sequence[Batch]) -> None:
-        apply, decode, sources = self.index.apply, self.decoder.decode, self.sources
+        apply, sources = self.index.apply_payload, self.sources
         for instance, seq, payload in batches:
-            apply(sources[instance], decode(payload), seq)
+            apply(sources[instance], payload, seq)
 
     def build(self, stores: Iterable[Store]) -> None:
         apply, sources = self.index.apply, self.sources

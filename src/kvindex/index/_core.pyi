@@ -1,8 +1,9 @@
 """Types of the compiled core (csrc/module.c); kvindex.index.compiled is its Python face."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvindex.index.base import LookupRow
 from kvindex.wire import BlockHash
 
 class Core:
@@ -14,8 +15,15 @@ class Core:
     def clear(self, bit: int, restart: bool, /) -> None: ...
     def remove(self, bit: int, /) -> None: ...
     def lookup(
-        self, tokens: Sequence[int], lora_name: str | None, cache_salt: str | None, /
-    ) -> tuple[int, list[tuple[int, int, int, dict[str, int] | None, dict[int, int] | None]]]: ...
+        self,
+        tokens: Sequence[int],
+        lora_name: str | None,
+        cache_salt: str | None,
+        layout: list[tuple[str, list[tuple[int, int]]]],
+        empty_rows: Callable[[int], list[LookupRow]],
+        row_type: type[LookupRow],
+        /,
+    ) -> list[LookupRow]: ...
     def lookup_hashes(
         self, hashes: Sequence[BlockHash], /
     ) -> list[tuple[int, int, dict[str, int]]]: ...

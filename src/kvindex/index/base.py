@@ -16,11 +16,23 @@ import msgspec
 from kvindex.index.reuse import Reuse
 from kvindex.index.stats import CacheStats, RateWindow
 from kvindex.subscriber.messages import Delivery, Item, Restarted, SourceKey
-from kvindex.wire import BlockHash, EventBatch
+from kvindex.wire import BatchDecoder, BlockHash, EventBatch
 from kvindex.wire.events import MEDIUM_GPU
 from kvindex.wire.tiers import tier_of
 
-__all__ = ["IndexBase", "LookupRow", "Publisher", "medium_matches"]
+__all__ = ["IndexBase", "LookupRow", "PayloadResult", "Publisher", "medium_matches"]
+
+
+class PayloadResult(msgspec.Struct, frozen=True, gc=False):
+    """What `apply_payload` applied: the batch's time and DP rank, and the events that
+    were malformed or of an unknown type (skipped and counted, by the Python decoder).
+    `fast`: the compiled parser took the batch (no Python object per event)."""
+
+    ts: float
+    dp_rank: int | None
+    malformed_events: int = 0
+    unknown_events: int = 0
+    fast: bool = False
 
 
 class LookupRow(msgspec.Struct, frozen=True, gc=False):
@@ -29,6 +41,9 @@ class LookupRow(msgspec.Struct, frozen=True, gc=False):
     `matched_blocks` counts whole blocks from the first token: GPU blocks, then the run
     lower tiers hold from there. `by_tier` splits them by tier (`gpu`, `cpu`, `disk`,
     `external`); `by_group` is each KV cache group's own GPU hit (hybrid models).
+
+    Rows, and the dicts in them, may be shared between answers (an instance matching
+    nothing gets the same row each time): treat them as read-only.
     """
 
     instance: str
@@ -68,12 +83,24 @@ class IndexBase(Generic[P]):
         self._free_bits: list[int] = []
         self._layout: Layout | None = None
         self._empty_rows: dict[int, list[LookupRow]] = {}
+        self._decoder = BatchDecoder()
         self.rates = RateWindow(rate_window)
 
     # -- what each implementation provides ----------------------------------------------
 
     def apply(self, source: SourceKey, batch: EventBatch, seq: int | None = None) -> None:
         raise NotImplementedError
+
+    def apply_payload(
+        self, source: SourceKey, payload: bytes | memoryview, seq: int | None = None
+    ) -> PayloadResult:
+        """Decode and apply one batch as the publisher sent it. Raises `WireError` for a
+        payload that is not an event batch at all."""
+        batch = self._decoder.decode(payload)
+        self.apply(source, batch, seq)
+        return PayloadResult(
+            batch.ts, batch.data_parallel_rank, batch.malformed_events, batch.unknown_events
+        )
 
     def drop_source(self, source: SourceKey) -> None:
         raise NotImplementedError

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvindex.index._core import Core
-from kvindex.index.base import IndexBase, LookupRow
+from kvindex.index.base import IndexBase, LookupRow, PayloadResult
 from kvindex.index.fleet import MAX_BLOCK_SIZE, Namespace, PoolKey, is_keyed, is_plain
 from kvindex.index.keys import chain_keys_bytes
 from kvindex.index.namespaces import PLAIN, chain_keys
@@ -34,14 +34,13 @@ from kvindex.index.stats import CacheStats
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import (
     AllBlocksCleared,
-    BatchDecoder,
     BlockHash,
     BlockRemoved,
     BlockStored,
     EventBatch,
 )
 
-__all__ = ["CompiledIndex", "PayloadResult", "batch_ops"]
+__all__ = ["CompiledIndex", "batch_ops"]
 
 
 @dataclass(slots=True)
@@ -52,25 +51,12 @@ class _Pub:
     last_ts: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class PayloadResult:
-    """What `apply_payload` applied: the batch's time and DP rank, and (on the Python
-    path) its events that were malformed or of an unknown type, skipped and counted."""
-
-    ts: float
-    dp_rank: int | None
-    malformed_events: int = 0
-    unknown_events: int = 0
-    fast: bool = True
-
-
 class CompiledIndex(IndexBase[_Pub]):
     """Exact per-publisher block state and token-prefix lookups, in C."""
 
     def __init__(self, rate_window: float = 60.0, seed: int | None = None) -> None:
         super().__init__(rate_window)
         self._core = Core(seed)
-        self._decoder = BatchDecoder()
         self.slow_batches = 0  # payloads the fast parser left to the Python decoder
 
     # -- feeding -----------------------------------------------------------------------
@@ -100,17 +86,9 @@ class CompiledIndex(IndexBase[_Pub]):
         if applied and ts is not None and counts is not None:
             pub.last_seq, pub.last_ts = seq, ts
             self.rates.add(*counts)
-            return PayloadResult(ts, rank)
+            return PayloadResult(ts, rank, fast=True)
         self.slow_batches += 1
-        batch = self._decoder.decode(payload)
-        self.apply(source, batch, seq)
-        return PayloadResult(
-            batch.ts,
-            batch.data_parallel_rank,
-            batch.malformed_events,
-            batch.unknown_events,
-            fast=False,
-        )
+        return super().apply_payload(source, payload, seq)
 
     def drop_source(self, source: SourceKey) -> None:
         """Forget what `source` holds (its engine restarted): its cache is empty now."""
@@ -186,15 +164,19 @@ class CompiledIndex(IndexBase[_Pub]):
         lora_name: str | None = None,
         cache_salt: str | None = None,
     ) -> list[LookupRow]:
-        """As `FleetIndex.lookup`."""
-        default_size, found = self._core.lookup(token_ids, lora_name, cache_salt)
-        return self._rows(
-            {
-                bit: Reuse(blocks, size, by_tier or {}, by_group or {})
-                for bit, blocks, size, by_tier, by_group in found
-            },
-            default_size,
+        """As `FleetIndex.lookup` (the rows are made in C: a big fleet's answer costs no
+        Python work per instance)."""
+        return self._core.lookup(
+            token_ids,
+            lora_name,
+            cache_salt,
+            self._layout or self._lay_out(),
+            self._empty_for,
+            LookupRow,
         )
+
+    def _empty_for(self, size: int) -> list[LookupRow]:
+        return self._empty_rows.get(size) or self._make_empty_rows(size)
 
     def lookup_hashes(self, block_hashes: Sequence[BlockHash]) -> list[LookupRow]:
         """As `FleetIndex.lookup_hashes`."""

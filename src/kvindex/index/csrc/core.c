@@ -196,29 +196,78 @@ static inline int node_freed(const core_t *c, uint32_t i) {
     return c->nodes[i].holders == NODE_FREED;
 }
 
+/* A child's prefix digest: its parent's and its own block's key digest, combined. For a
+ * given parent this is a bijection of the block digest (mix64 is one), so two children of
+ * one node share it only if their blocks' digests are equal; and it depends only on the
+ * path from the root, so a lookup knows every node's before finding any (and prefetches). */
+static inline uint64_t prefix_of(uint64_t parent_prefix, uint64_t block_digest) {
+    return mix64(parent_prefix * 0x9E3779B97F4A7C15ULL + block_digest);
+}
+
+/* The entry of `parent`'s child with prefix digest `prefix`: probes 0, 1, ... past other
+ * paths that reached the same 64-bit digest (never seen; kept exact all the same). */
+static map_entry *child_entry(const core_t *c, uint32_t parent, uint64_t prefix) {
+    for (uint32_t probe = 0;; probe++) {
+        map_entry *e = map_find(&c->children, prefix, probe);
+        if (e == NULL || c->nodes[e->value].parent == parent)
+            return e;
+    }
+}
+
 uint32_t child_get(const core_t *c, uint32_t parent, uint64_t key) {
-    map_entry *e = map_find(&c->children, key, parent);
+    map_entry *e = child_entry(c, parent, prefix_of(node_key(&c->nodes[parent]), key));
     return e ? e->value : NODE_NONE;
 }
 
-/* `_child`: the child of `parent` with this key, made if there is none. NODE_NONE: out of
- * memory. */
+/* `_child`: the child of `parent` with this block key digest, made if there is none.
+ * NODE_NONE: out of memory. A node's `key` is its prefix digest. */
 static uint32_t child_make(core_t *c, uint32_t parent, uint64_t key) {
-    int made;
-    map_entry *e = map_put(&c->children, key, parent, &made);
-    if (e == NULL)
+    uint64_t prefix = prefix_of(node_key(&c->nodes[parent]), key);
+    uint32_t probe = 0;
+    for (;; probe++) {
+        map_entry *e = map_find(&c->children, prefix, probe);
+        if (e == NULL)
+            break;
+        if (c->nodes[e->value].parent == parent)
+            return e->value;
+    }
+    uint32_t child = node_new(c, prefix, parent);
+    if (child == NODE_NONE)
         return NODE_NONE;
-    if (!made)
-        return e->value;
-    uint32_t child = node_new(c, key, parent);
-    if (child == NODE_NONE) {
-        map_remove(&c->children, key, parent, NULL);
+    int made;
+    map_entry *e = map_put(&c->children, prefix, probe, &made);
+    if (e == NULL) {
+        node_free(c, child);
         return NODE_NONE;
     }
-    /* node_new may have moved c->nodes, never the children table: `e` is still good */
     e->value = child;
     c->nodes[parent].nchild++;
     return child;
+}
+
+/* Take a node out of the children table (it is being freed). */
+static void child_forget(core_t *c, uint32_t n) {
+    uint64_t prefix = node_key(&c->nodes[n]);
+    for (uint32_t probe = 0;; probe++) {
+        map_entry *e = map_find(&c->children, prefix, probe);
+        if (e == NULL)
+            return;
+        if (e->value == n) {
+            map_delete(&c->children, e);
+            break;
+        }
+    }
+    /* Later probes of this digest move down one, so no search stops at the hole. */
+    for (uint32_t probe = 1;; probe++) {
+        uint32_t moved;
+        if (map_find(&c->children, prefix, probe - 1) != NULL ||
+            !map_remove(&c->children, prefix, probe, &moved))
+            return;
+        int made;
+        map_entry *e = map_put(&c->children, prefix, probe - 1, &made);
+        if (e != NULL)
+            e->value = moved;
+    }
 }
 
 /* -- namespaces ---------------------------------------------------------------------- */
@@ -262,7 +311,10 @@ static uint32_t root_of(core_t *c, uint32_t lora, uint32_t salt, uint32_t size, 
         c->ns = ns;
         c->ns_cap = cap;
     }
-    uint32_t root = node_new(c, 0, NODE_NONE);
+    /* A root's prefix digest: its namespace's (the children of two roots never meet). */
+    uint64_t root_key = mix64(c->seed ^ (((uint64_t)lora << 40) ^ ((uint64_t)salt << 16) ^ size));
+    root_key = mix64(root_key ^ (uint64_t)c->nns * 0x94d049bb133111ebULL);
+    uint32_t root = node_new(c, root_key, NODE_NONE);
     if (root == NODE_NONE)
         return NODE_NONE;
     int made;
@@ -321,7 +373,7 @@ static void prune(core_t *c, uint32_t n) {
                 root_drop(c, n);
             return;
         }
-        map_remove(&c->children, node_key(node), parent, NULL);
+        child_forget(c, n);
         node_free(c, n);
         node_t *p = &c->nodes[parent];
         p->nchild--;
@@ -890,10 +942,23 @@ static int hash_of(core_t *c, const phash *ph, int make, hkey *out) {
     return id != 0;
 }
 
+/* The medium's id; the last one is remembered (a batch names one or two mediums). */
+static uint32_t medium_of(core_t *c, span_t sp) {
+    if (sp.p == NULL)
+        return c->gpu_medium;
+    if (c->last_medium && sp.len == c->last_medium_len &&
+        memcmp(sp.p, c->strings.items[c->last_medium].data, sp.len) == 0)
+        return c->last_medium;
+    uint32_t id = intern_span(c, sp);
+    c->last_medium = id;
+    c->last_medium_len = sp.len;
+    return id;
+}
+
 static int resolve(core_t *c, scratch_t *sc, const op_t *op, rop_t *r) {
     memset(r, 0, sizeof *r);
     r->op = op;
-    r->medium = op->medium.p == NULL ? c->gpu_medium : intern_span(c, op->medium);
+    r->medium = medium_of(c, op->medium);
     if (op->medium.p != NULL && r->medium == 0)
         return -1;
     if (sc->hk_cap < op->nhashes) {
@@ -1197,15 +1262,21 @@ uint32_t root_find(const core_t *c, uint32_t lora, uint32_t salt, uint32_t size)
 /* -- lookups ------------------------------------------------------------------------- */
 
 /* One prompt's keys in one block size: a digest per whole block (fewer if a token can't
- * be keyed: past 64 bits). `tokens` are the prompt's ids as int64 with `big` saying which
- * don't fit 32 bits unsigned (those blocks are keyed as b"\\x00" + int64s, as fleet.py's
- * block_keys does). */
-uint32_t prompt_keys(const core_t *c, const int64_t *tokens, uint32_t ntokens, uint32_t size,
-                     uint64_t *keys) {
+ * be keyed: past 64 bits). `small` holds the tokens as uint32 when every one fits (every
+ * real vocabulary): the blocks are digested in place. Otherwise `tokens` (int64) is used,
+ * and a block with a token past 32 bits is keyed as b"\\x00" + int64s, as fleet.py's
+ * block_keys does. */
+uint32_t prompt_keys(const core_t *c, const uint32_t *small, const int64_t *tokens,
+                     uint32_t ntokens, uint32_t size, uint64_t *keys) {
     uint32_t blocks = size ? ntokens / size : 0;
-    uint8_t small[4 * 256], *buf = small;
+    if (small != NULL) {
+        for (uint32_t i = 0; i < blocks; i++)
+            keys[i] = key_digest(c, (const uint8_t *)(small + (size_t)i * size), (size_t)size * 4);
+        return blocks;
+    }
+    uint8_t stack[4 * 256], *buf = stack;
     size_t need = (size_t)size * 8 + 1;
-    if (need > sizeof small) {
+    if (need > sizeof stack) {
         buf = malloc(need);
         if (buf == NULL)
             return 0;
@@ -1233,7 +1304,7 @@ uint32_t prompt_keys(const core_t *c, const int64_t *tokens, uint32_t ntokens, u
         }
         keys[done] = key_digest(c, buf, len);
     }
-    if (buf != small)
+    if (buf != stack)
         free(buf);
     return done;
 }
@@ -1253,10 +1324,30 @@ uint32_t walk(const core_t *c, uint32_t root, const uint64_t *keys, uint32_t nke
     int any_alive = 1, any_several = 0;
     for (uint32_t w = 0; w < words; w++)
         any_several |= (alive[w] & several[w]) != 0;
+    /* Every node's prefix digest is known from the keys alone (prefix_of): the table
+     * slots of the blocks ahead are prefetched, so a long prompt's lookups overlap their
+     * memory latency instead of paying it one after another. */
+    enum { AHEAD = 12 };
+    uint64_t prefix[AHEAD];
+    uint64_t next = node_key(&c->nodes[root]);
+    uint32_t ahead = nkeys < AHEAD ? nkeys : AHEAD;
+    if (c->children.slots == NULL)
+        return 0;
+    for (uint32_t i = 0; i < ahead; i++) {
+        next = prefix_of(next, keys[i]);
+        prefix[i] = next;
+        __builtin_prefetch(&c->children.slots[map_slot_of(&c->children, next, 0)]);
+    }
     for (; d < nkeys; d++) {
         if (c->nodes[node].nchild == 0)
             break;
-        map_entry *e = map_find(&c->children, keys[d], node);
+        uint64_t here = prefix[d % AHEAD];
+        if (d + AHEAD < nkeys) {
+            next = prefix_of(next, keys[d + AHEAD]);
+            prefix[d % AHEAD] = next;
+            __builtin_prefetch(&c->children.slots[map_slot_of(&c->children, next, 0)]);
+        }
+        map_entry *e = child_entry(c, node, here);
         if (e == NULL)
             break;
         uint32_t child = e->value;
@@ -1281,7 +1372,7 @@ uint32_t walk(const core_t *c, uint32_t root, const uint64_t *keys, uint32_t nke
         }
         if (!any_alive)
             break;
-        if (any_several) {
+        if (any_several && path != NULL) {
             any_several = 0;
             for (uint32_t w = 0; w < words; w++)
                 any_several |= (alive[w] & several[w]) != 0;

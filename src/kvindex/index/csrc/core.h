@@ -41,7 +41,9 @@ typedef struct {
 enum tier { TIER_GPU = 0, TIER_CPU = 1, TIER_DISK = 2, TIER_EXTERNAL = 3, TIER_COUNT = 4 };
 
 typedef struct {
-    uint32_t key_lo, key_hi; /* the digest (two halves: the struct stays 4-byte aligned) */
+    /* the prefix digest: of the path from the root to this block (see prefix_of); two
+     * halves, so the struct stays 4-byte aligned (20 bytes a node) */
+    uint32_t key_lo, key_hi;
     uint32_t parent;         /* NODE_NONE for a root; a free node: the next free one */
     uint32_t nchild;
     uint32_t holders; /* 0: nobody; bit + 1: one publisher; HOLD_SET | set: several */
@@ -162,7 +164,7 @@ typedef struct {
     /* nodes */
     node_t *nodes;
     uint32_t nnodes, nodes_cap, free_nodes, live_nodes;
-    map_t children; /* a = digest, b = parent -> child */
+    map_t children; /* a = the child's prefix digest, b = probe -> child (see prefix_of) */
     map_t root_ns;  /* a = root node, b = 0 -> namespace index */
     map_t tokens;   /* a = node, b = 0 -> index into token_store (shared nodes) */
     /* holder sets */
@@ -185,6 +187,7 @@ typedef struct {
     uint32_t **token_store;
     uint32_t ntoken_store, token_store_cap, free_token_slots;
     uint32_t gpu_medium; /* the interned "GPU": the medium of events that name none */
+    uint32_t last_medium, last_medium_len;
 } core_t;
 
 /* What one publisher would reuse of a prompt (kvindex.index.reuse.Reuse). */
@@ -218,8 +221,8 @@ uint32_t find_str(const core_t *c, const uint8_t *p, uint32_t len);
 uint32_t find_bytes(const core_t *c, const uint8_t *p, uint32_t len);
 const uint64_t *set_words_of(const core_t *c, uint32_t holders);
 uint32_t root_find(const core_t *c, uint32_t lora, uint32_t salt, uint32_t size);
-uint32_t prompt_keys(const core_t *c, const int64_t *tokens, uint32_t ntokens, uint32_t size,
-                     uint64_t *keys);
+uint32_t prompt_keys(const core_t *c, const uint32_t *small, const int64_t *tokens,
+                     uint32_t ntokens, uint32_t size, uint64_t *keys);
 typedef struct {
     const uint32_t *path;
     uint32_t len;

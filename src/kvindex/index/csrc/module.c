@@ -14,9 +14,16 @@
 
 #include "core.h"
 
+/* Answers' small dicts ({tier: blocks}, {group 0: blocks}, {rank: blocks}) are shared
+ * between rows, made once per value: an answer of a big fleet would otherwise build three
+ * dicts per instance (rows are read-only, as kvindex.index.base.LookupRow says). */
+#define SHARED_BLOCKS 2048
+#define SHARED_RANKS 8
+
 typedef struct {
     PyObject_HEAD
     core_t core;
+    PyObject **shared; /* tier dicts, group-0 dicts, rank dicts: see shared_dict */
     pthread_rwlock_t lock;
     pthread_key_t scratch_key; /* one parse scratch per ingest thread */
     int ready;
@@ -80,6 +87,12 @@ static int Core_init(CoreObject *self, PyObject *args, PyObject *kwargs) {
 }
 
 static void Core_dealloc(CoreObject *self) {
+    if (self->shared != NULL) {
+        for (size_t i = 0; i < (size_t)(TIER_COUNT + 1 + SHARED_RANKS) * SHARED_BLOCKS; i++)
+            Py_XDECREF(self->shared[i]);
+        free(self->shared);
+        self->shared = NULL;
+    }
     if (self->ready) {
         scratch_destroy(pthread_getspecific(self->scratch_key));
         pthread_setspecific(self->scratch_key, NULL);
@@ -456,6 +469,7 @@ static PyObject *Core_remove(CoreObject *self, PyObject *bit_obj) {
 /* -- questions ----------------------------------------------------------------------- */
 
 static const char *TIER_NAMES[TIER_COUNT] = {"gpu", "cpu", "disk", "external"};
+static PyObject *TIER_STR[TIER_COUNT]; /* interned at import */
 
 static PyObject *tier_dict(const uint32_t *by_tier) {
     PyObject *d = PyDict_New();
@@ -465,7 +479,7 @@ static PyObject *tier_dict(const uint32_t *by_tier) {
         if (!by_tier[t])
             continue;
         PyObject *v = PyLong_FromUnsignedLong(by_tier[t]);
-        if (v == NULL || PyDict_SetItemString(d, TIER_NAMES[t], v) < 0) {
+        if (v == NULL || PyDict_SetItem(d, TIER_STR[t], v) < 0) {
             Py_XDECREF(v);
             Py_DECREF(d);
             return NULL;
@@ -475,36 +489,111 @@ static PyObject *tier_dict(const uint32_t *by_tier) {
     return d;
 }
 
-/* The prompt's tokens as int64 (fast for lists of small ints). 0 on error. */
-static int tokens_arg(PyObject *obj, int64_t **out, uint32_t *n) {
+/* One token id: ints only (a float or str is a TypeError, as in fleet.py). 0 with
+ * *stop set: past 64 bits (no block from there on can be keyed). */
+static inline int token_of(PyObject *o, int64_t *v, int *stop) {
+#if PY_VERSION_HEX < 0x030C0000
+    /* CPython 3.11's int layout: a small non-negative int is one 30-bit digit. Reading it
+     * directly costs a few instructions instead of a call (a prompt has thousands). */
+    if (PyLong_CheckExact(o)) {
+        Py_ssize_t size = Py_SIZE(o);
+        if (size == 1) {
+            *v = ((PyLongObject *)o)->ob_digit[0];
+            return 1;
+        }
+        if (size == 0) {
+            *v = 0;
+            return 1;
+        }
+    }
+#endif
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "a token id must be an int, not %.100s", Py_TYPE(o)->tp_name);
+        return 0;
+    }
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (x == -1 && PyErr_Occurred())
+        return 0;
+    if (overflow) {
+        *stop = 1;
+        return 0;
+    }
+    *v = x;
+    return 1;
+}
+
+/* A prompt's token ids: as uint32 (`small`) when every one fits, the common case, else
+ * as int64 (`wide`; `small` NULL). `n`: how many could be read (a token past 64 bits
+ * ends the prompt there, as fleet.py's keys do). */
+typedef struct {
+    uint32_t *small;
+    int64_t *wide;
+    uint32_t n;
+} prompt_t;
+
+static void prompt_free(prompt_t *p) {
+    free(p->small);
+    free(p->wide);
+}
+
+static int tokens_arg(PyObject *obj, prompt_t *out) {
+    memset(out, 0, sizeof *out);
     PyObject *fast = PySequence_Fast(obj, "token_ids must be a sequence of ints");
     if (fast == NULL)
         return 0;
     Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
-    int64_t *tokens = malloc(((size_t)len + 1) * sizeof(int64_t));
-    if (tokens == NULL) {
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    uint32_t *small = malloc(((size_t)len + 1) * sizeof(uint32_t));
+    if (small == NULL) {
         Py_DECREF(fast);
         PyErr_NoMemory();
         return 0;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
     Py_ssize_t i = 0;
+    int stop = 0;
     for (; i < len; i++) {
-        int overflow;
-        long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
-        if (v == -1 && PyErr_Occurred())
+        int64_t v;
+#if PY_VERSION_HEX < 0x030C0000
+        /* CPython 3.11's int layout: a non-negative int below 2**30 is one digit. Reading
+         * it directly costs a few instructions instead of a call (a prompt has thousands). */
+        PyObject *o = items[i];
+        if (PyLong_CheckExact(o) && (size_t)Py_SIZE(o) <= 1) {
+            small[i] = Py_SIZE(o) ? ((PyLongObject *)o)->ob_digit[0] : 0;
+            continue;
+        }
+#endif
+        if (!token_of(items[i], &v, &stop))
             break;
-        if (overflow)
-            break; /* past 64 bits: no block from here can be keyed (as fleet.py) */
-        tokens[i] = v;
+        if (v < 0 || v > 0xFFFFFFFFLL)
+            break; /* the wide path below takes it from here */
+        small[i] = (uint32_t)v;
+    }
+    if (i < len && !PyErr_Occurred() && !stop) {
+        /* A token past 32 bits (or negative): every token as int64 then. */
+        int64_t *wide = malloc(((size_t)len + 1) * sizeof(int64_t));
+        if (wide == NULL) {
+            free(small);
+            Py_DECREF(fast);
+            PyErr_NoMemory();
+            return 0;
+        }
+        for (Py_ssize_t k = 0; k < i; k++)
+            wide[k] = small[k];
+        for (; i < len; i++)
+            if (!token_of(items[i], &wide[i], &stop))
+                break;
+        free(small);
+        small = NULL;
+        out->wide = wide;
     }
     Py_DECREF(fast);
+    out->small = small;
+    out->n = (uint32_t)i;
     if (PyErr_Occurred()) {
-        free(tokens);
+        prompt_free(out);
         return 0;
     }
-    *out = tokens;
-    *n = (uint32_t)i;
     return 1;
 }
 
@@ -519,29 +608,165 @@ static int lookup_names(CoreObject *self, PyObject *lora, PyObject *salt, uint32
     return 1;
 }
 
-/* lookup(token_ids, lora_name, cache_salt) -> (default_size, [(bit, blocks, size, by_tier,
-   by_group), ...]): the publishers that would reuse something; by_tier/by_group are None
-   for a publisher with one pool (all of it from that pool). */
+/* A publisher's answer to a lookup (reuse_t for every publisher, several pools or one). */
+typedef struct {
+    uint32_t blocks, size;
+    const reuse_t *detail; /* NULL: one pool, all of it from there */
+} answer_t;
+
+static PyObject *int_dict(const int32_t *keys, const uint32_t *values, uint32_t n) {
+    PyObject *d = PyDict_New();
+    for (uint32_t i = 0; d && i < n; i++) {
+        PyObject *k = PyLong_FromLong(keys[i]), *v = PyLong_FromUnsignedLong(values[i]);
+        if (!k || !v || PyDict_SetItem(d, k, v) < 0)
+            Py_CLEAR(d);
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+    }
+    return d;
+}
+
+/* A shared one-entry dict: {tier name: blocks} (kind 0..3), {0: blocks} (kind 4, group 0)
+ * or {rank: blocks} (kind 5 + rank). New reference; NULL with an error set. */
+static PyObject *shared_dict(CoreObject *self, int kind, uint32_t blocks) {
+    PyObject **slot = NULL;
+    if (blocks < SHARED_BLOCKS && kind < TIER_COUNT + 1 + SHARED_RANKS) {
+        if (self->shared == NULL) {
+            self->shared = calloc((size_t)(TIER_COUNT + 1 + SHARED_RANKS) * SHARED_BLOCKS,
+                                  sizeof(PyObject *));
+            if (self->shared == NULL)
+                return PyErr_NoMemory();
+        }
+        slot = &self->shared[(size_t)kind * SHARED_BLOCKS + blocks];
+        if (*slot != NULL) {
+            Py_INCREF(*slot);
+            return *slot;
+        }
+    }
+    PyObject *key = kind < TIER_COUNT ? (Py_INCREF(TIER_STR[kind]), TIER_STR[kind])
+                                      : PyLong_FromLong(kind == TIER_COUNT ? 0 : kind - TIER_COUNT - 1);
+    PyObject *value = PyLong_FromUnsignedLong(blocks);
+    PyObject *d = key && value ? PyDict_New() : NULL;
+    if (d != NULL && PyDict_SetItem(d, key, value) < 0)
+        Py_CLEAR(d);
+    Py_XDECREF(key);
+    Py_XDECREF(value);
+    if (d != NULL && slot != NULL) {
+        Py_INCREF(d);
+        *slot = d;
+    }
+    return d;
+}
+
+/* One LookupRow (kvindex.index.base): `row_type(name, blocks, tokens, size, rank, ranks,
+ * by_tier, by_group)`. Called with the read lock held: pools are read for by_tier. */
+static PyObject *make_row(CoreObject *self, PyObject *row_type, PyObject *name, uint32_t bit,
+                          const answer_t *a, long rank, PyObject *ranks) {
+    const core_t *c = &self->core;
+    PyObject *tiers, *groups;
+    if (a->detail != NULL) {
+        tiers = tier_dict(a->detail->by_tier);
+        groups = int_dict(a->detail->groups, a->detail->group_blocks, a->detail->ngroups);
+    } else { /* one pool: everything it reuses is that pool's tier and group */
+        const source_t *s = c->sources[bit];
+        int32_t group = s && s->npools ? s->pools[0].group : 0;
+        uint8_t tier = s && s->npools ? s->pools[0].tier : TIER_GPU;
+        tiers = shared_dict(self, tier, a->blocks);
+        groups = group == 0 ? shared_dict(self, TIER_COUNT, a->blocks)
+                            : int_dict(&group, &a->blocks, 1);
+    }
+    PyObject *row = NULL;
+    if (tiers && groups) {
+        PyObject *args[8] = {
+            name,
+            PyLong_FromUnsignedLong(a->blocks),
+            PyLong_FromUnsignedLongLong((unsigned long long)a->blocks * a->size),
+            PyLong_FromUnsignedLong(a->size),
+            PyLong_FromLong(rank),
+            ranks,
+            tiers,
+            groups,
+        };
+        if (args[1] && args[2] && args[3] && args[4])
+            row = PyObject_Vectorcall(row_type, args, 8, NULL);
+        for (int i = 1; i < 5; i++)
+            Py_XDECREF(args[i]);
+    }
+    Py_XDECREF(tiers);
+    Py_XDECREF(groups);
+    return row;
+}
+
+/* The answer's rows (base.IndexBase._rows): one per instance of `layout` ([(name,
+ * [(rank, bit), ...]), ...] by name), the shared empty row of `empty` where nothing
+ * matched, else a new row for the instance's best rank. */
+static PyObject *make_rows(CoreObject *self, PyObject *layout, PyObject *empty,
+                           PyObject *row_type, const answer_t *answers, uint32_t nbits) {
+    Py_ssize_t n = PyList_GET_SIZE(layout);
+    PyObject *rows = PyList_New(n);
+    for (Py_ssize_t i = 0; rows && i < n; i++) {
+        PyObject *entry = PyList_GET_ITEM(layout, i);
+        PyObject *name = PyTuple_GET_ITEM(entry, 0), *ranks = PyTuple_GET_ITEM(entry, 1);
+        Py_ssize_t nranks = PyList_GET_SIZE(ranks);
+        long best_rank = -1;
+        uint32_t best_bit = 0, best_blocks = 0;
+        for (Py_ssize_t k = 0; k < nranks; k++) { /* the most blocks; ties: the lowest rank */
+            PyObject *pair = PyList_GET_ITEM(ranks, k);
+            long rank = PyLong_AsLong(PyTuple_GET_ITEM(pair, 0));
+            uint32_t bit = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(pair, 1));
+            uint32_t blocks = bit < nbits ? answers[bit].blocks : 0;
+            if (best_rank < 0 || blocks > best_blocks || (blocks == best_blocks && rank < best_rank))
+                best_rank = rank, best_bit = bit, best_blocks = blocks;
+        }
+        if (best_blocks == 0) {
+            PyObject *nothing = PyList_GET_ITEM(empty, i);
+            Py_INCREF(nothing);
+            PyList_SET_ITEM(rows, i, nothing);
+            continue;
+        }
+        PyObject *per_rank = nranks == 1 && best_rank >= 0 && best_rank < SHARED_RANKS
+                                 ? shared_dict(self, TIER_COUNT + 1 + (int)best_rank, best_blocks)
+                                 : PyDict_New();
+        for (Py_ssize_t k = 0; nranks > 1 && per_rank && k < nranks; k++) {
+            PyObject *pair = PyList_GET_ITEM(ranks, k);
+            uint32_t bit = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(pair, 1));
+            PyObject *v = PyLong_FromUnsignedLong(bit < nbits ? answers[bit].blocks : 0);
+            if (v == NULL || PyDict_SetItem(per_rank, PyTuple_GET_ITEM(pair, 0), v) < 0)
+                Py_CLEAR(per_rank);
+            Py_XDECREF(v);
+        }
+        PyObject *row = per_rank ? make_row(self, row_type, name, best_bit, &answers[best_bit],
+                                            best_rank, per_rank)
+                                 : NULL;
+        Py_XDECREF(per_rank);
+        if (row == NULL)
+            Py_CLEAR(rows);
+        else
+            PyList_SET_ITEM(rows, i, row);
+    }
+    return rows;
+}
+
+/* lookup(token_ids, lora_name, cache_salt, layout, empty_rows, row_type) -> [row, ...]
+
+   What every instance would reuse of the prompt: FleetIndex.lookup. `layout` is the
+   answer's shape (IndexBase._lay_out), `empty_rows(size)` the shared rows of instances
+   matching nothing, `row_type` LookupRow. */
 static PyObject *Core_lookup(CoreObject *self, PyObject *args) {
     READY(self);
-    PyObject *tokens_obj, *lora, *salt;
-    if (!PyArg_ParseTuple(args, "OOO", &tokens_obj, &lora, &salt))
+    PyObject *tokens_obj, *lora, *salt, *layout, *empty_rows, *row_type;
+    if (!PyArg_ParseTuple(args, "OOOO!OO", &tokens_obj, &lora, &salt, &PyList_Type, &layout,
+                          &empty_rows, &row_type))
         return NULL;
-    int64_t *tokens;
-    uint32_t ntokens;
+    prompt_t prompt;
     uint32_t lora_id, salt_id;
     int unknown;
     if (!lookup_names(self, lora, salt, &lora_id, &salt_id, &unknown))
         return NULL;
-    if (!tokens_arg(tokens_obj, &tokens, &ntokens))
+    if (!tokens_arg(tokens_obj, &prompt))
         return NULL;
+    uint32_t ntokens = prompt.n;
     core_t *c = &self->core;
-    PyObject *rows = PyList_New(0);
-    if (rows == NULL) {
-        free(tokens);
-        return NULL;
-    }
-    uint32_t default_size = 0;
     pthread_rwlock_rdlock(&self->lock);
     uint32_t bits = c->max_bit;
     uint32_t words = c->set_words;
@@ -562,97 +787,76 @@ static PyObject *Core_lookup(CoreObject *self, PyObject *args) {
             roots[k] = root;
         }
     /* What publishers matching nothing report as their block size: the smallest. */
-    default_size = nsizes ? sizes[0] : 0;
-    uint64_t *several = calloc(words, sizeof(uint64_t));
-    uint64_t *alive = calloc(words, sizeof(uint64_t));
-    uint32_t *best_blocks = calloc(bits + 1, sizeof(uint32_t));
-    uint32_t *best_size = calloc(bits + 1, sizeof(uint32_t));
+    uint32_t default_size = nsizes ? sizes[0] : 0;
+    uint64_t small_words[8];
+    uint64_t *several = words <= 4 ? small_words : calloc(words * 2, sizeof(uint64_t));
+    uint64_t *alive = several ? several + words : NULL;
+    answer_t *answers = calloc(bits + 1, sizeof(answer_t));
     uint32_t *depth = calloc(bits + 1, sizeof(uint32_t));
     uint64_t *keys = malloc(((size_t)ntokens + 1) * sizeof(uint64_t));
-    uint32_t *paths = malloc(((size_t)ntokens + 1) * (nsizes ? nsizes : 1) * sizeof(uint32_t));
+    uint32_t *paths = NULL;
     walk_path walks[16];
     reuse_t *reuses = NULL;
-    int oom = !several || !alive || !best_blocks || !best_size || !depth || !keys || !paths;
+    int oom = !several || !answers || !depth || !keys;
     int any_several = 0;
     if (!oom) {
+        memset(several, 0, words * sizeof(uint64_t));
         for (uint32_t b = 0; b < bits; b++)
             if (c->sources[b] && c->sources[b]->several) {
                 several[b / 64] |= 1ULL << (b % 64);
                 any_several = 1;
             }
-        for (uint32_t k = 0; k < nsizes; k++) {
-            uint32_t nkeys = prompt_keys(c, tokens, ntokens, sizes[k], keys);
-            memset(depth, 0, (bits + 1) * sizeof(uint32_t));
-            uint32_t *path = paths + (size_t)k * (ntokens + 1);
-            walks[k].path = path;
-            walks[k].len = walk(c, roots[k], keys, nkeys, depth, path, alive, several);
-            for (uint32_t b = 0; b < bits; b++) /* the most tokens over the sizes */
-                if (depth[b] && (uint64_t)depth[b] * sizes[k] > (uint64_t)best_blocks[b] * best_size[b]) {
-                    best_blocks[b] = depth[b];
-                    best_size[b] = sizes[k];
-                }
-        }
         if (any_several && nsizes) {
-            reuses = calloc(bits + 1, sizeof(reuse_t));
-            if (reuses == NULL)
-                oom = 1;
-            else
-                for (uint32_t b = 0; b < bits; b++)
-                    if (c->sources[b] && c->sources[b]->several)
-                        engine_reuse(c, c->sources[b], sizes, walks, nsizes, &reuses[b]);
+            paths = malloc(((size_t)ntokens + 1) * nsizes * sizeof(uint32_t));
+            oom = paths == NULL;
         }
     }
-    pthread_rwlock_unlock(&self->lock);
-    free(tokens);
-    PyObject *result = NULL;
+    for (uint32_t k = 0; !oom && k < nsizes; k++) {
+        uint32_t nkeys = prompt_keys(c, prompt.small, prompt.wide, ntokens, sizes[k], keys);
+        memset(depth, 0, (bits + 1) * sizeof(uint32_t));
+        uint32_t *path = paths ? paths + (size_t)k * (ntokens + 1) : NULL;
+        walks[k].path = path;
+        walks[k].len = walk(c, roots[k], keys, nkeys, depth, path, alive, several);
+        for (uint32_t b = 0; b < bits; b++) /* the most tokens over the sizes */
+            if (depth[b] && (uint64_t)depth[b] * sizes[k] > (uint64_t)answers[b].blocks * answers[b].size) {
+                answers[b].blocks = depth[b];
+                answers[b].size = sizes[k];
+            }
+    }
+    if (!oom && any_several && nsizes) {
+        reuses = calloc(bits + 1, sizeof(reuse_t));
+        oom = reuses == NULL;
+        for (uint32_t b = 0; !oom && b < bits; b++)
+            if (c->sources[b] && c->sources[b]->several) {
+                engine_reuse(c, c->sources[b], sizes, walks, nsizes, &reuses[b]);
+                answers[b] = (answer_t){reuses[b].blocks, reuses[b].size, &reuses[b]};
+            }
+    }
+    PyObject *rows = NULL;
     if (oom) {
         PyErr_NoMemory();
-        goto done;
-    }
-    for (uint32_t b = 0; b < bits; b++) {
-        PyObject *row;
-        if (reuses && reuses[b].several) {
-            reuse_t *r = &reuses[b];
-            if (!r->blocks)
-                continue;
-            PyObject *groups = PyDict_New();
-            for (uint32_t g = 0; groups && g < r->ngroups; g++) {
-                PyObject *k = PyLong_FromLong(r->groups[g]);
-                PyObject *v = PyLong_FromUnsignedLong(r->group_blocks[g]);
-                if (!k || !v || PyDict_SetItem(groups, k, v) < 0)
-                    Py_CLEAR(groups);
-                Py_XDECREF(k);
-                Py_XDECREF(v);
-            }
-            PyObject *tiers = groups ? tier_dict(r->by_tier) : NULL;
-            if (tiers == NULL) {
-                Py_XDECREF(groups);
-                goto done;
-            }
-            row = Py_BuildValue("(IIINN)", b, r->blocks, r->size, tiers, groups);
-        } else {
-            if (!best_blocks[b])
-                continue;
-            row = Py_BuildValue("(IIIOO)", b, best_blocks[b], best_size[b], Py_None, Py_None);
+    } else {
+        /* The rows need the pools (by_tier): built before the lock goes, with the GIL
+         * kept (ingest never needs the GIL while it holds the write lock). */
+        PyObject *empty = PyObject_CallFunction(empty_rows, "I", default_size);
+        if (empty != NULL && (!PyList_Check(empty) || PyList_GET_SIZE(empty) != PyList_GET_SIZE(layout))) {
+            PyErr_SetString(PyExc_ValueError, "empty rows do not match the layout");
+            Py_CLEAR(empty);
         }
-        if (row == NULL || PyList_Append(rows, row) < 0) {
-            Py_XDECREF(row);
-            goto done;
-        }
-        Py_DECREF(row);
+        if (empty != NULL)
+            rows = make_rows(self, layout, empty, row_type, answers, bits);
+        Py_XDECREF(empty);
     }
-    result = Py_BuildValue("(IO)", default_size, rows);
-done:
-    Py_DECREF(rows);
-    free(several);
-    free(alive);
-    free(best_blocks);
-    free(best_size);
+    pthread_rwlock_unlock(&self->lock);
+    prompt_free(&prompt);
+    if (several != small_words)
+        free(several);
+    free(answers);
     free(depth);
     free(keys);
     free(paths);
     free(reuses);
-    return result;
+    return rows;
 }
 
 /* lookup_hashes(hashes) -> [(bit, blocks, by_tier), ...]: per publisher, the run of these
@@ -1006,8 +1210,9 @@ static PyObject *Core_walk_tree(CoreObject *self, PyObject *Py_UNUSED(unused)) {
         return PyErr_NoMemory();
     }
     MAP_FOREACH(&c->children, e) {
-        next[e->value] = first[e->b];
-        first[e->b] = e->value;
+        uint32_t parent = c->nodes[e->value].parent;
+        next[e->value] = first[parent];
+        first[parent] = e->value;
     }
     for (uint32_t k = 0; out && k < c->nns; k++) {
         namespace_t ns = c->ns[k];
@@ -1015,7 +1220,11 @@ static PyObject *Core_walk_tree(CoreObject *self, PyObject *Py_UNUSED(unused)) {
         if (ns.lora == 0) {
             lora = Py_None, Py_INCREF(lora);
         } else if (c->strings.items[ns.lora].len && c->strings.items[ns.lora].data[0] == 0xff) {
-            lora = PyLong_FromString((const char *)c->strings.items[ns.lora].data + 1, NULL, 10);
+            /* "\xff" + the lora_id's digits (see resolve): the int again */
+            char digits[32] = {0};
+            const blob_t *b = &c->strings.items[ns.lora];
+            memcpy(digits, b->data + 1, b->len - 1 < sizeof digits - 1 ? b->len - 1 : sizeof digits - 1);
+            lora = PyLong_FromString(digits, NULL, 10);
         } else {
             lora = str_object(c, ns.lora);
         }
@@ -1127,6 +1336,9 @@ static struct PyModuleDef core_module = {
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&CoreType) < 0)
         return NULL;
+    for (int t = 0; t < TIER_COUNT; t++)
+        if ((TIER_STR[t] = PyUnicode_InternFromString(TIER_NAMES[t])) == NULL)
+            return NULL;
     PyObject *m = PyModule_Create(&core_module);
     if (m == NULL)
         return NULL;

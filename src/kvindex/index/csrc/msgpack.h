@@ -194,6 +194,14 @@ static inline int mp_bin(mp_reader *r, const uint8_t **data, uint32_t *n) {
  * forms, no surrogates, nothing past U+10FFFF. */
 static inline int mp_utf8(const uint8_t *s, uint32_t n) {
     uint32_t i = 0;
+    /* ASCII eight bytes at a time: every name vLLM and SGLang send is ASCII. */
+    while (i + 8 <= n) {
+        uint64_t w;
+        memcpy(&w, s + i, 8);
+        if (w & 0x8080808080808080ULL)
+            break;
+        i += 8;
+    }
     while (i < n) {
         uint8_t c = s[i];
         if (c < 0x80) {

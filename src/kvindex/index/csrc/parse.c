@@ -46,41 +46,50 @@ static const enum field REMOVED_ORDER[] = {F_UNKNOWN, F_HASHES, F_MEDIUM, F_GROU
                                            F_OWNERSHIP};
 
 static enum field field_of(const uint8_t *k, uint32_t n, int stored) {
-#define IS(text) (n == sizeof(text) - 1 && memcmp(k, text, n) == 0)
-    if (IS("block_hashes"))
-        return F_HASHES;
-    if (IS("medium"))
-        return F_MEDIUM;
-    if (IS("group_idx"))
-        return F_GROUP;
-    if (IS("locality"))
-        return F_LOCALITY;
-    if (IS("ownership"))
-        return F_OWNERSHIP;
+#define IS(text) (memcmp(k, text, sizeof(text) - 1) == 0)
+    /* By length first: one memcmp for most keys (this runs for every field of every event). */
+    switch (n) {
+    case 12:
+        return IS("block_hashes") ? F_HASHES : F_UNKNOWN;
+    case 6:
+        return IS("medium") ? F_MEDIUM : F_UNKNOWN;
+    case 9:
+        if (IS("group_idx"))
+            return F_GROUP;
+        if (IS("ownership"))
+            return F_OWNERSHIP;
+        if (stored && IS("token_ids"))
+            return F_TOKENS;
+        if (stored && IS("lora_name"))
+            return F_LORA_NAME;
+        return F_UNKNOWN;
+    case 8:
+        return IS("locality") ? F_LOCALITY : F_UNKNOWN;
+    }
     if (!stored)
         return F_UNKNOWN;
-    if (IS("parent_block_hash"))
-        return F_PARENT;
-    if (IS("token_ids"))
-        return F_TOKENS;
-    if (IS("block_size"))
-        return F_SIZE;
-    if (IS("lora_id"))
-        return F_LORA_ID;
-    if (IS("lora_name"))
-        return F_LORA_NAME;
-    if (IS("extra_keys"))
-        return F_EXTRA;
-    if (IS("kv_cache_spec_kind"))
-        return F_KIND;
-    if (IS("kv_cache_spec_sliding_window"))
-        return F_WINDOW;
-    if (IS("session_id"))
-        return F_SESSION;
-    if (IS("lookahead_token_ids"))
-        return F_LOOKAHEAD;
-    if (IS("cache_salt"))
-        return F_SALT;
+    switch (n) {
+    case 17:
+        return IS("parent_block_hash") ? F_PARENT : F_UNKNOWN;
+    case 10:
+        if (IS("block_size"))
+            return F_SIZE;
+        if (IS("extra_keys"))
+            return F_EXTRA;
+        if (IS("session_id"))
+            return F_SESSION;
+        if (IS("cache_salt"))
+            return F_SALT;
+        return F_UNKNOWN;
+    case 7:
+        return IS("lora_id") ? F_LORA_ID : F_UNKNOWN;
+    case 18:
+        return IS("kv_cache_spec_kind") ? F_KIND : F_UNKNOWN;
+    case 28:
+        return IS("kv_cache_spec_sliding_window") ? F_WINDOW : F_UNKNOWN;
+    case 19:
+        return IS("lookahead_token_ids") ? F_LOOKAHEAD : F_UNKNOWN;
+    }
     return F_UNKNOWN;
 #undef IS
 }
@@ -164,10 +173,27 @@ static int read_tokens(mp_reader *r, scratch_t *sc, op_t *op) {
     op->ntokens = n;
     uint32_t *out = sc->tokens + sc->ntokens;
     for (uint32_t i = 0; i < n; i++) {
-        uint8_t t = r->p < r->end ? r->p[0] : 0xc1;
-        if (t <= 0x7f) { /* positive fixint: most token ids below 128 */
+        /* The common encodings inline (token ids: fixint, uint8, uint16, uint32). */
+        size_t left = (size_t)(r->end - r->p);
+        uint8_t t = left ? r->p[0] : 0xc1;
+        if (t <= 0x7f) {
             out[i] = t;
             r->p++;
+            continue;
+        }
+        if (t == 0xcd && left >= 3) {
+            out[i] = mp_be16(r->p + 1);
+            r->p += 3;
+            continue;
+        }
+        if (t == 0xce && left >= 5) {
+            out[i] = mp_be32(r->p + 1);
+            r->p += 5;
+            continue;
+        }
+        if (t == 0xcc && left >= 2) {
+            out[i] = r->p[1];
+            r->p += 2;
             continue;
         }
         int kind;
@@ -425,21 +451,29 @@ static int read_map_event(const core_t *c, mp_reader *r, scratch_t *sc) {
     uint32_t n;
     if (!mp_map(r, &n))
         return PARSE_SLOW;
-    /* Find the tag first: the fields it has depend on it (msgspec takes it anywhere). */
+    /* The tag first: the fields an event has depend on it. Every publisher writes it
+     * first (msgspec's tag field); msgspec takes it anywhere, so look further if not. */
     const uint8_t *fields = r->p;
     int type = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        const uint8_t *k;
-        uint32_t klen;
-        if (!mp_str(r, &k, &klen))
-            return PARSE_SLOW;
-        if (klen == 4 && memcmp(k, "type", 4) == 0) {
-            const uint8_t *v;
-            uint32_t vlen;
-            if (!mp_str(r, &v, &vlen) || !(type = tag_of(v, vlen)))
-                return PARSE_SLOW; /* an unknown event type: Python keeps it as unknown */
-        } else if (!mp_skip(r)) {
-            return PARSE_SLOW;
+    const uint8_t *k, *v;
+    uint32_t klen, vlen;
+    uint32_t start = 0;
+    if (n > 0 && mp_str(r, &k, &klen) && klen == 4 && memcmp(k, "type", 4) == 0) {
+        if (!mp_str(r, &v, &vlen) || !(type = tag_of(v, vlen)))
+            return PARSE_SLOW; /* an unknown event type: Python keeps it as unknown */
+        fields = r->p;
+        start = 1;
+    } else {
+        r->p = fields;
+        for (uint32_t i = 0; i < n; i++) {
+            if (!mp_str(r, &k, &klen))
+                return PARSE_SLOW;
+            if (klen == 4 && memcmp(k, "type", 4) == 0) {
+                if (!mp_str(r, &v, &vlen) || !(type = tag_of(v, vlen)))
+                    return PARSE_SLOW;
+            } else if (!mp_skip(r)) {
+                return PARSE_SLOW;
+            }
         }
     }
     if (!type)
@@ -451,10 +485,10 @@ static int read_map_event(const core_t *c, mp_reader *r, scratch_t *sc) {
     r->p = fields;
     extra_span extra = {NULL};
     int has_hashes = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        const uint8_t *k;
-        uint32_t klen;
-        if (!mp_str(r, &k, &klen) || !mp_utf8(k, klen))
+    for (uint32_t i = start; i < n; i++) {
+        /* Keys are compared as bytes, never checked as UTF-8: msgspec skips a key it
+         * doesn't know without decoding it, and every known key is ASCII. */
+        if (!mp_str(r, &k, &klen))
             return PARSE_SLOW;
         enum field f = (klen == 4 && memcmp(k, "type", 4) == 0)
                            ? F_UNKNOWN

@@ -1,0 +1,302 @@
+"""The compiled core against the pure-Python reference: identical state and answers.
+
+Hypothesis streams of every event shape the model knows (both wire generations, LoRA and
+salted namespaces the vLLM and SGLang ways, multimodal and lookahead own keys, hash-only
+and skipped-block events, several groups and tiers, duplicate copies, clears, restarts,
+instances removed) go to `PureFleetIndex` (decoded, in Python) and to `CompiledIndex` (as
+the payload bytes, through the C parser or its Python fallback). After each stream the two
+must hold the same pools and copies, count the same stats, give the same rows for every
+lookup (by tokens and by hashes) and have the same tree.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvindex.index import PureFleetIndex
+from kvindex.subscriber import SourceKey
+from kvindex.wire import (
+    AllBlocksCleared,
+    BatchDecoder,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    WireError,
+)
+from kvindex.wire.publisher import encode_batch
+
+compiled = pytest.importorskip("kvindex.index.compiled", reason="the compiled core is not built")
+CompiledIndex = compiled.CompiledIndex
+
+BS = 4
+SOURCES = [SourceKey("a"), SourceKey("b", 0), SourceKey("b", 1), SourceKey("c")]
+BASE = [list(range(10, 30)), list(range(100, 120)), [7] * 20]
+POOLS = [(0, None), (0, "GPU"), (0, "CPU"), (1, None), (0, "CPU_PINNED"), (2, "DISK")]
+NAMESPACES = [
+    {},
+    {"lora_name": "ad-1"},
+    {"vllm_salt": "t1"},
+    {"lora_name": "ad-1", "vllm_salt": "t1"},
+    {"cache_salt": "t2"},
+    {"lora_id": 3},
+    {"mm": True},
+    {"lookahead": True},
+]
+
+
+def prompt_of(p: int, variant: int) -> list[int]:
+    base = BASE[p]
+    return base[:8] + [t + variant for t in base[8:]]
+
+
+def block_hash(tokens: list[int], n: int, ns: int, signed: bool) -> int | bytes:
+    h = hash(("kv", ns, tuple(tokens[: (n + 1) * BS]))) & (2**64 - 1)
+    if ns == 7:
+        return h.to_bytes(8, "big") * 4  # a 32-byte digest
+    return h - 2**63 if signed else h
+
+
+def stored_event(
+    tokens: list[int], first: int, last: int, ns: int, pool: tuple[int, str | None], form: int
+) -> BlockStored:
+    names = NAMESPACES[ns]
+    hashes = [block_hash(tokens, n, ns, form == 1) for n in range(first, last)]
+    parent = block_hash(tokens, first - 1, ns, form == 1) if first else None
+    fields: dict[str, Any] = {
+        "medium": pool[1],
+        "group_idx": pool[0],
+        "lora_name": names.get("lora_name"),
+        "lora_id": names.get("lora_id"),
+        "cache_salt": names.get("cache_salt"),
+    }
+    extra: list[Any] | None = None
+    if form == 2:  # vLLM 0.33 sends [None, ...] for a plain request
+        extra = [None] * len(hashes)
+    if names.get("lora_name"):
+        extra = [[names["lora_name"]] for _ in hashes]
+    if names.get("vllm_salt") and first == 0 and hashes:
+        extra = extra or [None] * len(hashes)
+        extra[0] = [*(extra[0] or []), names["vllm_salt"]]
+    if names.get("mm") and hashes:
+        extra = extra or [None] * len(hashes)
+        extra[-1] = [["img", first]]
+    if names.get("lookahead"):
+        fields["lookahead_token_ids"] = [[tokens[0]] for _ in hashes]
+    fields["extra_keys"] = extra
+    token_ids = tokens[first * BS : last * BS]
+    if form == 3:  # hash-only (an offload event)
+        token_ids = []
+    elif form == 4 and len(hashes) > 1:  # a window group that skipped a block
+        hashes = hashes[1:]
+    return BlockStored(hashes, parent, token_ids, BS, **fields)
+
+
+event_plan = st.tuples(
+    st.sampled_from(["store"] * 5 + ["remove"] * 3 + ["clear", "restart", "drop"]),
+    st.integers(0, len(SOURCES) - 1),
+    st.integers(0, len(BASE) - 1),
+    st.integers(0, 2),  # prompt variant
+    st.integers(0, 4),  # first block
+    st.integers(0, 3),  # blocks
+    st.integers(0, len(NAMESPACES) - 1),
+    st.integers(0, len(POOLS) - 1),
+    st.integers(0, 5),  # form: 0 plain, 1 signed hashes, 2 [None] keys, 3 hash-only, 4 skipped
+    st.booleans(),  # array generation (vLLM <= 0.23), where the event allows it
+)
+
+
+def build(plan: list[tuple[Any, ...]]) -> list[tuple[SourceKey, str, Any]]:
+    """The stream: (source, kind, EventBatch or None)."""
+    held: dict[SourceKey, list[tuple[int | bytes, str | None, int]]] = {}
+    out: list[tuple[SourceKey, str, Any]] = []
+    for kind, s, p, variant, first, count, ns, pool_i, form, arrays in plan:
+        src = SOURCES[s]
+        if kind == "store":
+            tokens = prompt_of(p, variant)
+            blocks = len(tokens) // BS
+            first = min(first, blocks - 1)
+            last = min(blocks, first + count)
+            event = stored_event(tokens, first, last, ns, POOLS[pool_i], form % 5)
+            held.setdefault(src, []).extend(
+                (h, POOLS[pool_i][1], POOLS[pool_i][0]) for h in event.block_hashes
+            )
+            out.append((src, "batch", (EventBatch(float(len(out)), [event], src.rank), arrays)))
+        elif kind == "remove":
+            entries = held.get(src) or [(12345, None, 0)]
+            h, medium, group = entries[(first * 7 + count + variant) % len(entries)]
+            event = BlockRemoved([h], medium=medium, group_idx=group)
+            out.append((src, "batch", (EventBatch(float(len(out)), [event], src.rank), arrays)))
+        elif kind == "clear":
+            held[src] = []
+            out.append((src, "batch", (EventBatch(0.0, [AllBlocksCleared()], src.rank), arrays)))
+        elif kind == "restart":
+            held[src] = []
+            out.append((src, "restart", None))
+        else:
+            out.append((src, "drop", None))
+    return out
+
+
+def payload_of(batch: EventBatch, arrays: bool) -> bytes:
+    events = batch.events
+    # Arrays (vLLM <= 0.23) can't carry SGLang's cache_salt or 0.33's lookahead fields.
+    generation = "arrays" if arrays and not any(
+        isinstance(e, BlockStored) and (e.cache_salt or e.lookahead_token_ids) for e in events
+    ) else "maps"
+    return encode_batch(events, batch.ts, batch.data_parallel_rank, generation)
+
+
+def feed(stream: list[tuple[SourceKey, str, Any]]) -> tuple[PureFleetIndex, Any]:
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=7)
+    decoder = BatchDecoder()
+    for seq, (src, kind, what) in enumerate(stream):
+        if kind == "batch":
+            batch, arrays = what
+            payload = payload_of(batch, arrays)
+            pure.apply(src, decoder.decode(payload), seq)
+            fast.apply_payload(src, payload, seq)
+        elif kind == "restart":
+            pure.drop_source(src)
+            fast.drop_source(src)
+        else:
+            pure.remove_instance(src.instance)
+            fast.remove_instance(src.instance)
+    return pure, fast
+
+
+def assert_same(pure: PureFleetIndex, fast: Any) -> None:
+    assert fast.instances() == pure.instances()
+    assert fast.entries() == pure.entries()
+    assert fast.tree_nodes() == pure.tree_nodes()
+    for src in pure.sources():
+        assert fast.copies(src) == pure.copies(src), src
+        assert fast.source_state(src) == pure.source_state(src)
+    for name in pure.instances():
+        assert fast.cache_stats(name) == pure.cache_stats(name), name
+        assert fast.blocks_by_medium(name) == pure.blocks_by_medium(name)
+        for medium in (None, "GPU", "cpu", "CPU_PINNED", "disk"):
+            assert fast.block_hashes(name, medium) == pure.block_hashes(name, medium)
+    for p in range(len(BASE)):
+        for variant in range(3):
+            tokens = prompt_of(p, variant)
+            for names in ({}, {"lora_name": "ad-1"}, {"cache_salt": "t1"}, {"cache_salt": "t2"},
+                          {"lora_name": "ad-1", "cache_salt": "t1"}):
+                assert fast.lookup(tokens, **names) == pure.lookup(tokens, **names), (
+                    tokens,
+                    names,
+                )
+            for ns in range(len(NAMESPACES)):
+                hashes = [block_hash(tokens, n, ns, False) for n in range(len(tokens) // BS)]
+                assert fast.lookup_hashes(hashes) == pure.lookup_hashes(hashes)
+    tree = Counter((ns, depth, mask) for ns, depth, _, mask in pure.walk_tree())
+    assert Counter((ns, depth, mask) for ns, depth, _, mask in fast.walk_tree()) == tree
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(event_plan, max_size=60))
+def test_compiled_equals_reference(plan: list[tuple[Any, ...]]) -> None:
+    pure, fast = feed(build(plan))
+    assert_same(pure, fast)
+    for src in list(pure.sources()):  # memory follows what is held
+        pure.drop_source(src)
+        fast.drop_source(src)
+    assert fast.tree_nodes() == pure.tree_nodes() == 0
+    assert fast.entries() == 0
+
+
+def test_fast_parser_takes_the_common_shapes() -> None:
+    """vLLM's plain and LoRA stores, removals and clears of both generations, and SGLang's
+    salted pages go through the C parser, not the Python fallback."""
+    fast = CompiledIndex(seed=1)
+    tokens = prompt_of(0, 0)
+    for arrays in (False, True):
+        for ns, form in ((0, 0), (0, 2), (1, 0), (2, 0), (3, 0), (5, 0)):
+            event = stored_event(tokens, 0, 4, ns, (0, "GPU"), form)
+            fast.apply_payload(SOURCES[0], payload_of(EventBatch(1.0, [event]), arrays), 1)
+        removal = BlockRemoved([block_hash(tokens, 3, 0, False)], medium="GPU", group_idx=0)
+        fast.apply_payload(SOURCES[0], payload_of(EventBatch(1.0, [removal]), arrays), 2)
+    salted = stored_event(tokens, 0, 4, 4, (0, "GPU"), 0)
+    fast.apply_payload(SOURCES[0], payload_of(EventBatch(1.0, [salted]), False), 3)
+    assert fast.slow_batches == 0
+    for ns in (6, 7):  # multimodal and lookahead keys: the Python path makes them
+        event = stored_event(tokens, 0, 4, ns, (0, "GPU"), 0)
+        fast.apply_payload(SOURCES[0], payload_of(EventBatch(1.0, [event]), False), 4)
+    assert fast.slow_batches == 2
+
+
+def mutations(payload: bytes, rng: random.Random) -> list[bytes]:
+    out = [payload[:cut] for cut in range(0, len(payload), max(1, len(payload) // 7))]
+    for _ in range(20):
+        data = bytearray(payload)
+        for _ in range(rng.randint(1, 3)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        out.append(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_parser_agrees_with_msgspec_on_broken_payloads(seed: int) -> None:
+    """Truncated and corrupted batches: the compiled index applies exactly what the Python
+    decoder makes of each (or refuses it with WireError, as the decoder does)."""
+    rng = random.Random(seed)
+    tokens = prompt_of(1, 1)
+    events = [
+        stored_event(tokens, 0, 3, rng.randrange(len(NAMESPACES)), (0, "GPU"), rng.randrange(3)),
+        BlockRemoved([block_hash(tokens, 2, 0, False)], medium="GPU"),
+    ]
+    for arrays in (False, True):
+        payload = payload_of(EventBatch(2.0, events, 0), arrays)
+        pure, fast = PureFleetIndex(), CompiledIndex(seed=3)
+        decoder = BatchDecoder()
+        for data in mutations(payload, rng):
+            try:
+                pure.apply(SOURCES[0], decoder.decode(data), 1)
+                pure_error = False
+            except WireError:
+                pure_error = True
+            try:
+                fast.apply_payload(SOURCES[0], data, 1)
+                fast_error = False
+            except WireError:
+                fast_error = True
+            assert fast_error == pure_error, data
+        assert_same(pure, fast)
+
+
+def test_decoded_and_payload_paths_agree() -> None:
+    """`apply` (a decoded batch, as a store's warm load feeds it) and `apply_payload` give
+    the same state."""
+    stream = build([("store", 0, 0, 0, 0, 3, ns, 0, 0, False) for ns in range(len(NAMESPACES))])
+    a, b = CompiledIndex(seed=5), CompiledIndex(seed=5)
+    for seq, (src, _, (batch, arrays)) in enumerate(stream):
+        a.apply(src, batch, seq)
+        b.apply_payload(src, payload_of(batch, arrays), seq)
+    assert a.copies(SOURCES[0]) == b.copies(SOURCES[0])
+    assert a.lookup(prompt_of(0, 0)) == b.lookup(prompt_of(0, 0))
+
+
+def test_key_digest_is_seeded() -> None:
+    from kvindex.index._core import Core
+
+    one, two = Core(seed=1), Core(seed=2)
+    data = msgspec.msgpack.encode([1, 2, 3])
+    assert one.key_digest(data) == Core(seed=1).key_digest(data)
+    assert one.key_digest(data) != two.key_digest(data)
+
+
+@pytest.mark.parametrize(
+    "medium", ["GPU", "gpu", "CPU", "CPU_PINNED", "cpu_pinned", "HOST", "DISK", "STORAGE",
+               "LOCAL_DISK", "EXTERNAL", "external", "Mooncake", "", "x" * 40]
+)
+def test_tiers_agree(medium: str) -> None:
+    from kvindex.index._core import Core
+    from kvindex.wire.tiers import tier_of
+
+    assert Core(seed=1).tier_of(medium) == tier_of(medium)

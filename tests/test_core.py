@@ -147,9 +147,14 @@ def build(plan: list[tuple[Any, ...]]) -> list[tuple[SourceKey, str, Any]]:
 def payload_of(batch: EventBatch, arrays: bool) -> bytes:
     events = batch.events
     # Arrays (vLLM <= 0.23) can't carry SGLang's cache_salt or 0.33's lookahead fields.
-    generation = "arrays" if arrays and not any(
-        isinstance(e, BlockStored) and (e.cache_salt or e.lookahead_token_ids) for e in events
-    ) else "maps"
+    generation = (
+        "arrays"
+        if arrays
+        and not any(
+            isinstance(e, BlockStored) and (e.cache_salt or e.lookahead_token_ids) for e in events
+        )
+        else "maps"
+    )
     return encode_batch(events, batch.ts, batch.data_parallel_rank, generation)
 
 
@@ -186,8 +191,13 @@ def assert_same(pure: PureFleetIndex, fast: Any) -> None:
     for p in range(len(BASE)):
         for variant in range(3):
             tokens = prompt_of(p, variant)
-            for names in ({}, {"lora_name": "ad-1"}, {"cache_salt": "t1"}, {"cache_salt": "t2"},
-                          {"lora_name": "ad-1", "cache_salt": "t1"}):
+            for names in (
+                {},
+                {"lora_name": "ad-1"},
+                {"cache_salt": "t1"},
+                {"cache_salt": "t2"},
+                {"lora_name": "ad-1", "cache_salt": "t1"},
+            ):
                 assert fast.lookup(tokens, **names) == pure.lookup(tokens, **names), (
                     tokens,
                     names,
@@ -292,8 +302,23 @@ def test_key_digest_is_seeded() -> None:
 
 
 @pytest.mark.parametrize(
-    "medium", ["GPU", "gpu", "CPU", "CPU_PINNED", "cpu_pinned", "HOST", "DISK", "STORAGE",
-               "LOCAL_DISK", "EXTERNAL", "external", "Mooncake", "", "x" * 40]
+    "medium",
+    [
+        "GPU",
+        "gpu",
+        "CPU",
+        "CPU_PINNED",
+        "cpu_pinned",
+        "HOST",
+        "DISK",
+        "STORAGE",
+        "LOCAL_DISK",
+        "EXTERNAL",
+        "external",
+        "Mooncake",
+        "",
+        "x" * 40,
+    ],
 )
 def test_tiers_agree(medium: str) -> None:
     from kvindex.index._core import Core

@@ -206,7 +206,7 @@ class IndexBase(Generic[P]):
             if len(ranks) == 1:
                 rank, bit = ranks[0]
                 reuse = found.get(bit)
-                if reuse is None or not reuse.blocks:
+                if reuse is None or not (reuse.blocks or any(reuse.by_group.values())):
                     rows.append(nothing)
                     continue
                 rows.append(self._row(name, rank, {rank: reuse.blocks}, reuse, bit))
@@ -214,7 +214,7 @@ class IndexBase(Generic[P]):
             per_rank = {rank: (found[bit].blocks if bit in found else 0) for rank, bit in ranks}
             best_rank, best_bit = max(ranks, key=lambda rb: (per_rank[rb[0]], -rb[0]))
             reuse = found.get(best_bit)
-            if reuse is None or not reuse.blocks:
+            if reuse is None or not (reuse.blocks or any(reuse.by_group.values())):
                 rows.append(nothing)
                 continue
             rows.append(self._row(name, best_rank, per_rank, reuse, best_bit))
@@ -224,7 +224,7 @@ class IndexBase(Generic[P]):
         self, name: str, rank: int, ranks: dict[int, int], reuse: Reuse, bit: int
     ) -> LookupRow:
         by_tier, by_group = reuse.by_tier, reuse.by_group
-        if not by_tier:  # a publisher with one pool: all of it comes from that pool
+        if not reuse.detailed:  # a publisher with one pool: all of it comes from that pool
             group, medium = self._only_pool(self._by_bit[bit])
             by_tier = {tier_of(medium): reuse.blocks}
             by_group = {group: reuse.blocks}

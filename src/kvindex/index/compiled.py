@@ -112,8 +112,8 @@ class CompiledIndex(IndexBase[_Pub]):
         return hashes
 
     def _stats(self, pub: _Pub) -> CacheStats:
-        stored, removed, clears, batches, restarts, unplaced, odd, kept, moved = (
-            self._core.stats(pub.bit)
+        stored, removed, clears, batches, restarts, unplaced, odd, kept, moved = self._core.stats(
+            pub.bit
         )
         return CacheStats(
             stored=stored,

@@ -662,9 +662,10 @@ class FleetIndex(IndexBase[_Source]):
 
     def _walk(self, root: _Node, keys: list[bytes]) -> _Walk:
         """Per publisher bit, how many of these blocks from the root it holds in a row;
-        and the nodes of the path while a publisher with several pools is on it."""
+        and, if a publisher has several pools, every node of the prompt's path (a group
+        may hold blocks past one nobody holds: a sliding window's, before its boundary)."""
         alive = self._all_mask
-        several = self._several
+        follow = self._several & alive
         depths: dict[int, int] = {}
         path: list[_Node] = []
         depth = 0
@@ -687,9 +688,9 @@ class FleetIndex(IndexBase[_Source]):
                 if depth:  # publishers matching nothing are left out: most of a big fleet
                     _record(depths, dropped, depth)
                 alive &= mask
-                if not alive:
+                if not alive and not follow:
                     break
-            if alive & several:
+            if follow:
                 path.append(child)
             depth += 1
             children = child.children

@@ -53,12 +53,14 @@ class GroupSpec(msgspec.Struct, frozen=True, gc=False):
 
 
 class Reuse(msgspec.Struct, frozen=True, gc=False):
-    """A publisher's answer: whole blocks of `size` tokens, split by tier and by group."""
+    """A publisher's answer: whole blocks of `size` tokens, split by tier and by group
+    (`detailed`: the splits were computed; else all of it comes from the one pool)."""
 
     blocks: int
     size: int
     by_tier: dict[str, int]
     by_group: dict[int, int]
+    detailed: bool = True
 
     @property
     def tokens(self) -> int:
@@ -66,7 +68,7 @@ class Reuse(msgspec.Struct, frozen=True, gc=False):
 
     @classmethod
     def simple(cls, blocks: int, size: int) -> Reuse:
-        return cls(blocks, size, {}, {})
+        return cls(blocks, size, {}, {}, detailed=False)
 
 
 def engine_reuse(

@@ -1321,9 +1321,9 @@ uint32_t walk(const core_t *c, uint32_t root, const uint64_t *keys, uint32_t nke
         if (c->sources[b] != NULL)
             alive[b / 64] |= 1ULL << (b % 64);
     uint32_t node = root, d = 0, npath = 0;
-    int any_alive = 1, any_several = 0;
-    for (uint32_t w = 0; w < words; w++)
-        any_several |= (alive[w] & several[w]) != 0;
+    int any_alive = 1, follow = 0;
+    for (uint32_t w = 0; path != NULL && w < words; w++)
+        follow |= (alive[w] & several[w]) != 0;
     /* Every node's prefix digest is known from the keys alone (prefix_of): the table
      * slots of the blocks ahead are prefetched, so a long prompt's lookups overlap their
      * memory latency instead of paying it one after another. */
@@ -1351,34 +1351,33 @@ uint32_t walk(const core_t *c, uint32_t root, const uint64_t *keys, uint32_t nke
         if (e == NULL)
             break;
         uint32_t child = e->value;
-        uint32_t h = c->nodes[child].holders;
-        /* alive &= holders; publishers dropping out past depth 0 get depth d */
-        any_alive = 0;
-        for (uint32_t w = 0; w < words; w++) {
-            uint64_t mask;
-            if (h & HOLD_SET)
-                mask = c->sets[(size_t)(h & ~HOLD_SET) * words + w];
-            else
-                mask = (h && (h - 1) / 64 == w) ? 1ULL << ((h - 1) % 64) : 0;
-            uint64_t dropped = alive[w] & ~mask;
-            if (dropped && d) {
-                while (dropped) {
-                    depth[w * 64 + (uint32_t)__builtin_ctzll(dropped)] = d;
-                    dropped &= dropped - 1;
+        if (any_alive) {
+            uint32_t h = c->nodes[child].holders;
+            /* alive &= holders; publishers dropping out past depth 0 get depth d */
+            any_alive = 0;
+            for (uint32_t w = 0; w < words; w++) {
+                uint64_t mask;
+                if (h & HOLD_SET)
+                    mask = c->sets[(size_t)(h & ~HOLD_SET) * words + w];
+                else
+                    mask = (h && (h - 1) / 64 == w) ? 1ULL << ((h - 1) % 64) : 0;
+                uint64_t dropped = alive[w] & ~mask;
+                if (dropped && d) {
+                    while (dropped) {
+                        depth[w * 64 + (uint32_t)__builtin_ctzll(dropped)] = d;
+                        dropped &= dropped - 1;
+                    }
                 }
+                alive[w] &= mask;
+                any_alive |= alive[w] != 0;
             }
-            alive[w] &= mask;
-            any_alive |= alive[w] != 0;
         }
-        if (!any_alive)
+        /* With a publisher of several pools (`follow`), the whole path is walked: one of
+         * its groups may hold blocks past one nobody holds (a window's, near its end). */
+        if (!any_alive && !follow)
             break;
-        if (any_several && path != NULL) {
-            any_several = 0;
-            for (uint32_t w = 0; w < words; w++)
-                any_several |= (alive[w] & several[w]) != 0;
-            if (any_several)
-                path[npath++] = child;
-        }
+        if (follow)
+            path[npath++] = child;
         node = child;
     }
     if (any_alive && d)

@@ -718,7 +718,11 @@ static PyObject *make_rows(CoreObject *self, PyObject *layout, PyObject *empty,
             if (best_rank < 0 || blocks > best_blocks || (blocks == best_blocks && rank < best_rank))
                 best_rank = rank, best_bit = bit, best_blocks = blocks;
         }
-        if (best_blocks == 0) {
+        const reuse_t *detail = answers[best_bit].detail;
+        int groups_only = 0; /* nothing reused, but a group's own hit to report */
+        for (uint32_t g = 0; best_blocks == 0 && detail && g < detail->ngroups; g++)
+            groups_only |= detail->group_blocks[g] != 0;
+        if (best_blocks == 0 && !groups_only) {
             PyObject *nothing = PyList_GET_ITEM(empty, i);
             Py_INCREF(nothing);
             PyList_SET_ITEM(rows, i, nothing);

@@ -28,10 +28,27 @@ def child_env() -> dict[str, str]:
     return env
 
 
-class Proc:
-    """A child process whose stdout and stderr lines are collected as they come."""
+def _as_foreground_job() -> None:
+    # What a terminal's foreground job gets: SIGINT at its default, whatever the test
+    # runner inherited (a background job's shell starts its children with SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    def __init__(self, argv: list[str], cwd: Path = ROOT) -> None:
+
+def _as_background_job() -> None:
+    # What a shell script's `cmd &` gets: SIGINT ignored, so Ctrl+C spares it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class Proc:
+    """A child process whose stdout and stderr lines are collected as they come.
+
+    `group=True` runs it in a process group of its own, as a shell runs a job: then
+    `signal_group` reaches it and its children the way a terminal's Ctrl+C does;
+    `background=True` starts it as a script's background job (SIGINT ignored)."""
+
+    def __init__(
+        self, argv: list[str], cwd: Path = ROOT, *, group: bool = False, background: bool = False
+    ) -> None:
         self.argv = argv
         self.proc = subprocess.Popen(
             argv,
@@ -41,6 +58,8 @@ class Proc:
             stderr=subprocess.PIPE,
             text=True,
             env=child_env(),
+            process_group=0 if group else None,
+            preexec_fn=_as_background_job if background else _as_foreground_job,
         )
         self.out: list[str] = []
         self.err: list[str] = []
@@ -95,14 +114,18 @@ class Proc:
     def interrupt(self, sig: int = signal.SIGINT) -> None:
         self.proc.send_signal(sig)
 
+    def signal_group(self, sig: int = signal.SIGINT) -> None:
+        """Signal the whole process group (needs `group=True`), as a terminal does."""
+        os.killpg(self.proc.pid, sig)
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
 
 
-def kvindex(*args: str) -> Proc:
-    return Proc([sys.executable, "-m", "kvindex", *args])
+def kvindex(*args: str, group: bool = False, background: bool = False) -> Proc:
+    return Proc([sys.executable, "-m", "kvindex", *args], group=group, background=background)
 
 
 def example(script: str, *args: str) -> Proc:

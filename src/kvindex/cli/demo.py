@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvindex.cli.common import UsageError, positive_float, positive_int
 from kvindex.cli.serve import DEFAULT_HTTP, listen, parse_http
+from kvindex.cli.signals import Stop, stop_signals
 from kvindex.cli.simulate import build_config, describe, open_fleet, sim_arguments
 
 if TYPE_CHECKING:
@@ -85,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {spec.render()}", flush=True)
         app = _app(live)
         live.start()
-        asyncio.run(_serve(app, sock, args.duration, args.pause_after, partial(_pause, live)))
+        with stop_signals("demo") as stop:
+            pause = partial(_pause, live)
+            asyncio.run(_serve(app, sock, stop, args.duration, args.pause_after, pause))
     finally:
         live.close()
     print("kvindex demo: stopped", flush=True)
@@ -110,6 +113,7 @@ def _app(live: LiveFleet) -> FastAPI:
 async def _serve(
     app: FastAPI,
     sock: socket.socket,
+    stop: Stop,
     duration: float | None,
     pause_after: float | None,
     pause: Callable[[], None],
@@ -125,7 +129,7 @@ async def _serve(
     def end_streams() -> None:  # from a signal handler: let the loop do it
         loop.call_soon_threadsafe(dashboard.close)
 
-    server = _server(config, end_streams)
+    server = _server(config, stop, end_streams)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
@@ -143,7 +147,7 @@ def _stop(server: uvicorn.Server, dashboard: Any) -> None:
     server.should_exit = True
 
 
-def _server(config: uvicorn.Config, on_stop: Callable[[], None]) -> uvicorn.Server:
+def _server(config: uvicorn.Config, stop: Stop, on_stop: Callable[[], None]) -> uvicorn.Server:
     from kvindex.cli.serve import make_server
 
-    return make_server(config, on_stop)
+    return make_server(config, stop, on_stop)

@@ -10,22 +10,19 @@ existing file is continued, from where each instance stopped if its replay still
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from types import FrameType
 from typing import Any
 
 import zmq
 from rich.console import Console
 
 from kvindex.cli.common import UsageError, positive_float, positive_int
+from kvindex.cli.signals import stop_signals
 from kvindex.recording import RecordingError, Writer
 from kvindex.recording.recorder import Limits, record
 from kvindex.subscriber import Delivery, InstanceSpec, Item, SpecError
 
-__all__ = ["StopFlag", "add_parser", "instance_specs", "run", "stop_on_signals"]
+__all__ = ["add_parser", "instance_specs", "run"]
 
 
 def add_parser(subparsers: Any) -> None:
@@ -92,29 +89,6 @@ def instance_specs(args: argparse.Namespace) -> list[InstanceSpec]:
     return specs
 
 
-class StopFlag:
-    """Set by SIGINT/SIGTERM: the loop notices within a poll and finishes cleanly."""
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def __call__(self) -> bool:
-        return self.requested
-
-    def set(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = True
-
-
-@contextmanager
-def stop_on_signals(stop: StopFlag) -> Iterator[None]:
-    previous = {sig: signal.signal(sig, stop.set) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def _notices(console: Console, quiet: bool) -> Any:
     def show(item: Item) -> None:
         if not quiet and not isinstance(item, Delivery):
@@ -130,9 +104,8 @@ def run(args: argparse.Namespace) -> int:
         writer = Writer(args.out, flush_interval=args.flush_interval)
     except RecordingError as exc:
         raise UsageError(str(exc)) from None
-    stop = StopFlag()
     start_size = writer.size
-    with writer, stop_on_signals(stop):
+    with writer, stop_signals("record") as stop:
         kept = len(writer.checkpoints)
         resumed = f", continuing {kept} recorded sources" if kept else ""
         console.print(f"recording {len(specs)} instances to {args.out}{resumed}")

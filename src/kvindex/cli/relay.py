@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from kvindex.cli.common import UsageError, positive_float, positive_int
+from kvindex.cli.signals import Stop, stop_signals
 
 if TYPE_CHECKING:
     from kvindex.relay import Relay
@@ -46,7 +45,13 @@ def add_parser(subparsers: Any) -> None:
     allow.add_argument(
         "--allow-any", action="store_true", help="let any CURVE client in (encryption only)"
     )
-    p.add_argument("--buffer-steps", type=positive_int, default=10_000, metavar="N")
+    p.add_argument(
+        "--buffer-steps",
+        type=positive_int,
+        default=10_000,
+        metavar="N",
+        help="batches the relay keeps for its own replay endpoint (default: 10000)",
+    )
     p.add_argument("--duration", type=positive_float, metavar="S", help="stop after S seconds")
     p.set_defaults(run=run)
 
@@ -74,38 +79,36 @@ def _build(args: argparse.Namespace) -> Relay:
     )
 
 
-def _stop(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     import zmq
-
-    from kvindex.subscriber import Delivery
 
     try:
         relay = _build(args)
     except zmq.ZMQError as exc:
         raise UsageError(f"can't start the relay: {exc}") from None
-    signal.signal(signal.SIGTERM, _stop)
     deadline = None if args.duration is None else time.monotonic() + args.duration
-    announced = False
     try:
-        while deadline is None or time.monotonic() < deadline:
-            for item in relay.step(0.1):
-                if not isinstance(item, Delivery):
-                    print(f"kvindex relay: {item.describe()}", file=sys.stderr, flush=True)
-            if relay.bound and not announced:
-                announced = True
-                replay = relay.replay_endpoint or "none"
-                print(
-                    f"kvindex relay: serving {relay.endpoint} (replay {replay}) from {args.source}",
-                    flush=True,
-                )
-    except KeyboardInterrupt:
-        pass
+        with stop_signals("relay") as stop:
+            _loop(relay, args.source, stop, deadline)
     except zmq.ZMQError as exc:
         raise UsageError(f"can't bind {args.bind}: {exc}") from None
     finally:
         relay.close()
     return 0
+
+
+def _loop(relay: Relay, source: str, stop: Stop, deadline: float | None) -> None:
+    from kvindex.subscriber import Delivery
+
+    announced = False
+    while not stop() and (deadline is None or time.monotonic() < deadline):
+        for item in relay.step(0.1):
+            if not isinstance(item, Delivery):
+                print(f"kvindex relay: {item.describe()}", file=sys.stderr, flush=True)
+        if relay.bound and not announced:
+            announced = True
+            replay = relay.replay_endpoint or "none"
+            print(
+                f"kvindex relay: serving {relay.endpoint} (replay {replay}) from {source}",
+                flush=True,
+            )

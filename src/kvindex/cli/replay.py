@@ -10,14 +10,13 @@ times `--speed`. It prints the `kvindex serve --instance` flags that follow the 
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 import zmq
 from rich.console import Console
 
 from kvindex.cli.common import UsageError, positive_float, positive_int
-from kvindex.cli.record import StopFlag, stop_on_signals
+from kvindex.cli.signals import Stop, stop_signals
 from kvindex.recording import RecordingError
 from kvindex.recording.replay import (
     ReplayPublisher,
@@ -110,9 +109,8 @@ def run(args: argparse.Namespace) -> int:
     targets = _targets(args)
     console = Console(highlight=False, soft_wrap=True)
     pubs = _open(targets, args)
-    stop = StopFlag()
     try:
-        with stop_on_signals(stop):
+        with stop_signals("replay") as stop:
             _announce(console, targets, args)
             _pause(args.wait, stop)
             speed = None if args.as_fast_as_possible else args.speed
@@ -130,7 +128,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pause(seconds: float, stop: StopFlag) -> None:
-    end = time.monotonic() + max(0.0, seconds)
-    while not stop() and time.monotonic() < end:
-        time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+def _pause(seconds: float, stop: Stop) -> None:
+    stop.wait(max(0.0, seconds))

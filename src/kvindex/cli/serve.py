@@ -27,17 +27,16 @@ import asyncio
 import contextlib
 import gc
 import logging
-import signal
 import socket
 import tomllib
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from kvindex.cli.common import UsageError
 from kvindex.cli.httpopts import add_http_arguments, http_options, warn_if_exposed
+from kvindex.cli.signals import Stop, stop_signals
 from kvindex.subscriber import InstanceSpec, SpecError
 
 if TYPE_CHECKING:
@@ -224,6 +223,13 @@ def _url(sock: socket.socket, tls: bool = False) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # From the start: a signal during a long warm start stops it too, and a second one
+    # still forces the exit while the store closes.
+    with stop_signals("serve") as stop:
+        return _run(args, stop)
+
+
+def _run(args: argparse.Namespace, stop: Stop) -> int:
     settings = load_settings(args)
     host, port = parse_http(settings.http)
     http = http_options(args)
@@ -269,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,
     )
-    server = make_server(config, _end_streams(app))
+    server = make_server(config, stop, _end_streams(app))
     summary = f"{len(instances)} instance(s), store {store.url}"
     if loaded.blocks_restored or loaded.log_batches_replayed:
         summary += (
@@ -337,10 +343,12 @@ async def _serve(server: uvicorn.Server, sock: socket.socket, summary: str) -> N
 
 
 def make_server(
-    config: uvicorn.Config, on_stop: Callable[[], None] | None = None
+    config: uvicorn.Config, stop: Stop, on_stop: Callable[[], None] | None = None
 ) -> uvicorn.Server:
-    """uvicorn's server, minus re-raising the caught signal after a graceful stop (which
-    would turn a clean SIGTERM shutdown into death by signal). `on_stop` runs on the first
+    """uvicorn's server, stopped by `stop` (the command's signal handling, see
+    `kvindex.cli.signals`) instead of its own handlers, which would re-raise the caught
+    signal after a graceful stop (turning a clean SIGTERM shutdown into death by signal)
+    and only make a second one skip waiting for connections. `on_stop` runs on the first
     signal, from the signal handler (e.g. to end the dashboard's streams, which would hold
     a graceful shutdown open)."""
     import uvicorn
@@ -348,19 +356,12 @@ def make_server(
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self) -> Generator[None, None, None]:
-            def stop(sig: int, frame: FrameType | None) -> None:
-                if self.should_exit:
-                    self.force_exit = True  # a second Ctrl+C: don't wait for connections
+            def exit_soon() -> None:
                 self.should_exit = True
                 if on_stop is not None:
                     on_stop()
 
-            handled = (signal.SIGINT, signal.SIGTERM)
-            previous = {sig: signal.signal(sig, stop) for sig in handled}
-            try:
+            with stop.calling(exit_soon):
                 yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
 
     return Server(config)

@@ -8,13 +8,11 @@ format of the chosen vLLM generation) driven by a chat workload over a bounded b
 from __future__ import annotations
 
 import argparse
-import signal
-import threading
 import time
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from kvindex.cli.common import UsageError, positive_float, positive_int
+from kvindex.cli.signals import stop_signals
 
 if TYPE_CHECKING:
     from kvindex.sim import LiveFleet, SimConfig
@@ -148,16 +146,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {spec}")
     print("follow them with:")
     print("  kvindex serve " + " ".join(f"--instance {spec}" for spec in specs), flush=True)
-    stop = threading.Event()
-    previous = _on_signals(stop)
     started = time.monotonic()
     try:
-        live.start()
-        stop.wait(args.duration)
+        with stop_signals("simulate") as stop:
+            live.start()
+            stop.wait(args.duration)
     finally:
         live.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     took = time.monotonic() - started
     sim = live.sim
     print(
@@ -166,10 +161,3 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
-
-
-def _on_signals(stop: threading.Event) -> dict[int, Any]:
-    def handler(sig: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}

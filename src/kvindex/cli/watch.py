@@ -10,14 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any, Protocol
 
 import msgspec
@@ -27,6 +23,7 @@ from rich.text import Text
 
 from kvindex.cli.common import UsageError, positive_float, positive_int
 from kvindex.cli.render import batch_line, delivery_records
+from kvindex.cli.signals import Stop, stop_signals
 from kvindex.subscriber import (
     Connection,
     DecodeFailed,
@@ -168,10 +165,12 @@ def _summary(sub: Subscriber, tally: Tally) -> str:
     return text + (f", malformed messages {malformed}" if malformed else "")
 
 
-def _follow(sub: Subscriber, out: Output, tally: Tally, args: argparse.Namespace) -> None:
-    """Show what the subscriber yields until --max-batches or --duration is reached."""
+def _follow(
+    sub: Subscriber, out: Output, tally: Tally, args: argparse.Namespace, stop: Stop
+) -> None:
+    """Show what the subscriber yields until --max-batches, --duration or a stop signal."""
     deadline = None if args.duration is None else tally.started + args.duration
-    while True:
+    while not stop():
         timeout = _POLL_SECONDS
         if deadline is not None:
             timeout = min(timeout, deadline - time.monotonic())
@@ -185,20 +184,6 @@ def _follow(sub: Subscriber, out: Output, tally: Tally, args: argparse.Namespace
                     return
             else:
                 out.notice(item)
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    # `kill` (or a supervisor stopping us) should end the watch like Ctrl+C: with a summary.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _silence_stdout() -> None:
@@ -230,12 +215,11 @@ def _open(args: argparse.Namespace) -> Subscriber:
 
 
 def _watch(sub: Subscriber, out: Output, tally: Tally, args: argparse.Namespace) -> bool:
-    """Follow until a limit, Ctrl+C or SIGTERM; False if stdout was closed under us."""
+    """Follow until a limit, Ctrl+C or SIGTERM (either ends it with the summary); False if
+    stdout was closed under us."""
     try:
-        with _sigterm_as_interrupt():
-            _follow(sub, out, tally, args)
-    except KeyboardInterrupt:
-        pass
+        with stop_signals("watch") as stop:
+            _follow(sub, out, tally, args, stop)
     except BrokenPipeError:
         _silence_stdout()
         return False

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from kvindex.cli.common import UsageError
 from kvindex.cli.httpopts import add_http_arguments, http_options, warn_if_exposed
 from kvindex.cli.signals import Stop, stop_signals
-from kvindex.subscriber import InstanceSpec, SpecError
+from kvindex.subscriber import InstanceSpec, SpecError, Unreachable
 
 if TYPE_CHECKING:
     import uvicorn
@@ -263,6 +263,7 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     fleet.on_item.append(store.record)
     fleet.on_remove.append(store.remove_instance)
     fleet.on_add.append(store.save_instance)
+    fleet.subscriber.link_hooks.append(_warn_link)  # a publisher that can't be followed
     if shared is not None:
         shared.share(fleet.specs.values())
     store.start()
@@ -287,6 +288,10 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     finally:
         store.close()
     return 0
+
+
+def _warn_link(notice: Unreachable) -> None:
+    logging.getLogger("kvindex.serve").warning("%r: %s", notice.source, notice.describe())
 
 
 def _open_store(url: str) -> tuple[Store, FleetIndex, LoadResult]:

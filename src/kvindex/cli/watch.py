@@ -37,6 +37,7 @@ from kvindex.subscriber import (
     Restarted,
     SpecError,
     Subscriber,
+    Unreachable,
     Unverified,
 )
 from kvindex.wire.events import KNOWN_TYPES
@@ -55,6 +56,7 @@ _NOTICE_STYLES: dict[type[Notice], str] = {
     DecodeFailed: "red",
     Malformed: "red",
     Connection: "dim",
+    Unreachable: "bold yellow",
 }
 
 

@@ -35,6 +35,7 @@ from kvindex.subscriber import (
     Replayed,
     Restarted,
     SourceKey,
+    Unreachable,
     Unverified,
     payload_digest,
 )
@@ -44,7 +45,17 @@ __all__ = ["Reader", "RecordedBatch", "advance", "checkpoints", "read", "records
 
 _NOTICES: dict[str, type[Notice]] = {
     cls.__name__: cls
-    for cls in (Restarted, Gap, Lost, Unverified, Replayed, DecodeFailed, Malformed, Connection)
+    for cls in (
+        Restarted,
+        Gap,
+        Lost,
+        Unverified,
+        Replayed,
+        DecodeFailed,
+        Malformed,
+        Connection,
+        Unreachable,
+    )
 }
 _MAX_RECORDS_BLOB = 1 << 31
 

@@ -15,6 +15,7 @@ from kvindex.subscriber.messages import (
     SourceKey,
     SourceStats,
     Status,
+    Unreachable,
     Unverified,
 )
 from kvindex.subscriber.spec import InstanceSpec, SourceSpec, SpecError, offset_endpoint
@@ -41,6 +42,7 @@ __all__ = [
     "SpecError",
     "Status",
     "Subscriber",
+    "Unreachable",
     "Unverified",
     "offset_endpoint",
     "payload_digest",

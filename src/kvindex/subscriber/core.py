@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import zmq
@@ -21,6 +21,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvindex.security.curve import client_setup
+from kvindex.subscriber.link import LINK_EVENTS, LinkWatch
 from kvindex.subscriber.messages import (
     Connection,
     DecodeFailed,
@@ -31,6 +32,7 @@ from kvindex.subscriber.messages import (
     SourceKey,
     SourceStats,
     Status,
+    Unreachable,
 )
 from kvindex.subscriber.spec import InstanceSpec, SourceSpec
 from kvindex.subscriber.state import (
@@ -60,17 +62,15 @@ def recv_frames(sock: zmq.Socket[bytes]) -> list[bytes]:
     return frames
 
 
-_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-# A CURVE link is up once its handshake succeeded: a TCP connection the server then refuses
-# (ZAP) must not look like a publisher that came and went.
-_CURVE_EVENTS = (
-    zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+# The link is up once the ZMTP handshake succeeded, for every mechanism: a TCP connection
+# the server then refuses (CURVE on one side only, a key ZAP turned away) must not look like
+# a publisher that came and went (which renews the socket: thousands of times a second).
+_REFUSED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
 )
-_UP_EVENTS = (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED)
-_REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+_LINK_STATE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED)
 _UNDECODED = EventBatch(0.0, [])  # the batch of a `decode=False` Delivery: see its payload
 
 
@@ -81,6 +81,7 @@ class _Source:
     sub: zmq.Socket[bytes]
     monitor: zmq.Socket[bytes]
     decoder: BatchDecoder
+    link: LinkWatch
     dealer: zmq.Socket[bytes] | None = None
     dealer_req: int = 0
 
@@ -132,6 +133,9 @@ class Subscriber:
         self._poller = zmq.Poller()
         self._instances: dict[str, InstanceSpec] = {}
         self._closed = False
+        # Called with each `Unreachable` notice too (it is yielded as well): for a caller
+        # that applies items without reading notices, e.g. to log them (`kvindex serve`).
+        self.link_hooks: list[Callable[[Unreachable], None]] = []
         specs = list(instances)
         if endpoint is not None:
             specs.insert(0, InstanceSpec(name, endpoint, replay, topic, dp))
@@ -245,7 +249,8 @@ class Subscriber:
             policy=self._opts.policy,
         )
         sub, monitor = self._connect_sub(spec)
-        src = _Source(spec, state, sub, monitor, BatchDecoder(self._opts.max_payload))
+        link = LinkWatch(spec.endpoint, spec.curve is not None, time.monotonic())
+        src = _Source(spec, state, sub, monitor, BatchDecoder(self._opts.max_payload), link)
         self._sources[spec.source] = src
         self._watch(src)
         return src
@@ -257,7 +262,7 @@ class Subscriber:
         sub.setsockopt(zmq.MAXMSGSIZE, self._opts.max_payload + 4096)
         if spec.curve is not None:
             client_setup(sub, spec.curve)
-        monitor = sub.get_monitor_socket(_MONITOR_EVENTS if spec.curve is None else _CURVE_EVENTS)
+        monitor = sub.get_monitor_socket(LINK_EVENTS)
         sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
         sub.connect(spec.endpoint)
         return sub, monitor
@@ -326,9 +331,9 @@ class Subscriber:
     def _wait_ms(self, timeout: float | None, now: float) -> int:
         wait = 3_600.0 if timeout is None else timeout
         for src in self._sources.values():
-            deadline = src.state.next_deadline
-            if deadline is not None:
-                wait = min(wait, max(0.0, deadline - now))
+            for deadline in (src.state.next_deadline, src.link.next_deadline):
+                if deadline is not None:
+                    wait = min(wait, max(0.0, deadline - now))
         return int(wait * 1000 + 0.999)
 
     def _process(
@@ -353,6 +358,9 @@ class Subscriber:
             deadline = src.state.next_deadline
             if deadline is not None and now >= deadline:
                 self._handle(src, src.state.on_tick(now), items)
+            deadline = src.link.next_deadline
+            if deadline is not None and now >= deadline:
+                self._report_link(src, src.link.on_tick(now), now, items)
 
     def _read_live(self, src: _Source, items: list[Item], limit: int = _DRAIN) -> None:
         state = src.state
@@ -394,12 +402,16 @@ class Subscriber:
                 frames = src.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            event = parse_monitor_message(frames)["event"]
+            message = parse_monitor_message(frames)
+            event, now = message["event"], time.monotonic()
+            self._report_link(src, src.link.on_event(event, int(message["value"]), now), now, items)
             if event in _REFUSED_EVENTS:
                 extra = src.state.stats.extra
                 extra["handshake_failures"] = extra.get("handshake_failures", 0) + 1
                 continue
-            connected = event in _UP_EVENTS
+            if event not in _LINK_STATE_EVENTS:
+                continue
+            connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
             if connected == src.state.stats.connected:
                 continue
             if not connected:
@@ -411,6 +423,18 @@ class Subscriber:
             if not connected:
                 self._renew_sub(src)
                 return
+
+    def _report_link(
+        self, src: _Source, problem: str | None, now: float, items: list[Item]
+    ) -> None:
+        src.state.stats.problem = src.link.problem
+        if problem is None:
+            return
+        seconds = max(0.0, now - src.link.since)
+        notice = Unreachable(src.spec.source, src.spec.endpoint, problem, seconds)
+        items.append(notice)
+        for hook in list(self.link_hooks):
+            hook(notice)
 
     def _malformed(self, src: _Source, error: str, items: list[Item]) -> None:
         src.state.stats.malformed_messages += 1

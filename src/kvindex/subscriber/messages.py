@@ -167,6 +167,21 @@ class Malformed(Notice):
 
 
 @dataclass(frozen=True, slots=True)
+class Unreachable(Notice):
+    """The publisher can't be followed, and `reason` says why (a host that doesn't resolve,
+    nothing listening, a refused CURVE handshake, ...); the link has been down `seconds`.
+    Said when it is found out and again about once a minute while it lasts."""
+
+    endpoint: str = ""
+    reason: str = ""
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        lasting = f" (for {self.seconds:.0f} s)" if self.seconds >= 1 else ""
+        return f"can't follow {self.endpoint}{lasting}: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
 class Connection(Notice):
     """The publisher's socket connected or went away (ZMQ reconnects by itself)."""
 
@@ -208,4 +223,5 @@ class SourceStats:
     last_seq: int | None = None
     last_ts: float | None = None
     connected: bool = False
+    problem: str | None = None  # why the link is down, once diagnosed (see `Unreachable`)
     extra: dict[str, Any] = field(default_factory=dict)

@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 import zmq
 from clitools import kvindex
-from netutil import free_port
+from netutil import free_port, wait_until
+from service_workload import TestClient
 from zmq.auth.thread import ThreadAuthenticator
 
+from kvindex.runtime import Fleet
 from kvindex.security.curve import generate_keys, read_secret_key, server_setup
+from kvindex.service.app import create_app
 from kvindex.subscriber import (
     Connection,
     InstanceSpec,
@@ -244,3 +247,33 @@ def test_watch_at_a_curve_publisher_without_curve_says_so_in_one_line(
     assert proc.finish(20) == 0
     notices = [line for line in proc.err if not line.startswith("summary:")]
     assert len(notices) == 1 and "requires CURVE" in notices[0], proc.err
+
+
+# -- the service -----------------------------------------------------------------------------
+
+
+def test_instances_show_the_reason_and_serve_logs_it() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with TestClient(create_app(Fleet([InstanceSpec("gone", endpoint)]))) as client:
+
+        def problem() -> object:
+            return client.get("/v1/instances").json()["instances"][0]["problem"]
+
+        assert problem() is None  # not diagnosed yet: within the grace
+        assert wait_until(lambda: problem() is not None, timeout=10)
+        text = problem()
+        assert isinstance(text, str) and "nothing accepts connections there" in text
+        body = client.get("/v1/instances").json()["instances"][0]
+        assert body["status"] == "connecting" and body["ranks"][0]["problem"] == text
+
+    port = free_port()
+    proc = kvindex(
+        "serve", "--store", "memory", "--http", f"127.0.0.1:{port}",
+        "--instance", f"gone={endpoint}",
+    )  # fmt: skip
+    try:
+        line = proc.wait_for(proc.err, lambda x: "can't follow" in x, timeout=15)
+        assert line.startswith("kvindex serve: WARNING gone: can't follow " + endpoint), line
+    finally:
+        proc.interrupt()
+        assert proc.finish() == 0

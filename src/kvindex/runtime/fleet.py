@@ -277,6 +277,7 @@ class Fleet:
             publisher_restarts=stats.publisher_restarts,
             last_batch_ts=stats.last_ts,
             ingest_lag_seconds=self._lag.get(source),
+            problem=stats.problem,
         )
 
     def _counts_of(self, name: str) -> _Counts:

@@ -69,6 +69,7 @@ class RankView:
     publisher_restarts: int
     last_batch_ts: float | None
     ingest_lag_seconds: float | None
+    problem: str | None = None  # why its publisher can't be followed, once diagnosed
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,18 @@ class InstanceView:
     def ingest_lag_seconds(self) -> float | None:
         lags = [r.ingest_lag_seconds for r in self.ranks if r.ingest_lag_seconds is not None]
         return max(lags) if lags else None
+
+    @property
+    def problem(self) -> str | None:
+        """Why a rank's publisher can't be followed (the first such rank's), if one can't."""
+        return next(
+            (
+                f"rank {r.rank}: {r.problem}" if len(self.ranks) > 1 else r.problem
+                for r in self.ranks
+                if r.problem
+            ),
+            None,
+        )
 
     @property
     def last_batch_age_seconds(self) -> float | None:

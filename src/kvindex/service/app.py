@@ -193,6 +193,7 @@ class RankOut(BaseModel):
     decode_errors: int
     publisher_restarts: int
     ingest_lag_seconds: float | None
+    problem: str | None
 
 
 class InstanceOut(BaseModel):
@@ -217,6 +218,10 @@ class InstanceOut(BaseModel):
     batches: int
     ingest_lag_seconds: float | None
     last_batch_age_seconds: float | None
+    problem: str | None = Field(
+        description="Why the publisher can't be followed (a host that doesn't resolve, "
+        "nothing listening, a refused CURVE handshake), once diagnosed; null otherwise."
+    )
     ranks: list[RankOut]
 
 
@@ -275,6 +280,7 @@ def _rank_dict(rank: RankView) -> dict[str, Any]:
         "decode_errors": rank.decode_errors,
         "publisher_restarts": rank.publisher_restarts,
         "ingest_lag_seconds": rank.ingest_lag_seconds,
+        "problem": rank.problem,
     }
 
 
@@ -298,6 +304,7 @@ def _instance_dict(view: InstanceView) -> dict[str, Any]:
         "batches": view.batches,
         "ingest_lag_seconds": view.ingest_lag_seconds,
         "last_batch_age_seconds": view.last_batch_age_seconds,
+        "problem": view.problem,
         "ranks": [_rank_dict(rank) for rank in view.ranks],
     }
 

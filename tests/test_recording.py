@@ -7,6 +7,7 @@ recorded again gives the same batches (payload bytes, seqs, per-source order, re
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -251,7 +252,9 @@ def test_record_replay_record_gives_identical_batches(fleet: Fleet, tmp_path: Pa
     play = kvindex("replay", str(first), *flags, "--speed", "2", "--wait", "3", "--hold", "10")
     try:
         play.wait_for(play.out, lambda line: line.startswith("follow it with: kvindex serve"))
-        rec2 = kvindex("record", *flags, "--out", str(second), "--max-batches", "42")
+        rec2 = kvindex(
+            "record", *flags, "--out", str(second), "--max-batches", "42", "--from", "oldest"
+        )
         assert rec2.finish(25) == 0, (rec2.err, play.out, play.err)
     finally:
         play.interrupt(signal.SIGTERM)
@@ -279,7 +282,9 @@ def test_a_second_recording_continues_the_file_without_a_gap(fleet: Fleet, tmp_p
     fleet.drop = set()
     for i in range(4):
         fleet.a.publish_payload(payload(i))
-    rec = kvindex("record", *fleet.specs()[:1], "--out", str(path), "--max-batches", "4")
+    rec = kvindex(
+        "record", *fleet.specs()[:1], "--out", str(path), "--max-batches", "4", "--from", "oldest"
+    )
     assert rec.finish(15) == 0, rec.err
     for i in range(4, 9):  # published while nobody records
         fleet.a.publish_payload(payload(i))
@@ -302,3 +307,61 @@ def test_usage_errors_are_one_line_exit_2(tmp_path: Path) -> None:
     assert play.finish(10) == 2
     assert play.err == [f"kvindex replay: error: {junk} is not a kvindex recording"]
     assert not os.path.exists(tmp_path / "x.kvr")
+
+
+# -- where a recording starts, and its progress --------------------------------------------
+
+
+@pytest.mark.parametrize(("start", "first"), [("now", 10), ("oldest", 0)])
+def test_record_from_now_or_oldest(fleet: Fleet, tmp_path: Path, start: str, first: int) -> None:
+    fleet.drop = set()
+    for i in range(10):  # in the replay buffer before the recording starts
+        fleet.a.publish_payload(payload(i))
+    path = tmp_path / "r.kvr"
+    wanted = str(13 - first)
+    rec = kvindex(
+        "record", *fleet.specs()[:1], "--out", str(path), "--from", start, "--max-batches", wanted
+    )  # fmt: skip
+    wait_connected(rec, 1)
+    time.sleep(0.3)  # a catch-up (--from oldest) is under way or done
+    for i in range(10, 13):
+        fleet.a.publish_payload(payload(i))
+    assert rec.finish(15) == 0, rec.err
+    assert seqs_in(path) == list(range(first, 13))
+    assert not [r for r in records(path) if isinstance(r, NoticeRec) and r.kind == "Lost"]
+
+
+def test_record_from_now_still_fills_gaps_after_its_start() -> None:
+    with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
+        for i in range(10):
+            pub.publish_payload(payload(i))
+        with Subscriber(pub.endpoint, replay=pub.replay_endpoint, catch_up=False) as sub:
+            deadline = time.monotonic() + 10
+            got: list[int] = []
+            while not got:  # until the subscription is through: that batch is the start
+                assert time.monotonic() < deadline
+                pub.publish_payload(payload(pub.next_seq))
+                got += [d.seq for d in sub.poll(0.05) if isinstance(d, Delivery)]
+            start = got[0]
+            pub.publish_payload(payload(start + 1))
+            pub.drop = lambda seq: seq == start + 2  # lost on the wire, kept for replay
+            pub.publish_payload(payload(start + 2))
+            pub.drop = None
+            pub.publish_payload(payload(start + 3))
+            while len(got) < 4 and time.monotonic() < deadline:
+                got += [d.seq for d in sub.poll(0.05) if isinstance(d, Delivery)]
+            assert start >= 10 and got == list(range(start, start + 4))
+            assert sub.stats(SourceKey("vllm")).lost_batches == 0
+
+
+def test_record_prints_progress(fleet: Fleet, tmp_path: Path) -> None:
+    rec = kvindex(
+        "record", *fleet.specs()[:1], "--out", str(tmp_path / "r.kvr"),
+        "--duration", "2", "--progress", "0.5",
+    )  # fmt: skip
+    assert rec.finish(15) == 0, rec.err
+    progress = [line for line in rec.err if line.startswith("recording: ")]
+    assert len(progress) >= 2, rec.err
+    assert re.fullmatch(
+        r"recording: \d+ batches in \d+ of 2 s \([\d.]+/s\), [\d,]+ bytes written", progress[0]
+    )

@@ -5,12 +5,15 @@ byte, with its instance, DP rank, seq and receive time, and so do the notices (r
 lost batches, ...). Segments are flushed about once a second, so the file is readable up
 to a second before any kill. Ctrl+C or SIGTERM: the last segment is written, exit 0. An
 existing file is continued, from where each instance stopped if its replay still has it.
+A new source starts at its next batch (`--from now`) or with its whole replay buffer
+(`--from oldest`). A progress line every 10 s (`--progress`) says how it goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 import zmq
@@ -22,7 +25,9 @@ from kvindex.recording import RecordingError, Writer
 from kvindex.recording.recorder import Limits, record
 from kvindex.subscriber import Delivery, InstanceSpec, Item, SpecError
 
-__all__ = ["add_parser", "instance_specs", "run"]
+__all__ = ["PROGRESS_EVERY", "add_parser", "instance_specs", "run"]
+
+PROGRESS_EVERY = 10.0  # seconds between two progress lines
 
 
 def add_parser(subparsers: Any) -> None:
@@ -53,6 +58,15 @@ def add_parser(subparsers: Any) -> None:
         help="NAME=PUB_ENDPOINT[,replay=EP][,topic=T][,dp=N]; repeatable",
     )
     p.add_argument("--out", required=True, metavar="FILE", help="recording file (appended to)")
+    p.add_argument(
+        "--from",
+        dest="start",
+        choices=("now", "oldest"),
+        default="now",
+        help="now (default): start at each publisher's next batch; oldest: first take "
+        "everything its replay buffer still holds. A source the file already has "
+        "continues where the file stopped either way",
+    )
     p.add_argument("--duration", type=positive_float, metavar="S", help="stop after S seconds")
     p.add_argument("--max-batches", type=positive_int, metavar="N", help="stop after N batches")
     p.add_argument(
@@ -62,7 +76,16 @@ def add_parser(subparsers: Any) -> None:
         metavar="S",
         help="write a segment at least every S seconds (default: 1)",
     )
-    p.add_argument("--quiet", action="store_true", help="no notices, only the summary")
+    p.add_argument(
+        "--progress",
+        type=positive_float,
+        default=PROGRESS_EVERY,
+        metavar="S",
+        help=f"seconds between two progress lines (default: {PROGRESS_EVERY:g})",
+    )
+    p.add_argument(
+        "--quiet", action="store_true", help="no notices and no progress, only the summary"
+    )
     p.set_defaults(run=run)
 
 
@@ -87,6 +110,30 @@ def instance_specs(args: argparse.Namespace) -> list[InstanceSpec]:
     if twice:
         raise UsageError(f"instance {twice[0]!r} is given twice")
     return specs
+
+
+class Progress:
+    """A line on stderr every `--progress` seconds: batches so far, rate, bytes written."""
+
+    def __init__(self, console: Console, writer: Writer, args: argparse.Namespace) -> None:
+        self.console = console
+        self.writer = writer
+        self.duration: float | None = args.duration
+        self.every: float = args.progress
+        self.started = time.monotonic()
+        self.next_at = self.started + self.every
+
+    def __call__(self, batches: int) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            return
+        self.next_at = now + self.every
+        took = now - self.started
+        of = f" of {self.duration:g}" if self.duration is not None else ""
+        self.console.print(
+            f"recording: {batches:,} batches in {took:.0f}{of} s "
+            f"({batches / took:,.1f}/s), {self.writer.size:,} bytes written"
+        )
 
 
 def _notices(console: Console, quiet: bool) -> Any:
@@ -117,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
                 limits=Limits(args.duration, args.max_batches),
                 stop=stop,
                 on_item=_notices(console, args.quiet),
+                catch_up=args.start == "oldest",
+                tick=None if args.quiet else Progress(console, writer, args),
             )
         except zmq.ZMQError as exc:
             raise UsageError(f"can't follow the publishers: {exc}") from None

@@ -34,12 +34,16 @@ class _Run:
     batches: int = 0
 
 
-def _open(specs: Sequence[InstanceSpec], writer: Writer, policy: ReplayPolicy | None) -> Subscriber:
+def _open(
+    specs: Sequence[InstanceSpec], writer: Writer, policy: ReplayPolicy | None, catch_up: bool
+) -> Subscriber:
     # Continue where the file stopped: the publisher's replay fills what was published
     # while nobody recorded (and tells a restart apart from more of the same stream).
     ours = {source.source for spec in specs for source in spec.sources()}
     resume = {key: cp for key, cp in writer.checkpoints.items() if key in ours}
-    return Subscriber(instances=specs, resume=resume, policy=policy, keep_payload=True)
+    return Subscriber(
+        instances=specs, resume=resume, policy=policy, keep_payload=True, catch_up=catch_up
+    )
 
 
 def record(
@@ -50,14 +54,20 @@ def record(
     stop: Callable[[], bool] = lambda: False,
     on_item: Callable[[Item], None] | None = None,
     policy: ReplayPolicy | None = None,
+    catch_up: bool = True,
+    tick: Callable[[int], None] | None = None,
 ) -> int:
     """Record every batch of `specs` (and the notices between them) until `limits` are
     reached or `stop()` is true; returns the number of batches recorded. Flushes whole
-    segments as it goes; the caller closes the writer."""
+    segments as it goes; the caller closes the writer.
+
+    A source the file has no checkpoint for starts at its first live batch, or with
+    everything its replay buffer holds if `catch_up`; one it has continues where the file
+    stopped. `tick(batches)` is called a few times a second (for progress)."""
     writer.session([spec.render() for spec in specs])
     run = _Run()
     deadline = None if limits.duration is None else run.started + limits.duration
-    with _open(specs, writer, policy) as sub:
+    with _open(specs, writer, policy, catch_up) as sub:
         while not stop() and not _reached(run, limits):
             timeout = _POLL_SECONDS
             if deadline is not None:
@@ -66,6 +76,8 @@ def record(
                     break
             _take(sub.poll(timeout), writer, run, limits, on_item)
             writer.tick()
+            if tick is not None:
+                tick(run.batches)
     return run.batches
 
 

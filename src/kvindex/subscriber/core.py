@@ -120,13 +120,16 @@ class Subscriber:
         keep_payload: bool = False,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         decode: bool = True,
+        catch_up: bool = True,
     ) -> None:
         """`decode=False` passes every payload through undecoded (`Delivery.payload`, an
         empty `batch`, no DecodeFailed): what a relay needs, which forwards batches as
-        they came."""
+        they came. `catch_up=False` starts each publisher not resumed at its first live
+        batch instead of with its replay buffer (`kvindex record --from now`)."""
         self._ctx = context or zmq.Context.instance()
         self._opts = _Options(policy or ReplayPolicy(), rcvhwm, max_payload, decode)
         self._keep_payload = keep_payload  # for recorders and stores that persist raw batches
+        self._catch_up = catch_up
         self._resume = dict(resume or {})
         self._sources: dict[SourceKey, _Source] = {}
         self._by_socket: dict[zmq.Socket[bytes], _Source] = {}
@@ -247,6 +250,7 @@ class Subscriber:
             has_replay=spec.replay_endpoint is not None,
             resume=self._resume.get(spec.source),
             policy=self._opts.policy,
+            catch_up=self._catch_up,
         )
         sub, monitor = self._connect_sub(spec)
         link = LinkWatch(spec.endpoint, spec.curve is not None, time.monotonic())

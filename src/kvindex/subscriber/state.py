@@ -117,7 +117,11 @@ class SourceState:
         has_replay: bool,
         resume: Checkpoint | None = None,
         policy: ReplayPolicy | None = None,
+        catch_up: bool = True,
     ) -> None:
+        """`catch_up=False` (and no `resume`): start at the first batch that arrives live
+        rather than with what the publisher's replay buffer already holds; the replay
+        still fills gaps from there on."""
         self.source = source
         self.has_replay = has_replay
         self.policy = policy or ReplayPolicy()
@@ -133,6 +137,7 @@ class SourceState:
         self._suspect = False
         self._unverified = False
         self._probe_at: float | None = None
+        self._await_live = not catch_up and resume is None
         if resume is not None:
             self.next_seq = resume.next_seq
             if resume.last_digest is not None and resume.next_seq > 0:
@@ -181,7 +186,7 @@ class SourceState:
     def start(self, now: float) -> list[Output]:
         """Catch up with what the publisher already holds (a late join, or a resume)."""
         out: list[Output] = []
-        if self.has_replay:
+        if self.has_replay and not self._await_live:
             self._start_replay(now, out, attempt=1)
         return out
 
@@ -213,6 +218,9 @@ class SourceState:
         out: list[Output] = []
         self.stats.received += 1
         self._arm_probe(now)
+        if self._await_live:  # the stream starts here for us: nothing before it is missing
+            self._await_live = False
+            self.next_seq = seq
         if self._last_live is not None and seq <= self._last_live:
             self._restart(seq, out)
         elif seq < self.next_seq:
@@ -294,7 +302,7 @@ class SourceState:
                 self._retry(r, now, out, "replay request timed out")
         elif self._probe_at is not None and now >= self._probe_at and self.stats.connected:
             self._probe_at = None  # one probe per quiet spell; traffic re-arms it
-            if self.has_replay and not self._suspect:
+            if self.has_replay and not self._suspect and not self._await_live:
                 self._start_replay(now, out, attempt=self.policy.max_attempts, probe=True)
         return out
 
@@ -307,7 +315,7 @@ class SourceState:
     def _check_anchor(self, now: float, out: list[Output]) -> None:
         anchor, self._anchor = self._anchor, None
         self._suspect = False
-        if not self.has_replay:
+        if not self.has_replay or self._await_live:
             self._flush_pending(now, out)
             return
         verify_seq = None

@@ -282,3 +282,40 @@ def test_bad_usage_from_the_command_line(module: str) -> None:
         "kvindex watch: error: endpoint 'udp://nowhere' is not a ZMQ endpoint "
         "(tcp://HOST:PORT, ipc://PATH)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["replay", "f.kvr", "--speed", "-3"], "'-3' must be a positive number (see"),
+        (["simulate", "--rate", "-1"], "'-1' must be a positive number (see"),
+        (["replay", "f.kvr", "--speed", "fast"], "'fast' is not a number (see"),
+        (["watch", "tcp://h:1", "--duration", "-1"], "must be a positive number of seconds"),
+        (["watch", "tcp://h:1", "--duration", "nan"], "'nan' is not a number of seconds"),
+        (["replay", "f.kvr", "--wait", "-1"], "must be 0 or a positive number of seconds"),
+        (["record", "tcp://h:1", "--out", "x", "--progress", "0"], "positive number of seconds"),
+    ],
+)
+def test_number_flags_say_what_they_want(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_every_option_of_every_command_has_help() -> None:
+    from kvindex.cli import build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    missing = [
+        f"{name} {'/'.join(action.option_strings) or action.dest}"
+        for name, sub in commands.items()
+        for action in sub._actions
+        if action.help is None and action.dest != "help"
+    ]
+    assert missing == []
+    assert all(sub.description for sub in commands.values())

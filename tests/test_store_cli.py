@@ -79,3 +79,31 @@ def test_bad_stores_are_one_line_errors(url: str) -> None:
         proc = kvindex(cmd, "--store", url)
         assert proc.returncode == 2, (cmd, url, proc.stderr)
         assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_export_into_a_pipe_closed_early_ends_quietly(tmp_path: Path) -> None:
+    """`kvindex export ... | head`: no BrokenPipeError traceback, exit 0."""
+    h = Harness(tmp_path / "big.sqlite")
+    n = 5000  # far more than a pipe's buffer holds
+    h.batch(A, BlockStored(list(range(n)), None, list(range(n * BS)), BS))
+    h.writer.close()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvindex", "export", "--store", f"sqlite:///{h.path}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert json.loads(proc.stdout.readline())["instance"] == "a"
+    proc.stdout.close()  # what `head -1` does once it has its line
+    assert proc.wait(60) == 0
+    assert proc.stderr.read() == ""
+
+
+@pytest.mark.parametrize("command", ["export", "stats"])
+def test_store_commands_describe_themselves(command: str) -> None:
+    proc = kvindex(command, "--help")
+    assert proc.returncode == 0
+    usage, description = proc.stdout.split("\n\n")[:2]
+    assert usage.startswith(f"usage: kvindex {command}")
+    assert len(description.split()) > 8 and not description.startswith("options")

@@ -8,6 +8,7 @@ those two pieces and list it in `COMMANDS`.
 Usage errors are one line on stderr and exit code 2, never a traceback: argparse's own
 multi-line usage dump is replaced (see `CliParser.error`), and commands raise `UsageError`
 for problems argparse can't see (a malformed endpoint, a socket that can't be opened).
+A reader that closes stdout early (`| head`) ends a command quietly, exit 0.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from types import ModuleType
 from typing import NoReturn
 
 from kvindex import __version__
-from kvindex.cli.common import EXIT_USAGE, UsageError
+from kvindex.cli.common import EXIT_USAGE, UsageError, silence_stdout
 
 __all__ = ["EXIT_USAGE", "CliParser", "UsageError", "build_parser", "main"]
 
@@ -76,7 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if run is None:
         parser.error("a command is required")
     try:
-        return run(args)
+        code = run(args)
+        sys.stdout.flush()  # here, where a closed pipe can still be caught
+        return code
     except UsageError as exc:
         print(f"kvindex {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # The reader went away (`kvindex export ... | head`): it had all it wanted.
+        silence_stdout()
+        return 0

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
-__all__ = ["EXIT_USAGE", "UsageError", "positive_float", "positive_int"]
+__all__ = [
+    "EXIT_USAGE",
+    "UsageError",
+    "non_negative_seconds",
+    "positive_float",
+    "positive_int",
+    "positive_seconds",
+    "silence_stdout",
+]
 
 EXIT_USAGE = 2
 
@@ -23,11 +33,43 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
+def _number(text: str, what: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A number above 0 (a speed, a rate)."""
+    value = _number(text, "a number")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A duration in seconds, above 0."""
+    value = _number(text, "a number of seconds")
+    if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
     return value
+
+
+def non_negative_seconds(text: str) -> float:
+    """A duration in seconds, 0 or more."""
+    value = _number(text, "a number of seconds")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or a positive number of seconds")
+    return value
+
+
+def silence_stdout() -> None:
+    """The reader of stdout went away (`| head`): point stdout at /dev/null, so that the
+    interpreter's last flush does not fail again (a BrokenPipeError traceback at exit)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from kvindex.cli.common import UsageError, positive_float, positive_int
+from kvindex.cli.common import UsageError, positive_int, positive_seconds
 from kvindex.cli.serve import DEFAULT_HTTP, listen, parse_http
 from kvindex.cli.signals import Stop, stop_signals
 from kvindex.cli.simulate import build_config, describe, open_fleet, sim_arguments
@@ -50,7 +50,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--pause-after",
         metavar="S",
-        type=positive_float,
+        type=positive_seconds,
         help="stop the simulated load after S seconds; the fleet stays up, idle, to explore",
     )
     p.set_defaults(run=run)

@@ -26,9 +26,17 @@ FIELDS = (
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("export", help="print every block a store holds (jsonl or csv)")
+    p = sub.add_parser(
+        "export",
+        help="print every block a store holds (jsonl or csv)",
+        description="Print every cached block a store holds, one record per (instance, DP "
+        "rank, KV cache group, medium, block hash), as of its last committed batch. Safe "
+        "while serve runs.",
+    )
     p.add_argument("--store", required=True, metavar="URL", help="sqlite:///PATH or redis://...")
-    p.add_argument("--format", choices=("jsonl", "csv"), default="jsonl")
+    p.add_argument(
+        "--format", choices=("jsonl", "csv"), default="jsonl", help="output format (jsonl)"
+    )
     p.add_argument("--out", metavar="FILE", help="write here instead of stdout")
     p.set_defaults(run=run)
 

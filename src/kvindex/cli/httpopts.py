@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvindex.cli.common import UsageError, positive_float, positive_int
+from kvindex.cli.common import UsageError, positive_int, positive_seconds
 from kvindex.security.http import HttpGuard
 
 __all__ = ["HttpOptions", "add_http_arguments", "http_options", "warn_if_exposed"]
@@ -57,7 +57,7 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--request-timeout",
-        type=positive_float,
+        type=positive_seconds,
         default=30.0,
         metavar="S",
         help="seconds for a request body to arrive (default: 30)",

@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 from rich.console import Console
 
-from kvindex.cli.common import UsageError, positive_float, positive_int
+from kvindex.cli.common import UsageError, positive_int, positive_seconds
 from kvindex.cli.signals import stop_signals
 from kvindex.recording import RecordingError, Writer
 from kvindex.recording.recorder import Limits, record
@@ -67,18 +67,18 @@ def add_parser(subparsers: Any) -> None:
         "everything its replay buffer still holds. A source the file already has "
         "continues where the file stopped either way",
     )
-    p.add_argument("--duration", type=positive_float, metavar="S", help="stop after S seconds")
+    p.add_argument("--duration", type=positive_seconds, metavar="S", help="stop after S seconds")
     p.add_argument("--max-batches", type=positive_int, metavar="N", help="stop after N batches")
     p.add_argument(
         "--flush-interval",
-        type=positive_float,
+        type=positive_seconds,
         default=1.0,
         metavar="S",
         help="write a segment at least every S seconds (default: 1)",
     )
     p.add_argument(
         "--progress",
-        type=positive_float,
+        type=positive_seconds,
         default=PROGRESS_EVERY,
         metavar="S",
         help=f"seconds between two progress lines (default: {PROGRESS_EVERY:g})",

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvindex.cli.common import UsageError, positive_float, positive_int
+from kvindex.cli.common import UsageError, positive_int, positive_seconds
 from kvindex.cli.signals import Stop, stop_signals
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def add_parser(subparsers: Any) -> None:
         metavar="N",
         help="batches the relay keeps for its own replay endpoint (default: 10000)",
     )
-    p.add_argument("--duration", type=positive_float, metavar="S", help="stop after S seconds")
+    p.add_argument("--duration", type=positive_seconds, metavar="S", help="stop after S seconds")
     p.set_defaults(run=run)
 
 

@@ -15,7 +15,12 @@ from typing import Any
 import zmq
 from rich.console import Console
 
-from kvindex.cli.common import UsageError, positive_float, positive_int
+from kvindex.cli.common import (
+    UsageError,
+    non_negative_seconds,
+    positive_float,
+    positive_int,
+)
 from kvindex.cli.signals import Stop, stop_signals
 from kvindex.recording import RecordingError
 from kvindex.recording.replay import (
@@ -56,14 +61,14 @@ def add_parser(subparsers: Any) -> None:
     pace.add_argument("--as-fast-as-possible", action="store_true", help="no pauses at all")
     p.add_argument(
         "--wait",
-        type=float,
+        type=non_negative_seconds,
         default=1.0,
         metavar="S",
         help="seconds between binding and the first batch, for subscribers to connect",
     )
     p.add_argument(
         "--hold",
-        type=float,
+        type=non_negative_seconds,
         default=2.0,
         metavar="S",
         help="seconds to keep serving replay requests after the last batch",

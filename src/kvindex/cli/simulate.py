@@ -11,7 +11,7 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvindex.cli.common import UsageError, positive_float, positive_int
+from kvindex.cli.common import UsageError, positive_float, positive_int, positive_seconds
 from kvindex.cli.signals import stop_signals
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def sim_arguments(p: argparse.ArgumentParser, *, rate: float, restart: float, re
         help=f"mean seconds between prefix-cache resets, 0 = never ({reset:g})",
     )
     p.add_argument("--gpu-blocks", type=positive_int, default=2048, help="blocks per pool (2048)")
-    p.add_argument("--duration", metavar="S", type=positive_float, help="stop after S seconds")
+    p.add_argument("--duration", metavar="S", type=positive_seconds, help="stop after S seconds")
 
 
 def add_parser(subparsers: Any) -> None:

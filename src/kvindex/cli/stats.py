@@ -12,7 +12,12 @@ from kvindex.store import StoreError, read_store
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("stats", help="summarise what a store holds, per instance")
+    p = sub.add_parser(
+        "stats",
+        help="summarise what a store holds, per instance",
+        description="Summarise what a store holds, offline: per instance, distinct blocks "
+        "(by medium), copies, DP ranks and where each rank's stream continues.",
+    )
     p.add_argument("--store", required=True, metavar="URL", help="sqlite:///PATH or redis://...")
     p.add_argument("--json", action="store_true", help="one JSON document instead of a table")
     p.set_defaults(run=run)

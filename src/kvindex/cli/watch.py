@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 from collections import Counter
@@ -21,7 +20,7 @@ import zmq
 from rich.console import Console
 from rich.text import Text
 
-from kvindex.cli.common import UsageError, positive_float, positive_int
+from kvindex.cli.common import UsageError, positive_int, positive_seconds, silence_stdout
 from kvindex.cli.render import batch_line, delivery_records
 from kvindex.cli.signals import Stop, stop_signals
 from kvindex.subscriber import (
@@ -76,7 +75,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--curve", metavar="KEY", help="CURVE server public key (or key file)")
     p.add_argument("--client-key", metavar="FILE", help="CURVE client secret key file")
     p.add_argument("--max-batches", type=positive_int, metavar="N", help="stop after N batches")
-    p.add_argument("--duration", type=positive_float, metavar="S", help="stop after S seconds")
+    p.add_argument("--duration", type=positive_seconds, metavar="S", help="stop after S seconds")
     p.set_defaults(run=run)
 
 
@@ -188,14 +187,6 @@ def _follow(
                 out.notice(item)
 
 
-def _silence_stdout() -> None:
-    # The reader went away (`| head`): point stdout at /dev/null so that the interpreter's
-    # final flush does not fail a second time.
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-
-
 def _with_curve(spec: InstanceSpec, curve: str | None, client_key: str | None) -> InstanceSpec:
     options = "" if curve is None else f",curve={curve}"
     options += "" if client_key is None else f",client_key={client_key}"
@@ -223,7 +214,7 @@ def _watch(sub: Subscriber, out: Output, tally: Tally, args: argparse.Namespace)
         with stop_signals("watch") as stop:
             _follow(sub, out, tally, args, stop)
     except BrokenPipeError:
-        _silence_stdout()
+        silence_stdout()
         return False
     return True
 

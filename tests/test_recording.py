@@ -29,7 +29,7 @@ from kvindex.recording import (
 )
 from kvindex.recording.format import SEGMENT_HEAD
 from kvindex.recording.reader import Reader
-from kvindex.recording.replay import plan, serve_specs
+from kvindex.recording.replay import Target, open_publishers, plan, replay, serve_specs
 from kvindex.subscriber import Delivery, Restarted, SourceKey, Subscriber
 from kvindex.wire import BlockStored
 from kvindex.wire.publisher import Publisher, encode_batch
@@ -39,8 +39,10 @@ pytestmark = pytest.mark.timeout(45)
 A = SourceKey("a")
 
 
-def payload(i: int, rank: int = 0) -> bytes:
-    return encode_batch([BlockStored([i], None, list(range(i, i + 16)), 16)], 1e9 + i, rank)
+def payload(i: int, rank: int = 0, ts: float | None = None) -> bytes:
+    """Batch i; its time is 1e9 + i seconds unless given (replay paces by it)."""
+    events = [BlockStored([i], None, list(range(i, i + 16)), 16)]
+    return encode_batch(events, 1e9 + i if ts is None else ts, rank)
 
 
 def write_batches(path: Path, n: int, **kw: int) -> list[int]:
@@ -188,16 +190,16 @@ class Fleet:
         """Publish with a gap (seqs 4, 5 of `a` dropped live) and a restart of `a`."""
         n = 0
         for i in range(12):
-            self.a.publish_payload(payload(i))
+            self.a.publish_payload(payload(i, ts=time.time()))
             for rank, pub in enumerate(self.b):
-                pub.publish_payload(payload(100 + i, rank))
+                pub.publish_payload(payload(100 + i, rank, ts=time.time()))
             n += 3
             time.sleep(0.005)
         time.sleep(0.4)
         self.drop = set()
         self.a.restart()
         for i in range(6):
-            self.a.publish_payload(payload(50 + i))
+            self.a.publish_payload(payload(50 + i, ts=time.time()))
             n += 1
             time.sleep(0.005)
         return n
@@ -365,3 +367,67 @@ def test_record_prints_progress(fleet: Fleet, tmp_path: Path) -> None:
     assert re.fullmatch(
         r"recording: \d+ batches in \d+ of 2 s \([\d.]+/s\), [\d,]+ bytes written", progress[0]
     )
+
+
+# -- replay: pace, progress, where and why it stopped ---------------------------------------
+
+
+def recording_of(path: Path, times: list[tuple[float, float]]) -> None:
+    """One batch of source A per (engine time, receive time)."""
+    with Writer(path, segment_bytes=300) as w:
+        w.session(["a=tcp://127.0.0.1:1"])
+        for seq, (ts, received) in enumerate(times):
+            w.batch(A, seq, payload(seq, ts=ts), received=received)
+
+
+def replay_taking(path: Path, speed: float) -> float:
+    pubs = open_publishers([Target(A, "tcp://127.0.0.1:*")])
+    try:
+        return replay(str(path), pubs, speed=speed).elapsed
+    finally:
+        for pub in pubs.values():
+            pub.close()
+
+
+def test_replay_paces_by_the_batches_own_times_not_receive_times(tmp_path: Path) -> None:
+    caught_up = tmp_path / "caught_up.kvr"  # published over 2 s, received at once (a catch-up)
+    recording_of(caught_up, [(1e9 + i * 0.1, 5e9) for i in range(21)])
+    assert replay_taking(caught_up, speed=2.0) >= 0.9  # 2 s of engine time at 2x
+    bunched = tmp_path / "bunched.kvr"  # published at once, received over 20 s
+    recording_of(bunched, [(1e9, 5e9 + i) for i in range(21)])
+    assert replay_taking(bunched, speed=1.0) < 0.9
+
+
+def test_replay_of_a_damaged_file_says_where_it_stopped_and_fails(tmp_path: Path) -> None:
+    path = tmp_path / "r.kvr"
+    recording_of(path, [(1e9 + i * 0.001, 1e9) for i in range(60)])
+    data = bytearray(path.read_bytes())
+    cut_at = len(data) // 2
+    data[cut_at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    readable = seqs_in(path)
+    assert 0 < len(readable) < 60
+    proc = kvindex("replay", str(path), "--pub", f"tcp://127.0.0.1:{free_ports(1)}", "--wait", "0")
+    assert proc.finish(20) == 1
+    assert re.fullmatch(
+        rf"replay stopped at batch {len(readable)} \(a seq {readable[-1]}\) after [\d.]+ s: "
+        r"the file is damaged: segment at offset \d+ fails its checksum; the rest can't be read",
+        proc.out[-1],
+    ), proc.out[-3:]
+
+
+def test_replay_prints_progress_and_its_total(tmp_path: Path) -> None:
+    path = tmp_path / "r.kvr"
+    recording_of(path, [(1e9 + i * 0.1, 1e9) for i in range(21)])  # 2 s
+    proc = kvindex(
+        "replay", str(path), "--pub", f"tcp://127.0.0.1:{free_ports(1)}", "--wait", "0",
+        "--hold", "0", "--progress", "0.5",
+    )  # fmt: skip
+    assert proc.finish(20) == 0, proc.err
+    assert proc.out[0].startswith(f"replaying {path} (21 batches, 0:02 of recorded time) at 1x")
+    progress = [line for line in proc.out if line.startswith("replaying: ")]
+    assert len(progress) >= 2, proc.out
+    assert re.fullmatch(
+        r"replaying: \d+ of 21 batches \(\d+%\), 0:0\d of 0:02 recorded time", progress[0]
+    )
+    assert re.fullmatch(r"replayed 21 batches \(0 restarts\) in [\d.]+ s", proc.out[-1])

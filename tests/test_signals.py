@@ -8,6 +8,7 @@ Batches flow while the signal arrives, so it lands in the middle of real work.
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import threading
@@ -180,6 +181,10 @@ def test_replay_stops_mid_file_and_frees_its_ports(how: How, tmp_path: Path) -> 
     time.sleep(0.5)
     stop_and_check(proc, how)
     assert port_is_free(pub) and port_is_free(rep)
+    name = signal.Signals(how.sig).name
+    assert re.fullmatch(
+        rf"replay stopped at batch \d+ of 600 \(a seq \d+\) after [\d.]+ s: {name}", proc.out[-1]
+    ), proc.out[-3:]
 
 
 # -- serve ---------------------------------------------------------------------------------

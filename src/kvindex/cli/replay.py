@@ -3,13 +3,16 @@
 One publisher (PUB, and a replay ROUTER with `--replay-endpoint`) per recorded instance and
 DP rank: on consecutive ports from `--pub` (an instance's ranks together, as vLLM binds
 them) or where `--instance NAME=EP[,replay=EP]` puts a recorded instance. Payloads and seqs
-are the recorded ones, restarts restart the publisher, and the pace is the recorded one
-times `--speed`. It prints the `kvindex serve --instance` flags that follow the replay.
+are the recorded ones, restarts restart the publisher, and the pace is the batches' own
+timestamps (when the engine published them) times `--speed`. It prints the `kvindex serve
+--instance` flags that follow the replay, a progress line every 10 s, and at the end how
+much it played, or where and why it stopped (a stop signal; damage in the file: exit 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 import zmq
@@ -20,21 +23,26 @@ from kvindex.cli.common import (
     non_negative_seconds,
     positive_float,
     positive_int,
+    positive_seconds,
 )
 from kvindex.cli.signals import Stop, stop_signals
 from kvindex.recording import RecordingError
 from kvindex.recording.replay import (
     ReplayPublisher,
+    ReplayStats,
+    Survey,
     Target,
     open_publishers,
     plan,
-    recorded_sources,
     replay,
     serve_specs,
+    survey,
 )
 from kvindex.subscriber import InstanceSpec, SourceKey, SpecError
 
-__all__ = ["add_parser", "run"]
+__all__ = ["PROGRESS_EVERY", "add_parser", "run"]
+
+PROGRESS_EVERY = 10.0  # seconds between two progress lines
 
 
 def add_parser(subparsers: Any) -> None:
@@ -76,19 +84,26 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--buffer-steps", type=positive_int, default=10_000, metavar="N", help="replay buffer"
     )
+    p.add_argument(
+        "--progress",
+        type=positive_seconds,
+        default=PROGRESS_EVERY,
+        metavar="S",
+        help=f"seconds between two progress lines (default: {PROGRESS_EVERY:g})",
+    )
     p.set_defaults(run=run)
 
 
-def _targets(args: argparse.Namespace) -> list[Target]:
+def _targets(args: argparse.Namespace) -> tuple[list[Target], Survey]:
     try:
         specs = [InstanceSpec.parse(text) for text in args.instance]
-        sources = recorded_sources(args.file)
+        found = survey(args.file)
     except (SpecError, RecordingError) as exc:
         raise UsageError(str(exc)) from None
-    if not sources:
+    if not found.batches:
         raise UsageError(f"{args.file} holds no batches to replay")
     try:
-        return plan(sources, args.pub, args.replay_endpoint, specs)
+        return plan(found.sources, args.pub, args.replay_endpoint, specs), found
     except (ValueError, SpecError) as exc:
         raise UsageError(str(exc)) from None
 
@@ -100,9 +115,14 @@ def _open(targets: list[Target], args: argparse.Namespace) -> dict[SourceKey, Re
         raise UsageError(f"can't bind the publishers: {exc}") from None
 
 
-def _announce(console: Console, targets: list[Target], args: argparse.Namespace) -> None:
+def _announce(
+    console: Console, targets: list[Target], found: Survey, args: argparse.Namespace
+) -> None:
     pace = "as fast as possible" if args.as_fast_as_possible else f"at {args.speed:g}x"
-    console.print(f"replaying {args.file} {pace} as {len(targets)} publishers:")
+    console.print(
+        f"replaying {args.file} ({found.batches:,} batches, {_clock(found.span)} of "
+        f"recorded time) {pace} as {len(targets)} publishers:"
+    )
     for t in targets:
         replay_text = f" (replay {t.replay_endpoint})" if t.replay_endpoint else ""
         console.print(f"  {t.source!r} -> {t.endpoint}{replay_text}")
@@ -110,27 +130,72 @@ def _announce(console: Console, targets: list[Target], args: argparse.Namespace)
     console.print(f"follow it with: kvindex serve {flags}", soft_wrap=True)
 
 
+class Progress:
+    """A line every `--progress` seconds: batches sent of all, recorded time played."""
+
+    def __init__(self, console: Console, found: Survey, every: float) -> None:
+        self.console = console
+        self.found = found
+        self.every = every
+        self.next_at = time.monotonic() + every
+
+    def __call__(self, stats: ReplayStats) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            return
+        self.next_at = now + self.every
+        total = self.found.batches
+        self.console.print(
+            f"replaying: {stats.batches:,} of {total:,} batches ({stats.batches / total:.0%}), "
+            f"{_clock(stats.recorded_seconds)} of {_clock(self.found.span)} recorded time"
+        )
+
+
+def _clock(seconds: float) -> str:
+    whole = int(seconds)
+    hours, rest = divmod(whole, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def _ending(stats: ReplayStats, found: Survey, stop: Stop) -> str:
+    """The last line: how much was replayed, and where and why it stopped if it did."""
+    if stats.stopped is None:
+        text = f"replayed {stats.batches:,} batches ({stats.restarts} restarts) in "
+        text += f"{stats.elapsed:.1f} s"
+        if stats.truncated:
+            text += "; the file ends mid-segment (its recorder was cut off): played to there"
+        return text
+    where = f"replay stopped at batch {stats.batches:,}"
+    if stop():  # else the damage cut the survey short too: no total to compare with
+        where += f" of {found.batches:,}"
+    if stats.last is not None:
+        source, seq = stats.last
+        where += f" ({source!r} seq {seq})"
+    why = stop.reason if stop() and stop.reason else stats.stopped
+    return f"{where} after {stats.elapsed:.1f} s: {why}"
+
+
 def run(args: argparse.Namespace) -> int:
-    targets = _targets(args)
+    targets, found = _targets(args)
     console = Console(highlight=False, soft_wrap=True)
     pubs = _open(targets, args)
     try:
         with stop_signals("replay") as stop:
-            _announce(console, targets, args)
+            _announce(console, targets, found, args)
             _pause(args.wait, stop)
             speed = None if args.as_fast_as_possible else args.speed
-            stats = replay(args.file, pubs, speed=speed, stop=stop)
-            console.print(
-                f"replayed {stats.batches} batches ({stats.restarts} restarts) "
-                f"in {stats.elapsed:.1f} s"
-            )
-            _pause(args.hold, stop)
+            progress = Progress(console, found, args.progress)
+            stats = replay(args.file, pubs, speed=speed, stop=stop, tick=progress)
+            console.print(_ending(stats, found, stop))
+            if stats.stopped is None:
+                _pause(args.hold, stop)
     except RecordingError as exc:
         raise UsageError(str(exc)) from None
     finally:
         for pub in pubs.values():
             pub.close()
-    return 0
+    damaged = stats.stopped is not None and not stop()
+    return 1 if damaged else 0
 
 
 def _pause(seconds: float, stop: Stop) -> None:

@@ -3,8 +3,13 @@
 Each recorded source (instance, DP rank) gets its own publisher. Payloads go out byte for
 byte under their recorded seqs; a recorded restart restarts that publisher (seq back to
 the new stream's first seq, replay buffer emptied), and recorded holes (lost batches)
-stay holes. Pacing follows the recorded receive times, scaled by `speed` (None: as fast
-as possible); the pause between two recording sessions of an appended file is skipped.
+stay holes.
+
+Pacing follows the batches' own timestamps (when the engine published them), scaled by
+`speed` (None: as fast as possible); not the receive times, which bunch up whatever a
+recorder caught up from a replay buffer. A batch whose time lies before one already sent
+(another engine's clock, a catch-up) goes at once. The pause between two recording
+sessions of an appended file is skipped.
 """
 
 from __future__ import annotations
@@ -13,14 +18,25 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from kvindex.recording.format import BatchRec, NoticeRec, SessionRec
-from kvindex.recording.reader import records
+from kvindex.recording.reader import Reader
 from kvindex.subscriber import InstanceSpec, SourceKey, offset_endpoint
 from kvindex.wire.publisher import Publisher
 
-__all__ = ["ReplayPublisher", "ReplayStats", "Target", "plan", "recorded_sources", "replay"]
+__all__ = [
+    "ReplayPublisher",
+    "ReplayStats",
+    "Survey",
+    "Target",
+    "batch_time",
+    "plan",
+    "recorded_sources",
+    "replay",
+    "survey",
+]
 
 _SLEEP_SLICE = 0.1  # the longest a stop request waits during a pause
 
@@ -43,13 +59,58 @@ class Target:
     replay_endpoint: str | None = None
 
 
+_ts_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
+
+
+def batch_time(rec: BatchRec) -> float:
+    """When the engine published the batch (its own timestamp, the payload's first field),
+    or the receive time when the payload has no usable one. Only that field is decoded."""
+    try:
+        ts = msgspec.msgpack.decode(_ts_decoder.decode(rec.payload)[0], type=float)
+    except (msgspec.DecodeError, IndexError):
+        return rec.received
+    return ts if 0 < ts < float("inf") else rec.received
+
+
+@dataclass(slots=True)
+class Survey:
+    """What a recording holds, read once before replaying it."""
+
+    sources: list[SourceKey]  # instances in order of first appearance, ranks sorted
+    batches: int
+    span: float  # seconds from the first batch's time to the last's (one session's)
+    damage: str | None = None
+    truncated: bool = False
+
+
+def survey(path: str) -> Survey:
+    ranks: dict[str, set[int]] = {}
+    batches = 0
+    span = 0.0
+    first: float | None = None
+    last = 0.0
+    reader = Reader(path)
+    for rec in reader:
+        if isinstance(rec, SessionRec):
+            if first is not None:
+                span += last - first
+            first = None
+        elif isinstance(rec, BatchRec | NoticeRec):
+            ranks.setdefault(rec.instance, set()).add(rec.rank)
+            if isinstance(rec, BatchRec):
+                batches += 1
+                t = batch_time(rec)
+                first = t if first is None else min(first, t)
+                last = max(last, t)
+    if first is not None:
+        span += last - first
+    sources = [SourceKey(name, rank) for name, rs in ranks.items() for rank in sorted(rs)]
+    return Survey(sources, batches, span, reader.damage, reader.truncated)
+
+
 def recorded_sources(path: str) -> list[SourceKey]:
     """The sources of a recording: instances in order of first appearance, ranks sorted."""
-    ranks: dict[str, set[int]] = {}
-    for rec in records(path):
-        if isinstance(rec, BatchRec | NoticeRec):
-            ranks.setdefault(rec.instance, set()).add(rec.rank)
-    return [SourceKey(name, rank) for name, rs in ranks.items() for rank in sorted(rs)]
+    return survey(path).sources
 
 
 def plan(
@@ -105,6 +166,11 @@ class ReplayStats:
     restarts: int = 0
     started: float = field(default_factory=time.monotonic)
     per_source: dict[SourceKey, int] = field(default_factory=dict)
+    recorded_seconds: float = 0.0  # of recorded time played so far (batch times)
+    # Why the replay ended before the end of the file: None if it played it all.
+    stopped: str | None = None
+    last: tuple[SourceKey, int] | None = None  # the last batch sent: source, seq
+    truncated: bool = False  # the file ends mid-segment (its recorder was cut off)
 
     @property
     def elapsed(self) -> float:
@@ -112,24 +178,34 @@ class ReplayStats:
 
 
 class _Clock:
-    """Maps recorded receive times to when to send, at `speed` (None: no waiting)."""
+    """Maps batch times to when to send them, at `speed` (None: no waiting)."""
 
     def __init__(self, speed: float | None) -> None:
         self.speed = speed
-        self.origin: tuple[float, float] | None = None  # (recorded time, monotonic time)
+        self.origin: tuple[float, float] | None = None  # (batch time, monotonic time)
+        self.played = 0.0  # recorded seconds of earlier sessions
+        self.latest: float | None = None
 
     def rebase(self) -> None:
-        self.origin = None
+        if self.origin is not None and self.latest is not None:
+            self.played += self.latest - self.origin[0]
+        self.origin, self.latest = None, None
 
-    def delay(self, received: float) -> float:
-        if self.speed is None:
-            return 0.0
+    def seconds(self) -> float:
+        """Recorded seconds played so far."""
+        if self.origin is None or self.latest is None:
+            return self.played
+        return self.played + self.latest - self.origin[0]
+
+    def delay(self, t: float) -> float:
         now = time.monotonic()
         if self.origin is None:
-            self.origin = (received, now)
+            self.origin = (t, now)
+        self.latest = t if self.latest is None else max(self.latest, t)
+        if self.speed is None:
             return 0.0
         recorded, start = self.origin
-        return start + (received - recorded) / self.speed - now
+        return start + (t - recorded) / self.speed - now
 
 
 def _sleep(seconds: float, stop: Callable[[], bool]) -> bool:
@@ -168,12 +244,24 @@ def replay(
     *,
     speed: float | None = 1.0,
     stop: Callable[[], bool] = lambda: False,
+    tick: Callable[[ReplayStats], None] | None = None,
 ) -> ReplayStats:
-    """Send the recording through `pubs` (from `open_publishers`), paced by `speed`."""
+    """Send the recording through `pubs` (from `open_publishers`), paced by `speed`.
+    `stats.stopped` says why it ended early: a stop request, or damage in the file (the
+    rest can't be read). `tick(stats)` is called after every batch and pause slice."""
     stats = ReplayStats()
     clock = _Clock(speed)
-    for rec in records(path):
-        if stop():
+    reader = Reader(path)
+
+    def halted() -> bool:  # between batches and every pause slice: progress, then stop?
+        stats.recorded_seconds = clock.seconds()
+        if tick is not None:
+            tick(stats)
+        return stop()
+
+    for rec in reader:
+        if halted():
+            stats.stopped = "stopped by request"
             break
         if isinstance(rec, SessionRec):
             clock.rebase()
@@ -182,8 +270,14 @@ def replay(
             if pub is not None:
                 pub.restart()
                 stats.restarts += 1
-        elif isinstance(rec, BatchRec) and not _send(rec, pubs, clock, stop, stats):
+        elif isinstance(rec, BatchRec) and not _send(rec, pubs, clock, halted, stats):
+            stats.stopped = "stopped by request"
             break
+    else:
+        if reader.damage is not None:
+            stats.stopped = f"the file is damaged: {reader.damage}; the rest can't be read"
+        stats.truncated = reader.truncated
+    stats.recorded_seconds = clock.seconds()
     return stats
 
 
@@ -198,10 +292,11 @@ def _send(
     pub = pubs.get(source)
     if pub is None:
         return True
-    wait = clock.delay(rec.received)
+    wait = clock.delay(batch_time(rec))
     if wait > 0 and not _sleep(wait, stop):
         return False
     pub.publish_at(rec.seq, rec.payload)
     stats.batches += 1
     stats.per_source[source] = stats.per_source.get(source, 0) + 1
+    stats.last = (source, rec.seq)
     return True

@@ -25,7 +25,7 @@ from clitools import kvindex
 from kvindex.analysis import analyze, curve, stack_distances
 from kvindex.recording import Writer
 from kvindex.subscriber import Restarted, SourceKey
-from kvindex.wire import BlockRemoved, BlockStored, Event
+from kvindex.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvindex.wire.publisher import encode_batch
 
 pytestmark = pytest.mark.timeout(60)
@@ -318,3 +318,111 @@ def test_report_renders_in_headless_chromium(stream: tuple[Path, Truth], tmp_pat
 
 # KVINDEX_UPDATE_DOCS=1: also refresh the README's screenshot, docs/analysis.png.
 UPDATE_DOCS = os.environ.get("KVINDEX_UPDATE_DOCS") == "1"
+
+
+# -- the fixes of issue 14: each test fails without its fix ----------------------------------
+
+
+def offload_stream(path: Path, seed: int = 7) -> dict[str, set[int]]:
+    """Three instances that store GPU blocks (unique tokens), offload some to CPU by hash
+    only (as vLLM's offload connector reports them), evict, clear and restart; returns the
+    GPU blocks each holds at the end."""
+    rng = random.Random(seed)
+    names = ["vllm-0", "vllm-1", "vllm-2"]
+    gpu: dict[str, set[int]] = {n: set() for n in names}
+    seqs = dict.fromkeys(names, 0)
+    next_hash = 1
+    with Writer(path) as w:
+        for step in range(3000):
+            name = rng.choice(names)
+            ts = T0 + step * 0.01
+            roll = rng.random()
+            events: list[Event] = []
+            if roll < 0.5 or not gpu[name]:
+                hashes = list(range(next_hash, next_hash + 4))
+                next_hash += 4
+                tokens = [t for h in hashes for t in [h] * BLOCK]  # content unique to it
+                events.append(BlockStored(hashes, None, tokens, BLOCK))
+                gpu[name].update(hashes)
+            elif roll < 0.7:
+                h = rng.choice(sorted(gpu[name]))
+                events.append(BlockStored([h], None, [], BLOCK, medium="CPU"))
+            elif roll < 0.95:
+                h = rng.choice(sorted(gpu[name]))
+                events.append(BlockRemoved([h]))
+                gpu[name].discard(h)
+            elif roll < 0.98:
+                events.append(AllBlocksCleared())
+                gpu[name].clear()
+            else:
+                w.notice(Restarted(SourceKey(name), seqs[name] - 1, 0, "test"), received=ts)
+                seqs[name] = 0
+                gpu[name].clear()
+                continue
+            w.batch(SourceKey(name), seqs[name], encode_batch(events, ts), received=ts)
+            seqs[name] += 1
+    return gpu
+
+
+def test_duplication_chart_ends_at_what_the_pools_hold(tmp_path: Path) -> None:
+    """The chart used to count a block offloaded by hash as released never: it grew at
+    every clear or restart (40,154 distinct blocks against pools of about 2,000 each)."""
+    path = tmp_path / "offload.kvr"
+    final = offload_stream(path)
+    report = analyze(path)
+    held = report.duplication["held"]
+    assert held.n[-1] == sum(len(blocks) for blocks in final.values())
+    assert held.n[-1] == sum(row.final_blocks.get("GPU", 0) for row in report.sources)
+    assert report.duplication["shared"].n[-1] == 0  # no content in common
+
+
+def test_a_clear_shows_on_the_duplication_chart_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "clear.kvr"
+    tokens = list(range(2 * BLOCK))
+    with Writer(path) as w:
+        for i, name in enumerate(["a", "b"]):
+            ts = T0 + i
+            w.batch(
+                SourceKey(name),
+                0,
+                encode_batch([BlockStored([1, 2], None, tokens, BLOCK)], ts),
+                received=ts,
+            )
+        w.batch(SourceKey("a"), 1, encode_batch([AllBlocksCleared()], T0 + 5), received=T0 + 5)
+    report = analyze(path)
+    assert report.duplication["held"].n == [2, 2, 2]
+    assert report.duplication["shared"].n == [0, 2, 0]  # the clear ends the sharing
+
+
+def test_prefixes_of_offloaded_blocks_are_the_blocks_not_zero_token_nodes(tmp_path: Path) -> None:
+    """A prefix offloaded by hash only read '0 tok': it is the GPU block with its tokens."""
+    path = tmp_path / "p.kvr"
+    root = list(range(BLOCK))
+    with Writer(path) as w:
+        events: list[Event] = [BlockStored([10], None, root, BLOCK)]
+        for i in range(3):  # three sequences branch off the root block
+            events.append(BlockStored([20 + i], 10, [100 + i] * BLOCK, BLOCK))
+        events.append(BlockStored([10, 20], None, [], BLOCK, medium="CPU"))  # offloaded
+        events += [BlockStored([30 + i], 20, [], BLOCK, medium="CPU") for i in range(2)]
+        w.batch(SourceKey("a"), 0, encode_batch(events, T0), received=T0)
+    report = analyze(path)
+    rows = report.prefixes.top
+    assert rows and all(row.tokens != 0 for row in rows)
+    first = rows[0]
+    assert (first.tokens, first.first_tokens[:3]) == (BLOCK, [0, 1, 2])
+    assert first.continuations == 4  # 21, 22, and 20's two hash-only children
+    assert [row.tokens for row in rows] == [BLOCK, 2 * BLOCK]
+
+
+def test_an_empty_recording_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "empty.kvr"
+    with Writer(path) as w:
+        w.session(["a=tcp://10.0.0.5:5557"])
+        w.notice(Restarted(SourceKey("a"), None, 0, "test"), received=T0)
+    html = tmp_path / "r.html"
+    cli = kvindex("analyze", str(path), "--html", str(html))
+    assert cli.finish(60) == 2
+    assert cli.err == [
+        f"kvindex analyze: error: {path} holds no batches to analyse (notices: 1 Restarted)"
+    ]
+    assert not html.exists()

@@ -3,7 +3,8 @@
 A block is identified by what it holds, not by its hash: (its parent block, LoRA name,
 extra keys, its tokens). Hashes depend on a per-process seed in some vLLM setups, so two
 instances (or one instance before and after a restart) can give one block two hashes;
-content ids make them one. Hash-only events (CPU offloading) fall back to the hash.
+content ids make them one. A hash-only event (CPU offloading) stores the block the source
+stored with its tokens under that hash, or, if it never did, a block known by hash alone.
 
 Each content id is a node of one prefix tree for the whole fleet. A node's children are
 the different blocks that followed it, so a node with several children is a prefix that
@@ -83,6 +84,12 @@ class ContentIds:
             if block and len(block) == size:
                 salt = repr(extra[i]) if i < len(extra) and extra[i] is not None else None
                 key: Hashable = (parent, event.lora_name, salt, block)
+            elif h in known:
+                # Stored by hash only (an offloaded copy): the block this source stored with
+                # its tokens, not a block of unknown content.
+                parent = known[h]
+                ids.append(parent)
+                continue
             else:
                 key, block = ("hash", h), ()
             parent = self._intern(key, parent, block, h, size)
@@ -123,5 +130,9 @@ def _block_size(event: BlockStored) -> int:
     return len(event.token_ids) // n if n and len(event.token_ids) % n == 0 else 0
 
 
-def token_count(node: Node) -> int:
+def token_count(node: Node) -> int | None:
+    """Tokens from the sequence start to the end of this block; None if unknown (the chain's
+    start was not seen, or the block was only ever stored by hash, without its tokens)."""
+    if not node.depth or not node.block_size or not node.tokens:
+        return None
     return node.depth * node.block_size

@@ -60,7 +60,7 @@ class SourceRow:
 class PrefixRow:
     """A prefix that several different sequences shared (a branching point)."""
 
-    tokens: int | None  # None: the chain's start was not seen
+    tokens: int | None  # None: unknown (the chain's start unseen, or stored by hash only)
     blocks: int | None
     continuations: int  # distinct sequences that went on from it
     branches: int  # distinct next blocks
@@ -247,7 +247,7 @@ def _prefix_row(content: ContentIds, cid: int, continuations: int) -> PrefixRow:
     node = content.nodes[cid]
     known = node.depth > 0
     return PrefixRow(
-        tokens=token_count(node) if known else None,
+        tokens=token_count(node),
         blocks=node.depth if known else None,
         continuations=continuations,
         branches=node.children,

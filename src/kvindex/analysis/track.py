@@ -66,6 +66,9 @@ class SourceTrack:
     key: SourceKey
     pools: dict[Pool, dict[BlockHash, int]] = field(default_factory=dict)
     since: dict[tuple[Pool, BlockHash], float] = field(default_factory=dict)
+    # The content id each GPU entry was held under: a hash can be stored again with other
+    # content (an offloaded copy stored by hash only), and the release must undo the hold.
+    gpu_held: dict[tuple[Pool, BlockHash], int] = field(default_factory=dict)
     known: dict[BlockHash, int] = field(default_factory=dict)  # hash -> content id
     ever: set[int] = field(default_factory=set)  # content ids ever stored on the GPU
     held: Counter[str] = field(default_factory=Counter)  # blocks held per medium
@@ -88,7 +91,8 @@ class Tracker:
     def __init__(self) -> None:
         self.sources: dict[SourceKey, SourceTrack] = {}
         self.content = ContentIds()
-        self.holders: dict[int, set[SourceKey]] = {}  # GPU holders of each block now
+        # GPU holders of each block now, with how many of its entries (groups) each holds
+        self.holders: dict[int, Counter[SourceKey]] = {}
         self.shared_now = 0  # blocks held (GPU) on two or more instances now
         self.duplication: tuple[array[float], array[int], array[int]] = (
             array("d"),
@@ -171,6 +175,7 @@ class Tracker:
                 src.since[(pool, h)] = t
                 src.held[pool[1]] += 1
                 if gpu:
+                    src.gpu_held[(pool, h)] = cid
                     self._hold(src.key, cid)
         step.stored += len(event.block_hashes)
 
@@ -208,8 +213,8 @@ class Tracker:
         if since is not None:
             src.lifetimes.append(max(0.0, t - since))
         src.held[pool[1]] -= 1
-        cid = src.known.get(h)
-        if pool[1] == MEDIUM_GPU and cid is not None:
+        cid = src.gpu_held.pop((pool, h), None)
+        if cid is not None:
             self._unhold(src.key, cid)
 
     def _drop_all(self, src: SourceTrack, t: float, step: _Step) -> None:
@@ -222,9 +227,9 @@ class Tracker:
     # -- fleet-wide holders ----------------------------------------------------------------
 
     def _hold(self, key: SourceKey, cid: int) -> None:
-        holders = self.holders.setdefault(cid, set())
+        holders = self.holders.setdefault(cid, Counter())
         before = _instances(holders)
-        holders.add(key)
+        holders[key] += 1
         if before == 1 and _instances(holders) == 2:
             self.shared_now += 1
 
@@ -233,7 +238,9 @@ class Tracker:
         if holders is None or key not in holders:
             return
         before = _instances(holders)
-        holders.discard(key)
+        holders[key] -= 1
+        if holders[key] <= 0:
+            del holders[key]
         if before == 2 and _instances(holders) == 1:
             self.shared_now -= 1
         if not holders:
@@ -254,14 +261,14 @@ class Tracker:
             ts, ns = src.occupancy.setdefault(medium, (array("d"), array("q")))
             ts.append(t)
             ns.append(src.held[medium])
-        if step.stored or step.removed:
+        if step.media:  # stores, removals, and clears or restarts that dropped blocks
             dt, held, shared = self.duplication
             dt.append(t)
             held.append(len(self.holders))
             shared.append(self.shared_now)
 
 
-def _instances(holders: set[SourceKey]) -> int:
+def _instances(holders: Counter[SourceKey]) -> int:
     if len(holders) < 2:
         return len(holders)
     return len({key.instance for key in holders})

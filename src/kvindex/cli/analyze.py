@@ -1,19 +1,23 @@
 """`kvindex analyze`: why the caches hit and miss, from a recording (`kvindex record`).
 
 Prints a summary; `--html` writes the full report (tables and plots, one self-contained
-file) and `--json` its numbers.
+file) and `--json` its numbers. A recording without a single batch is refused in one line
+(exit 2) rather than drawn as an empty report.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from kvindex.cli.common import UsageError, positive_int
 from kvindex.recording import RecordingError
+
+if TYPE_CHECKING:
+    from kvindex.analysis import Report
 
 __all__ = ["add_parser", "run"]
 
@@ -41,6 +45,17 @@ def _write(path: Path, data: bytes) -> None:
         raise UsageError(f"can't write {path}: {exc.strerror or exc}") from None
 
 
+def _nothing_to_analyse(path: str, report: Report) -> str:
+    """Why an empty report is refused: what the file held instead of batches."""
+    kinds: dict[str, int] = {}
+    for counts in report.notices.values():
+        for kind, n in counts.items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    held = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) or "nothing"
+    damage = f"; {report.damage}" if report.damage else ""
+    return f"{path} holds no batches to analyse (notices: {held}{damage})"
+
+
 def run(args: argparse.Namespace) -> int:
     # Imported here: matplotlib and numpy are only needed by this command.
     from kvindex.analysis import analyze
@@ -50,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         report = analyze(args.file, top=args.top)
     except RecordingError as exc:
         raise UsageError(str(exc)) from None
+    if not report.batches:
+        raise UsageError(_nothing_to_analyse(args.file, report))
     # The files first: the summary goes to a terminal or a pipe that may close early.
     written = []
     if args.json is not None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from netutil import wait_until
 from prometheus_client.parser import text_string_to_metric_families
@@ -51,7 +54,7 @@ def test_metrics_follow_the_fleet_and_lookups() -> None:
             # absent until the first batch is applied: wait for it rather than fail at once
             lambda: (
                 scrape(client).get(
-                    ("kvindex_last_seq", frozenset({"instance": "m", "rank": "0"}.items()))
+                    ("kvindex_last_seq", frozenset({"engine": "m", "rank": "0"}.items()))
                 )
                 == 4
             )
@@ -62,33 +65,30 @@ def test_metrics_follow_the_fleet_and_lookups() -> None:
         client.post("/v1/lookup/hashes", json={"block_hashes": ["1"]})
 
         s = scrape(client)
-        assert value(s, "kvindex_instance_blocks", instance="m", medium="GPU") == 2
-        assert (
-            "kvindex_instance_blocks",
-            frozenset({("instance", "m"), ("medium", "CPU")}),
-        ) not in s
-        assert value(s, "kvindex_instance_events_total", instance="m", type="stored") == 6
-        assert value(s, "kvindex_instance_events_total", instance="m", type="removed") == 1
-        assert value(s, "kvindex_instance_events_total", instance="m", type="clears") == 1
-        assert value(s, "kvindex_instance_status", instance="m", status="live") == 1
-        assert value(s, "kvindex_instance_status", instance="m", status="down") == 0
-        assert value(s, "kvindex_batches_delivered_total", instance="m") == 5
-        assert value(s, "kvindex_batches_lost_total", instance="m") == 0
-        assert value(s, "kvindex_publisher_restarts_total", instance="m") == 0
-        assert value(s, "kvindex_decode_errors_total", instance="m") == 0
-        assert 0 <= value(s, "kvindex_ingest_lag_seconds", instance="m") < 5
-        assert value(s, "kvindex_instances") == 1
+        assert value(s, "kvindex_engine_blocks", engine="m", medium="GPU") == 2
+        assert ("kvindex_engine_blocks", frozenset({("engine", "m"), ("medium", "CPU")})) not in s
+        # Blocks and events apart: 1 + 2 + 3 blocks stored, 1 removed, and one clear event.
+        assert value(s, "kvindex_blocks_stored_total", engine="m") == 6
+        assert value(s, "kvindex_blocks_removed_total", engine="m") == 1
+        assert value(s, "kvindex_cache_clears_total", engine="m") == 1
+        assert value(s, "kvindex_engine_status", engine="m", status="live") == 1
+        assert value(s, "kvindex_engine_status", engine="m", status="down") == 0
+        assert value(s, "kvindex_batches_delivered_total", engine="m") == 5
+        assert value(s, "kvindex_batches_lost_total", engine="m") == 0
+        assert value(s, "kvindex_publisher_restarts_total", engine="m") == 0
+        assert value(s, "kvindex_decode_errors_total", engine="m") == 0
+        assert 0 <= value(s, "kvindex_ingest_lag_seconds", engine="m") < 5
+        assert value(s, "kvindex_engines") == 1
 
         assert value(s, "kvindex_lookup_latency_seconds_count", kind="tokens") == 3
         assert value(s, "kvindex_lookup_requests_total", kind="tokens") == 3
         assert value(s, "kvindex_lookup_hits_total", kind="tokens") == 2
         assert value(s, "kvindex_lookup_hits_total", kind="hashes") == 1
-        assert value(s, "kvindex_lookup_hit_ratio") == pytest.approx(3 / 4)
 
         pub.publish([BlockStored([b"\x02" * 32], None, [], 0, medium="CPU")])
         assert wait_until(
             lambda: (
-                ("kvindex_instance_blocks", frozenset({("instance", "m"), ("medium", "CPU")}))
+                ("kvindex_engine_blocks", frozenset({("engine", "m"), ("medium", "CPU")}))
                 in scrape(client)
             )
         )
@@ -99,3 +99,72 @@ def test_two_apps_have_separate_registries() -> None:
         one.post("/v1/lookup", json={"token_ids": [1]})
         assert value(scrape(one), "kvindex_lookup_requests_total", kind="tokens") == 1
         assert ("kvindex_lookup_requests_total", frozenset({("kind", "tokens")})) not in scrape(two)
+
+
+def test_metrics_fit_prometheus() -> None:
+    """No label Prometheus reserves for itself, no since-start ratio gauges (counters, for
+    PromQL to divide over a window), and the process's own memory and CPU."""
+    with TestClient(create_app(Fleet([InstanceSpec("m", "tcp://127.0.0.1:9")]))) as client:
+        r = client.get("/metrics")
+        families = list(text_string_to_metric_families(r.text))
+    labels = {label for f in families for s in f.samples for label in s.labels}
+    assert not labels & {"instance", "job"}, labels  # the scrape target's, not ours
+    assert "engine" in labels
+    names = {f.name for f in families}
+    assert not [n for n in names if "ratio" in n]
+    assert {"process_resident_memory_bytes", "process_cpu_seconds", "python_info"} <= names
+    assert "python_gc_objects_collected" in names
+    version = [s for f in families for s in f.samples if s.name == "kvindex_build_info"]
+    assert version and version[0].labels["version"]
+
+
+def test_store_metrics_come_from_the_store_itself() -> None:
+    with TestClient(create_app(Fleet())) as client:
+        said = {"writer_alive": True, "lag_seconds": 0.25, "pending_items": 12}
+        client.app.state.metrics.watch_store(lambda: said)  # type: ignore[attr-defined]
+        s = scrape(client)
+        assert value(s, "kvindex_store_up") == 1
+        assert value(s, "kvindex_store_lag_seconds") == 0.25
+        assert value(s, "kvindex_store_pending_items") == 12
+        said = {"writer_alive": False}
+        s = scrape(client)
+        assert (
+            value(s, "kvindex_store_up") == 0
+            and ("kvindex_store_lag_seconds", frozenset()) not in s
+        )
+
+
+def documented_metrics() -> set[str]:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    table = text.split("<!-- metrics:start")[1].split("<!-- metrics:end -->")[0]
+    return set(re.findall(r"^\| `(kvindex_\w+)`", table, re.M))
+
+
+def test_every_metric_is_documented_and_every_documented_one_exists() -> None:
+    with (
+        Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub,
+        TestClient(
+            create_app(Fleet([InstanceSpec("m", pub.endpoint, pub.replay_endpoint)]))
+        ) as client,
+    ):
+        client.app.state.metrics.watch_store(  # type: ignore[attr-defined]
+            lambda: {"writer_alive": True, "lag_seconds": 0.0, "pending_items": 0}
+        )
+        pub.publish([BlockStored([1], None, list(range(4)), 4)])
+        assert wait_until(
+            lambda: (
+                ("kvindex_last_seq", frozenset({("engine", "m"), ("rank", "0")})) in scrape(client)
+            )
+        )
+        client.post("/v1/lookup", json={"token_ids": [0, 1, 2, 3]})  # a hit
+        families = list(text_string_to_metric_families(client.get("/metrics").text))
+    exposed = set()
+    for family in families:
+        for sample in family.samples:
+            name = sample.name
+            if name.startswith("kvindex_"):
+                for suffix in ("_bucket", "_count", "_sum"):
+                    if family.type == "histogram" and name.endswith(suffix):
+                        name = name[: -len(suffix)]
+                exposed.add(name)
+    assert exposed == documented_metrics()

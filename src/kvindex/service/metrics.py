@@ -3,22 +3,31 @@
 Fleet state is read at scrape time by a custom collector (`FleetCollector`): ingest never
 touches a metric object, so the hot path pays nothing for being observable. Only lookups,
 which are served one request at a time anyway, update a histogram and two counters.
-Each app gets its own registry, so two services in one process (tests) never collide.
+Each app gets its own registry, so two services in one process (tests) never collide; it
+holds the process and platform collectors too (memory, CPU, file descriptors, GC).
+
+Engines are labelled `engine` (never `instance`, Prometheus's own label for the target);
+counters count one thing each (blocks, or events, or batches); ratios are left to PromQL.
+Every metric is listed, with its type and labels, in docs/operations.md.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvindex.runtime import STATUS_ORDER, Fleet, InstanceView
@@ -40,6 +49,10 @@ _LATENCY_BUCKETS = (
     0.25,
     1.0,
 )
+
+# The label that names an engine (a followed instance): `instance` is Prometheus's own (the
+# scraped target) and would become `exported_instance` unless the scrape honours labels.
+ENGINE = "engine"
 
 # (metric name without _total, help, RankView counter summed over ranks)
 _SOURCE_COUNTERS = (
@@ -94,93 +107,108 @@ class LookupMetrics:
         return self._hits / self._requests if self._requests else None
 
 
+StoreStats = Callable[[], dict[str, Any]]
+
+
 class FleetCollector(Collector):
     """Reads the fleet's counters when Prometheus scrapes (nothing is kept in between)."""
 
-    def __init__(self, fleet: Fleet, lookups: LookupMetrics) -> None:
+    def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
-        self.lookups = lookups
+        self.store_stats: StoreStats | None = None
 
     def collect(self) -> Iterator[Metric]:
         views = self.fleet.instance_views()
-        yield from _instance_metrics(views)
+        yield from _engine_metrics(views)
         yield from _source_metrics(views)
         yield from self._fleet_metrics(views)
+        if self.store_stats is not None:
+            yield from _store_metrics(self.store_stats())
 
     def _fleet_metrics(self, views: list[InstanceView]) -> Iterator[Metric]:
         fleet = self.fleet.summary(views)
-        yield _gauge("kvindex_instances", "Instances followed.", fleet.instances)
+        yield _gauge("kvindex_engines", "Engines (instances) followed.", fleet.instances)
         yield _gauge("kvindex_index_entries", "(rank, pool, hash) entries.", fleet.entries)
         yield _gauge("kvindex_ingest_backlog", "Items read but not applied yet.", fleet.backlog)
         ingest = self.fleet.ingest
-        items = CounterMetricFamily("kvindex_ingest_items", "Items applied to the index.")
-        items.add_metric([], ingest.items)
-        yield items
-        errors = CounterMetricFamily("kvindex_ingest_errors", "Items the index failed to apply.")
-        errors.add_metric([], ingest.errors)
-        yield errors
-        ratio = self.lookups.hit_ratio
-        yield _gauge(
-            "kvindex_lookup_hit_ratio",
-            "Share of lookups since start where some instance held at least one block.",
-            float("nan") if ratio is None else ratio,
-        )
+        yield _counter("kvindex_ingest_items", "Items applied to the index.", ingest.items)
+        yield _counter("kvindex_ingest_errors", "Items the index failed to apply.", ingest.errors)
+        info = InfoMetricFamily("kvindex_build", "The kvindex version serving.")
+        info.add_metric([], {"version": _version()})
+        yield info
+
+
+def _version() -> str:
+    from kvindex import __version__
+
+    return __version__
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
-def _instance_metrics(views: list[InstanceView]) -> Iterator[Metric]:
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+def _engine_metrics(views: list[InstanceView]) -> Iterator[Metric]:
     blocks = GaugeMetricFamily(
-        "kvindex_instance_blocks",
-        "Distinct block hashes held, by medium.",
-        labels=["instance", "medium"],
+        "kvindex_engine_blocks",
+        "Distinct block hashes the engine holds now, by medium.",
+        labels=[ENGINE, "medium"],
     )
-    events = CounterMetricFamily(
-        "kvindex_instance_events",
-        "Blocks stored and removed, and AllBlocksCleared events, applied.",
-        labels=["instance", "type"],
+    stored = CounterMetricFamily(
+        "kvindex_blocks_stored", "Blocks stored (BlockStored, block by block).", labels=[ENGINE]
+    )
+    removed = CounterMetricFamily(
+        "kvindex_blocks_removed", "Blocks removed (BlockRemoved, block by block).", labels=[ENGINE]
+    )
+    clears = CounterMetricFamily(
+        "kvindex_cache_clears", "AllBlocksCleared events (prefix cache resets).", labels=[ENGINE]
     )
     status = GaugeMetricFamily(
-        "kvindex_instance_status",
-        "1 for the instance's current status (the worst of its DP ranks), 0 for the others.",
-        labels=["instance", "status"],
+        "kvindex_engine_status",
+        "1 for the engine's current status (the worst of its DP ranks), 0 for the others.",
+        labels=[ENGINE, "status"],
     )
     lag = GaugeMetricFamily(
         "kvindex_ingest_lag_seconds",
-        "When the instance's last batch was applied: wall time minus the batch's timestamp.",
-        labels=["instance"],
+        "When the engine's last batch was applied: wall time minus the batch's timestamp.",
+        labels=[ENGINE],
     )
     age = GaugeMetricFamily(
         "kvindex_last_batch_age_seconds",
-        "Now minus the timestamp of the instance's last batch (grows while it is idle).",
-        labels=["instance"],
+        "Now minus the timestamp of the engine's last batch (grows while it is idle).",
+        labels=[ENGINE],
     )
     for view in views:
+        name = view.name
         for medium, count in view.blocks_by_medium.items():
-            blocks.add_metric([view.name, medium], count)
-        for kind, value in (("stored", view.stored), ("removed", view.removed)):
-            events.add_metric([view.name, kind], value)
-        events.add_metric([view.name, "clears"], view.clears)
+            blocks.add_metric([name, medium], count)
+        stored.add_metric([name], view.stored)
+        removed.add_metric([name], view.removed)
+        clears.add_metric([name], view.clears)
         for state in STATUS_ORDER:
-            status.add_metric([view.name, state.value], 1.0 if view.status == state else 0.0)
+            status.add_metric([name, state.value], 1.0 if view.status == state else 0.0)
         if view.ingest_lag_seconds is not None:
-            lag.add_metric([view.name], view.ingest_lag_seconds)
+            lag.add_metric([name], view.ingest_lag_seconds)
         batch_age = view.last_batch_age_seconds
         if batch_age is not None:
-            age.add_metric([view.name], batch_age)
-    yield from (blocks, events, status, lag, age)
+            age.add_metric([name], batch_age)
+    yield from (blocks, stored, removed, clears, status, lag, age)
 
 
 def _source_metrics(views: list[InstanceView]) -> Iterator[Metric]:
     for name, doc, counter in _SOURCE_COUNTERS:
-        family = CounterMetricFamily(name, doc, labels=["instance"])
+        family = CounterMetricFamily(name, doc, labels=[ENGINE])
         for view in views:
             family.add_metric([view.name], view.total(counter))
         yield family
     seq = GaugeMetricFamily(
-        "kvindex_last_seq", "Last seq delivered, per DP rank.", labels=["instance", "rank"]
+        "kvindex_last_seq", "Last seq delivered, per DP rank.", labels=[ENGINE, "rank"]
     )
     for view in views:
         for rank in view.ranks:
@@ -189,16 +217,42 @@ def _source_metrics(views: list[InstanceView]) -> Iterator[Metric]:
     yield seq
 
 
+def _store_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
+    """What the state store says of itself (`Store.stats()`): whether its writer runs, and,
+    where the store reports them, how far behind the index it is."""
+    alive = stats.get("writer_alive", stats.get("worker_alive", True))
+    yield _gauge("kvindex_store_up", "1 while the state store's writer runs.", float(bool(alive)))
+    lag = stats.get("lag_seconds")
+    if isinstance(lag, int | float):
+        yield _gauge(
+            "kvindex_store_lag_seconds",
+            "Age of the oldest applied item the store has not made durable yet (0: none).",
+            lag,
+        )
+    pending = stats.get("pending_items")
+    if isinstance(pending, int | float):
+        yield _gauge("kvindex_store_pending_items", "Items not durable in the store yet.", pending)
+
+
 class ServiceMetrics:
-    """The registry of one app: fleet state read at scrape time, plus lookup metrics."""
+    """The registry of one app: fleet state read at scrape time, lookup metrics, and the
+    process's own (memory, CPU, file descriptors, GC, Python version)."""
 
     def __init__(self, fleet: Fleet) -> None:
         # `*_created` series only double the output; this switch is process-wide.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
         self.lookups = LookupMetrics(self.registry)
-        self.registry.register(FleetCollector(fleet, self.lookups))
+        self.fleet_collector = FleetCollector(fleet)
+        self.registry.register(self.fleet_collector)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self.started = time.time()
+
+    def watch_store(self, stats: StoreStats) -> None:
+        """Export what the state store says of itself (`Store.stats`) at every scrape."""
+        self.fleet_collector.store_stats = stats
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

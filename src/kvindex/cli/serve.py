@@ -268,6 +268,7 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
         shared.share(fleet.specs.values())
     store.start()
     app = create_app(fleet, guard=http.guard, max_body_bytes=http.max_body_bytes)
+    app.state.metrics.watch_store(store.stats)  # kvindex_store_* on /metrics
     config = uvicorn.Config(
         app,
         **http.uvicorn_kwargs(),

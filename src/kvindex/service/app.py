@@ -37,6 +37,7 @@ from kvindex.runtime import (
 )
 from kvindex.security.http import HttpGuard
 from kvindex.service.dashboard import install_dashboard
+from kvindex.service.docs import install_docs
 from kvindex.service.metrics import ServiceMetrics
 from kvindex.subscriber import InstanceSpec, SpecError, Status
 from kvindex.wire import parse_hash, render_hash
@@ -426,6 +427,8 @@ def create_app(
         summary="An exact index of vLLM's KV-cache events: per-instance blocks and lookups.",
         version=_version(),
         lifespan=lifespan,
+        docs_url=None,  # served offline by install_docs, not from a CDN
+        redoc_url=None,
     )
     metrics = ServiceMetrics(fleet)
     app.state.fleet = fleet
@@ -434,6 +437,7 @@ def create_app(
     _add_error_handlers(app)
     _add_routes(app, fleet, metrics)
     install_dashboard(app, fleet)  # GET /, its assets and /v1/dashboard/*
+    install_docs(app)  # GET /docs and its assets
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     guard.install(app)  # refuse bad tokens before reading any body
     app.add_middleware(LookupPriority, fleet=fleet)  # outermost: counts from the start

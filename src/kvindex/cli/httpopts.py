@@ -12,6 +12,7 @@ import ipaddress
 import os
 import ssl
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ TOKEN_ENV = "KVINDEX_TOKEN"
 METRICS_TOKEN_ENV = "KVINDEX_METRICS_TOKEN"
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
 DEFAULT_MAX_LOOKUP = 1_000_000
+DEFAULT_REQUEST_TIMEOUT = 30.0
 
 
 def add_http_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,36 +33,36 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--token",
         metavar="TOKEN",
-        help=f"require 'Authorization: Bearer TOKEN' (except /healthz, /metrics); "
-        f"default: ${TOKEN_ENV} (safer than a flag, which `ps` shows)",
+        help=f"require 'Authorization: Bearer TOKEN' (except /healthz, /metrics); default: the "
+        f"config file's token_file or token_env, else ${TOKEN_ENV} (safer than a flag, which "
+        "`ps` shows)",
     )
     g.add_argument(
         "--metrics-token",
         metavar="TOKEN",
-        help=f"require this bearer token on /metrics; default: ${METRICS_TOKEN_ENV}",
+        help="require this bearer token on /metrics; default: the config file's "
+        f"metrics_token_file or metrics_token_env, else ${METRICS_TOKEN_ENV}",
     )
     g.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     g.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM)")
+    # No argparse defaults below: a flag not given leaves the config file's value.
     g.add_argument(
         "--max-body-bytes",
         type=positive_int,
-        default=DEFAULT_MAX_BODY,
         metavar="N",
         help=f"largest request body (default: {DEFAULT_MAX_BODY})",
     )
     g.add_argument(
         "--max-lookup-tokens",
         type=positive_int,
-        default=DEFAULT_MAX_LOOKUP,
         metavar="N",
         help=f"most token ids (or hashes) in one lookup (default: {DEFAULT_MAX_LOOKUP})",
     )
     g.add_argument(
         "--request-timeout",
         type=positive_seconds,
-        default=30.0,
         metavar="S",
-        help="seconds for a request body to arrive (default: 30)",
+        help=f"seconds for a request body to arrive (default: {DEFAULT_REQUEST_TIMEOUT:g})",
     )
 
 
@@ -77,8 +79,11 @@ class HttpOptions:
         return {"ssl_certfile": self.tls_cert, "ssl_keyfile": self.tls_key}
 
 
-def _token(value: str | None, env: str, flag: str) -> str | None:
-    token = value if value is not None else os.environ.get(env)
+def _token(value: str | None, configured: str | None, env: str, flag: str) -> str | None:
+    """The flag, else the config file's (token_file / token_env), else $ENV."""
+    token = value if value is not None else configured
+    if token is None:
+        token = os.environ.get(env)
     if token is None:
         return None
     if not token.strip() or token != token.strip() or len(token) < 16:
@@ -97,15 +102,27 @@ def _check_tls(cert: str | None, key: str | None) -> None:
         raise UsageError(f"can't use --tls-cert {cert} / --tls-key {key}: {exc}") from None
 
 
-def http_options(args: argparse.Namespace) -> HttpOptions:
-    _check_tls(args.tls_cert, args.tls_key)
+def http_options(
+    args: argparse.Namespace, configured: Mapping[str, Any] | None = None
+) -> HttpOptions:
+    """The flags, over what the config file set (`Settings.http_options`), over defaults."""
+    file = configured or {}
+
+    def pick(name: str, default: Any = None) -> Any:
+        flag = getattr(args, name)
+        return flag if flag is not None else file.get(name, default)
+
+    tls_cert, tls_key = pick("tls_cert"), pick("tls_key")
+    _check_tls(tls_cert, tls_key)
     guard = HttpGuard(
-        token=_token(args.token, TOKEN_ENV, "--token"),
-        metrics_token=_token(args.metrics_token, METRICS_TOKEN_ENV, "--metrics-token"),
-        max_lookup_items=args.max_lookup_tokens,
-        request_timeout=args.request_timeout,
+        token=_token(args.token, file.get("token"), TOKEN_ENV, "--token"),
+        metrics_token=_token(
+            args.metrics_token, file.get("metrics_token"), METRICS_TOKEN_ENV, "--metrics-token"
+        ),
+        max_lookup_items=pick("max_lookup_tokens", DEFAULT_MAX_LOOKUP),
+        request_timeout=pick("request_timeout", DEFAULT_REQUEST_TIMEOUT),
     )
-    return HttpOptions(guard, args.max_body_bytes, args.tls_cert, args.tls_key)
+    return HttpOptions(guard, pick("max_body_bytes", DEFAULT_MAX_BODY), tls_cert, tls_key)
 
 
 def warn_if_exposed(host: str, options: HttpOptions) -> None:

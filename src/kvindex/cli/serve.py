@@ -6,18 +6,8 @@ one asyncio loop (see `kvindex.runtime`). The listening socket is bound here,
 before uvicorn starts, so a busy port is a one-line usage error and `--http HOST:0` picks a
 free port that the start line reports.
 
-Config file:
-
-    [server]
-    http = "127.0.0.1:8080"
-    store = "memory"
-
-    [[instances]]
-    name = "vllm-0"
-    endpoint = "tcp://10.0.0.5:5557"
-    replay_endpoint = "tcp://10.0.0.5:5558"   # optional
-    topic = ""                                # optional, default: all topics
-    dp = 1                                    # optional, DP ranks on ports +0..+dp-1
+The config file (`--config`) takes every option: see `kvindex.cli.config` and
+docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -28,16 +18,16 @@ import contextlib
 import gc
 import logging
 import socket
-import tomllib
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvindex.cli import config
 from kvindex.cli.common import UsageError
+from kvindex.cli.config import DEFAULT_HTTP, DEFAULT_STORE, Settings
 from kvindex.cli.httpopts import add_http_arguments, http_options, warn_if_exposed
 from kvindex.cli.signals import Stop, stop_signals
-from kvindex.subscriber import InstanceSpec, SpecError, Unreachable
+from kvindex.subscriber import InstanceSpec, Unreachable
 
 if TYPE_CHECKING:
     import uvicorn
@@ -46,20 +36,6 @@ if TYPE_CHECKING:
     from kvindex.store import LoadResult, Store
 
 __all__ = ["DEFAULT_HTTP", "DEFAULT_STORE", "Settings", "add_parser", "parse_http", "run"]
-
-DEFAULT_HTTP = "127.0.0.1:8080"
-DEFAULT_STORE = "sqlite:///kvindex.sqlite"  # interface.md: a file in the working directory
-_INSTANCE_KEYS = {"name", "endpoint", "replay_endpoint", "topic", "dp", "spec"}
-_SERVER_KEYS = {"http", "store"}
-
-
-@dataclass(slots=True)
-class Settings:
-    """What to serve: flags layered over the config file."""
-
-    instances: list[InstanceSpec] = field(default_factory=list)
-    http: str = DEFAULT_HTTP
-    store: str = DEFAULT_STORE
 
 
 def add_parser(subparsers: Any) -> None:
@@ -88,90 +64,10 @@ def add_parser(subparsers: Any) -> None:
 
 def load_settings(args: argparse.Namespace) -> Settings:
     """The config file (if any), then the flags; every problem is a UsageError."""
-    settings = _read_config(args.config) if args.config is not None else Settings()
-    for text in args.instance:
-        settings.instances.append(_parse_spec(text))
-    if args.http is not None:
-        settings.http = args.http
-    if args.store is not None:
-        settings.store = args.store
-    names = [spec.name for spec in settings.instances]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise UsageError(f"instance {duplicates[0]!r} is given twice")
+    settings = config.load_settings(args)
     check_store(settings.store)
     parse_http(settings.http)
     return settings
-
-
-def _parse_spec(text: str) -> InstanceSpec:
-    try:
-        return InstanceSpec.parse(text)
-    except SpecError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _read_config(path: Path) -> Settings:
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UsageError(f"can't read {path}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{path} is not valid TOML: {exc}") from None
-    unknown = set(data) - {"server", "instances", "store"}
-    if unknown:
-        raise UsageError(f"{path}: unknown key {sorted(unknown)[0]!r} (server, instances)")
-    server = _table(data.get("server", {}), f"{path}: [server]", _SERVER_KEYS)
-    settings = Settings()
-    settings.http = _string(server.get("http", DEFAULT_HTTP), f"{path}: server.http")
-    store = server.get("store", data.get("store", DEFAULT_STORE))
-    settings.store = _string(store, f"{path}: store")
-    instances = data.get("instances", [])
-    if not isinstance(instances, list):
-        raise UsageError(f"{path}: 'instances' must be an array of tables ([[instances]])")
-    for i, entry in enumerate(instances):
-        where = f"{path}: instances[{i}]"
-        settings.instances.append(_config_instance(_table(entry, where, _INSTANCE_KEYS), where))
-    return settings
-
-
-def _table(value: object, where: str, keys: set[str]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise UsageError(f"{where} must be a table")
-    unknown = set(value) - keys
-    if unknown:
-        raise UsageError(f"{where}: unknown key {sorted(unknown)[0]!r} ({', '.join(sorted(keys))})")
-    return value
-
-
-def _string(value: object, where: str) -> str:
-    if not isinstance(value, str):
-        raise UsageError(f"{where} must be a string")
-    return value
-
-
-def _config_instance(entry: dict[str, Any], where: str) -> InstanceSpec:
-    try:
-        if "spec" in entry:
-            if len(entry) > 1:
-                raise SpecError("give either 'spec' or the fields, not both")
-            return InstanceSpec.parse(_string(entry["spec"], f"{where}.spec"))
-        for key in ("name", "endpoint"):
-            if key not in entry:
-                raise SpecError(f"'{key}' is required")
-        dp = entry.get("dp", 1)
-        if not isinstance(dp, int) or isinstance(dp, bool):
-            raise SpecError("'dp' must be a whole number")
-        replay = entry.get("replay_endpoint")
-        return InstanceSpec(
-            name=_string(entry["name"], f"{where}.name"),
-            endpoint=_string(entry["endpoint"], f"{where}.endpoint"),
-            replay_endpoint=None if replay is None else _string(replay, f"{where}.replay_endpoint"),
-            topic=_string(entry.get("topic", ""), f"{where}.topic"),
-            dp=dp,
-        )
-    except SpecError as exc:
-        raise UsageError(f"{where}: {exc}") from None
 
 
 def check_store(url: str) -> None:
@@ -232,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, stop: Stop) -> int:
     settings = load_settings(args)
     host, port = parse_http(settings.http)
-    http = http_options(args)
+    http = http_options(args, settings.http_options)
     warn_if_exposed(host, http)
     logging.basicConfig(level=logging.WARNING, format="kvindex serve: %(levelname)s %(message)s")
     # Imported here: `kvindex --help` and the other commands don't need the web stack.

@@ -1,0 +1,211 @@
+"""`kvindex serve --config FILE.toml`: every serve option in one file (docs/configuration.md).
+
+    [server]
+    http = "0.0.0.0:8080"
+    store = "sqlite:///var/lib/kvindex/kvindex.sqlite"
+    token_file = "/etc/kvindex/token"        # or token_env = "NAME"; never the token itself
+    metrics_token_file = "/etc/kvindex/metrics-token"   # or metrics_token_env
+    tls_cert = "/etc/kvindex/tls.crt"
+    tls_key = "/etc/kvindex/tls.key"
+    max_body_bytes = 33554432
+    max_lookup_tokens = 1000000
+    request_timeout = 30.0
+
+    [[instances]]
+    name = "vllm-0"
+    endpoint = "tcp://10.0.0.5:6557"
+    replay_endpoint = "tcp://10.0.0.5:6558"   # optional
+    topic = ""                                # optional, default: all topics
+    dp = 1                                    # optional, DP ranks on ports +0..+dp-1
+    curve = "/etc/kvindex/relay-0.key"        # optional: the relay's public key (or its file)
+    client_key = "/etc/kvindex/client.key_secret"   # optional, with curve
+
+Flags win over the file, and the file over the defaults (the token's default being
+$KVINDEX_TOKEN). Secrets are never written in the file itself: it names a file or an
+environment variable that holds them, so the file can live in a ConfigMap or a repository.
+Every problem is a one-line usage error that names the file and the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvindex.cli.common import UsageError
+from kvindex.security.curve import KeyFileError, read_public_key
+from kvindex.subscriber import InstanceSpec, SpecError
+
+__all__ = ["DEFAULT_HTTP", "DEFAULT_STORE", "SERVER_KEYS", "Settings", "load_settings"]
+
+DEFAULT_HTTP = "127.0.0.1:8080"
+DEFAULT_STORE = "sqlite:///kvindex.sqlite"  # interface.md: a file in the working directory
+INSTANCE_KEYS = {
+    "name",
+    "endpoint",
+    "replay_endpoint",
+    "topic",
+    "dp",
+    "curve",
+    "client_key",
+    "spec",
+}
+# [server] keys beside http and store: what `HttpOptions` takes (see cli/httpopts.py).
+_SECRET_KEYS = {"token_file", "token_env", "metrics_token_file", "metrics_token_env"}
+_PATH_KEYS = {"tls_cert", "tls_key"}
+_INT_KEYS = {"max_body_bytes", "max_lookup_tokens"}
+_FLOAT_KEYS = {"request_timeout"}
+SERVER_KEYS = {"http", "store"} | _SECRET_KEYS | _PATH_KEYS | _INT_KEYS | _FLOAT_KEYS
+
+
+@dataclass(slots=True)
+class Settings:
+    """What to serve: flags layered over the config file."""
+
+    instances: list[InstanceSpec] = field(default_factory=list)
+    http: str = DEFAULT_HTTP
+    store: str = DEFAULT_STORE
+    # The file's HTTP security and limit settings, resolved (secrets read): the values
+    # `http_options` uses where no flag was given. Keys: token, metrics_token, tls_cert,
+    # tls_key, max_body_bytes, max_lookup_tokens, request_timeout.
+    http_options: dict[str, Any] = field(default_factory=dict)
+
+
+def load_settings(args: argparse.Namespace) -> Settings:
+    """The config file (if any), then the flags; every problem is a UsageError."""
+    settings = read_config(args.config) if args.config is not None else Settings()
+    for text in args.instance:
+        settings.instances.append(_parse_spec(text))
+    if args.http is not None:
+        settings.http = args.http
+    if args.store is not None:
+        settings.store = args.store
+    names = [spec.name for spec in settings.instances]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise UsageError(f"instance {duplicates[0]!r} is given twice")
+    return settings
+
+
+def _parse_spec(text: str) -> InstanceSpec:
+    try:
+        return InstanceSpec.parse(text)
+    except SpecError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def read_config(path: Path) -> Settings:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"can't read {path}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path} is not valid TOML: {exc}") from None
+    unknown = set(data) - {"server", "instances", "store"}
+    if unknown:
+        raise UsageError(f"{path}: unknown key {sorted(unknown)[0]!r} (server, instances)")
+    server = _table(data.get("server", {}), f"{path}: [server]", SERVER_KEYS)
+    settings = Settings()
+    settings.http = _string(server.get("http", DEFAULT_HTTP), f"{path}: server.http")
+    store = server.get("store", data.get("store", DEFAULT_STORE))
+    settings.store = _string(store, f"{path}: store")
+    settings.http_options = _http_options(server, path)
+    instances = data.get("instances", [])
+    if not isinstance(instances, list):
+        raise UsageError(f"{path}: 'instances' must be an array of tables ([[instances]])")
+    for i, entry in enumerate(instances):
+        where = f"{path}: instances[{i}]"
+        settings.instances.append(_config_instance(_table(entry, where, INSTANCE_KEYS), where))
+    return settings
+
+
+def _http_options(server: dict[str, Any], path: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("token", "metrics_token"):
+        file_key, env_key = f"{name}_file", f"{name}_env"
+        if file_key in server and env_key in server:
+            raise UsageError(f"{path}: give server.{file_key} or server.{env_key}, not both")
+        if file_key in server:
+            out[name] = _secret_file(_string(server[file_key], f"{path}: server.{file_key}"))
+        elif env_key in server:
+            env = _string(server[env_key], f"{path}: server.{env_key}")
+            if env not in os.environ:
+                raise UsageError(f"{path}: server.{env_key}: ${env} is not set")
+            out[name] = os.environ[env]
+    for key in _PATH_KEYS & set(server):
+        out[key] = _string(server[key], f"{path}: server.{key}")
+    for key in _INT_KEYS & set(server):
+        value = server[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UsageError(f"{path}: server.{key} must be a whole number of at least 1")
+        out[key] = value
+    for key in _FLOAT_KEYS & set(server):
+        value = server[key]
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+            raise UsageError(f"{path}: server.{key} must be a positive number of seconds")
+        out[key] = float(value)
+    return out
+
+
+def _secret_file(path: str) -> str:
+    """A secret kept in a file (a Kubernetes Secret mounted as one, systemd's credentials):
+    its content without the line end that editors and `echo` add."""
+    try:
+        return Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise UsageError(f"can't read the token file {path}: {reason}") from None
+
+
+def _table(value: object, where: str, keys: set[str]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UsageError(f"{where} must be a table")
+    unknown = set(value) - keys
+    if unknown:
+        raise UsageError(f"{where}: unknown key {sorted(unknown)[0]!r} ({', '.join(sorted(keys))})")
+    return value
+
+
+def _string(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise UsageError(f"{where} must be a string")
+    return value
+
+
+def _config_instance(entry: dict[str, Any], where: str) -> InstanceSpec:
+    try:
+        if "spec" in entry:
+            if len(entry) > 1:
+                raise SpecError("give either 'spec' or the fields, not both")
+            return InstanceSpec.parse(_string(entry["spec"], f"{where}.spec"))
+        for key in ("name", "endpoint"):
+            if key not in entry:
+                raise SpecError(f"'{key}' is required")
+        dp = entry.get("dp", 1)
+        if not isinstance(dp, int) or isinstance(dp, bool):
+            raise SpecError("'dp' must be a whole number")
+        replay = entry.get("replay_endpoint")
+        curve = entry.get("curve")
+        client_key = entry.get("client_key")
+        return InstanceSpec(
+            name=_string(entry["name"], f"{where}.name"),
+            endpoint=_string(entry["endpoint"], f"{where}.endpoint"),
+            replay_endpoint=None if replay is None else _string(replay, f"{where}.replay_endpoint"),
+            topic=_string(entry.get("topic", ""), f"{where}.topic"),
+            dp=dp,
+            curve=None if curve is None else _server_key(_string(curve, f"{where}.curve")),
+            client_key=None if client_key is None else _string(client_key, f"{where}.client_key"),
+        )
+    except SpecError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+
+
+def _server_key(value: str) -> str:
+    """The key itself, or a file holding it, as `curve=` takes it in a spec."""
+    try:
+        return read_public_key(value)
+    except KeyFileError as exc:
+        raise SpecError(f"curve={value}: {exc}") from None

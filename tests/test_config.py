@@ -1,0 +1,182 @@
+"""`kvindex serve --config`: the file takes every serve option (tokens by file or
+environment, TLS, limits, CURVE per instance), deploy/kvindex.toml (the documented example)
+loads, flags win over the file, and every problem is one line."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import ssl
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from clitools import ROOT
+from netutil import free_port
+from test_http_security import self_signed
+
+from kvindex.cli import build_parser
+from kvindex.cli.common import UsageError
+from kvindex.cli.config import SERVER_KEYS, load_settings
+from kvindex.cli.httpopts import http_options
+from kvindex.security.curve import generate_keys
+
+pytestmark = pytest.mark.timeout(60)
+
+EXAMPLE = ROOT / "deploy" / "kvindex.toml"
+TOKEN = "example-token-0123456789"
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def example_in(tmp: Path) -> Path:
+    """deploy/kvindex.toml with its /etc/kvindex and /var/lib/kvindex files made under tmp."""
+    etc = tmp / "etc"
+    (etc / "tls").mkdir(parents=True)
+    (etc / "token").write_text(TOKEN + "\n")
+    cert, key = self_signed(tmp)
+    shutil.copy(cert, etc / "tls" / "tls.crt")
+    shutil.copy(key, etc / "tls" / "tls.key")
+    relay = generate_keys(etc, "relay-vllm-1")
+    relay.secret.unlink()
+    generate_keys(etc, "kvindex")
+    text = EXAMPLE.read_text().replace("/etc/kvindex", str(etc))
+    text = text.replace("/var/lib/kvindex", str(tmp))
+    config = tmp / "kvindex.toml"
+    config.write_text(text)
+    return config
+
+
+def test_the_documented_example_loads_with_every_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVINDEX_METRICS_TOKEN", "metrics-token-0123456789")
+    monkeypatch.delenv("KVINDEX_TOKEN", raising=False)
+    config = example_in(tmp_path)
+    args = serve_args("--config", str(config))
+    settings = load_settings(args)
+    assert settings.http == "0.0.0.0:8080"
+    assert settings.store == f"sqlite:///{tmp_path}/kvindex.sqlite"
+    names = [(s.name, s.dp, s.topic, s.curve is not None) for s in settings.instances]
+    assert names == [("vllm-0", 1, "", False), ("vllm-1", 2, "", True), ("vllm-2", 1, "kv", False)]
+    one = settings.instances[1]
+    assert one.client_key == str(tmp_path / "etc" / "kvindex.key_secret")
+    assert len(one.sources()) == 2 and one.sources()[1].endpoint == "tcp://10.0.0.6:6558"
+    http = http_options(args, settings.http_options)
+    assert http.guard.token == TOKEN  # the file's content, without its newline
+    assert http.guard.metrics_token == "metrics-token-0123456789"
+    assert (http.tls_cert, http.tls_key) == (
+        str(tmp_path / "etc/tls/tls.crt"),
+        str(tmp_path / "etc/tls/tls.key"),
+    )
+    assert http.max_body_bytes == 33554432 and http.guard.max_lookup_items == 1000000
+    assert http.guard.request_timeout == 30.0
+    # every [server] key is in the example, so the example shows them all
+    assert set(
+        re.findall(r"^#? ?(\w+) =", EXAMPLE.read_text().split("[[instances]]")[0], re.M)
+    ) >= (SERVER_KEYS - {"token_env", "metrics_token_file"})
+
+
+def test_flags_win_over_the_file_and_the_file_over_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVINDEX_TOKEN", "from-the-environment-0123")
+    monkeypatch.setenv("MY_TOKEN", "from-my-variable-01234567")
+    config = tmp_path / "k.toml"
+    config.write_text(
+        '[server]\nhttp = "127.0.0.1:9000"\ntoken_env = "MY_TOKEN"\nmax_body_bytes = 1000\n'
+    )
+    args = serve_args("--config", str(config), "--http", "127.0.0.1:9001", "--max-body-bytes", "5")
+    settings = load_settings(args)
+    http = http_options(args, settings.http_options)
+    assert settings.http == "127.0.0.1:9001" and http.max_body_bytes == 5
+    assert http.guard.token == "from-my-variable-01234567"
+    flagged = serve_args("--config", str(config), "--token", "from-the-flag-0123456789")
+    assert http_options(flagged, load_settings(flagged).http_options).guard.token == (
+        "from-the-flag-0123456789"
+    )
+    config.write_text("[server]\n")
+    plain = serve_args("--config", str(config))
+    assert http_options(plain, load_settings(plain).http_options).guard.token == (
+        "from-the-environment-0123"
+    )
+
+
+@pytest.mark.parametrize(
+    ("server", "message"),
+    [
+        ('token_file = "/nonexistent/token"', "can't read the token file /nonexistent/token"),
+        ('token_env = "KVINDEX_TEST_UNSET"', "server.token_env: $KVINDEX_TEST_UNSET is not set"),
+        ('token_file = "x"\ntoken_env = "y"', "give server.token_file or server.token_env"),
+        ("max_body_bytes = 0", "server.max_body_bytes must be a whole number of at least 1"),
+        ('request_timeout = "soon"', "server.request_timeout must be a positive number"),
+        ('tlscert = "x"', "[server]: unknown key 'tlscert' (http, max_body_bytes, "),
+    ],
+)
+def test_config_problems_are_one_line(tmp_path: Path, server: str, message: str) -> None:
+    config = tmp_path / "k.toml"
+    config.write_text(f"[server]\n{server}\n")
+    with pytest.raises(UsageError) as exc:
+        load_settings(serve_args("--config", str(config)))
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_an_instance_with_a_bad_key_file_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "k.toml"
+    config.write_text(
+        '[[instances]]\nname = "a"\nendpoint = "tcp://127.0.0.1:1"\ncurve = "/nonexistent.key"\n'
+    )
+    with pytest.raises(UsageError, match=r"instances\[0\]: curve=/nonexistent.key: can't read"):
+        load_settings(serve_args("--config", str(config)))
+
+
+def test_every_serve_flag_has_a_config_key_and_is_documented() -> None:
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    flags = {
+        action.option_strings[-1]
+        for action in commands["serve"]._actions
+        if action.option_strings and action.dest not in ("help", "config", "instance")
+    }
+    as_keys = {flag.removeprefix("--").replace("-", "_") for flag in flags}
+    keys = {k.removesuffix("_file").removesuffix("_env") for k in SERVER_KEYS}
+    assert as_keys - {"max_lookup_tokens"} <= keys and "max_lookup_tokens" in keys
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    for key in SERVER_KEYS:
+        assert f"| `{key}` |" in doc, key
+    for flag in flags:
+        assert f"`{flag}" in doc, flag
+
+
+def test_serve_runs_from_the_example_config(tmp_path: Path) -> None:
+    config = example_in(tmp_path)
+    port = free_port()
+    text = config.read_text().replace("0.0.0.0:8080", f"127.0.0.1:{port}")
+    text = text.replace('metrics_token_env = "KVINDEX_METRICS_TOKEN"', "")
+    config.write_text(text)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvindex", "serve", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert f"listening on https://127.0.0.1:{port}/ (3 instance(s)" in line
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        url = f"https://127.0.0.1:{port}/v1/instances"
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(url, context=context, timeout=5)
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, context=context, timeout=5) as r:
+            assert r.status == 200 and b'"vllm-1"' in r.read()
+    finally:
+        proc.terminate()
+        assert proc.wait(15) == 0

@@ -16,6 +16,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import enginevenv
 from netutil import free_port
 
+pytest_plugins = ["skipsummary"]  # the run's last lines say what it skipped and why
+
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Venvs of engines' own code are built here, before any (timed) test starts.

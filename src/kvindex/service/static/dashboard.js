@@ -144,7 +144,9 @@
     for (const [name, cls] of [["replaying", "replaying"], ["connecting", "connecting"], ["incomplete", "incomplete"], ["down", "down"]]) {
       if (st[name]) parts.push(`<span><span class="pill ${cls}">${st[name]} ${name}</span></span>`);
     }
-    $("kpi-statuses").innerHTML = parts.length ? parts.join("") : "<span>all instances complete</span>";
+    $("kpi-statuses").innerHTML = parts.length
+      ? parts.join("")
+      : `<span title="Every instance is live: followed with no batch lost, so its blocks are exactly the engine's">all live · state exact</span>`;
 
     $("kpi-blocks").textContent = fmtInt(f.blocks);
     $("kpi-blocks").dataset.value = f.blocks;
@@ -168,13 +170,16 @@
     const w = 150, h = 28, pad = 2;
     if (!values || values.length < 2) return `<svg class="spark" viewBox="0 0 ${w} ${h}"></svg>`;
     const max = Math.max(...values, 1);
+    const min = Math.min(...values);
     // Fill the width from the first point (a new page has few), up to two minutes' worth.
     const step = (w - pad * 2) / (Math.min(Math.max(values.length, 30), TREND_POINTS) - 1);
     const x0 = w - pad - step * (values.length - 1);
     const pts = values.map((v, i) => [x0 + i * step, h - pad - (v / max) * (h - pad * 2)]);
     const line = pts.map((p, i) => (i ? "L" : "M") + p[0].toFixed(1) + " " + p[1].toFixed(1)).join("");
     const area = line + `L${pts[pts.length - 1][0].toFixed(1)} ${h}L${pts[0][0].toFixed(1)} ${h}Z`;
-    return `<svg class="spark" viewBox="0 0 ${w} ${h}" preserveAspectRatio="none"><path class="area" d="${area}"/><path class="line" d="${line}"/></svg>`;
+    // Drawn from 0 to the highest count; the range is written beside it (no axis).
+    const range = min === max ? fmtCompact(max) : `${fmtCompact(min)}–${fmtCompact(max)}`;
+    return `<span class="spark-wrap" title="blocks held over the last 2 min: ${fmtInt(min)} to ${fmtInt(max)}"><svg class="spark" viewBox="0 0 ${w} ${h}" preserveAspectRatio="none"><path class="area" d="${area}"/><path class="line" d="${line}"/></svg><span class="spark-range" data-testid="spark-range">${range}</span></span>`;
   }
 
   function counterCell(value, warnAbove) {
@@ -295,9 +300,12 @@
       });
       return `<tr><th class="row">${esc(names[i])}</th>${cells.join("")}</tr>`;
     });
-    const note = s.complete
-      ? `Blocks compared by content (same tokens under the same parents), so instances hashing with different seeds still match. The diagonal is what each instance holds.`
-      : `Sampled the first ${fmtInt(s.nodes)} blocks of the prefix tree.`;
+    const every = Math.round(s.every || 5);
+    const note = (s.complete
+      ? `Blocks compared by content (same tokens under the same parents), so instances hashing with different seeds still match. The diagonal is what each instance holds that a lookup by tokens can find.`
+      : `Sampled the first ${fmtInt(s.nodes)} blocks of the prefix tree.`) +
+      ` Recomputed every ${every} s while a page is open; the instances table above is updated every second, so the two can differ in between.`;
+    if (s.t) $("sharing-hint").textContent = `blocks two instances both hold · every ${every} s · as of ${new Date(s.t * 1000).toLocaleTimeString()}`;
     const pct = (n) => (s.nodes ? Math.round((100 * n) / s.nodes) + "%" : "–");
     const stats = `<div class="spread">
       <div><span class="big">${fmtInt(s.nodes)}</span><span class="hint">distinct cached blocks</span></div>
@@ -328,7 +336,7 @@
       return `<li class="item" data-index="${i}" title="Look this prefix up">
         <span class="rank">${i + 1}</span>
         <span class="what"><span class="blocks">${fmtInt(p.blocks)} blocks</span><span class="hint">on</span>${chips}${lora}</span>
-        <span class="score">${fmtInt(p.score)} <small>block·inst</small></span>
+        <span class="score" title="${fmtInt(p.blocks)} blocks × ${p.instances.length} instances">${fmtInt(p.score)} <small>blocks × instances</small></span>
         <span class="bar"><span style="width:${((100 * p.score) / top).toFixed(1)}%"></span></span>
         <span class="tokens">${esc(preview)}</span>
       </li>`;
@@ -403,17 +411,33 @@
     }
   }
 
+  // The row to highlight: the API's best, except that among instances tied with it the one
+  // the prompt came from wins (it is where the prompt's own blocks are; the API can't know).
+  function pickRow(rows, best, origin) {
+    const top = rows.find((r) => r.name === best);
+    if (!top) return { pick: null, tied: [] };
+    const tied = rows.filter((r) => r.matched_blocks === top.matched_blocks && r.status !== "down");
+    const own = tied.find((r) => r.name === origin);
+    return { pick: own || top, tied };
+  }
+  window.kvindexPickRow = pickRow;  // for the browser test
+
   function renderLookup(tokens, answer) {
     const rows = answer.instances;
     const size = rows.map((r) => r.block_size).find((s) => s) || guessBlockSize();
     const full = size ? Math.floor(tokens.length / size) : 0;
     const most = Math.max(1, full, ...rows.map((r) => r.matched_blocks));
-    const best = rows.find((r) => r.name === answer.best);
+    const origin = state.chosen ? state.chosen.instance : null;
+    const { pick: best, tied } = pickRow(rows, answer.best, origin);
+    const others = tied.filter((r) => r !== best).map((r) => esc(r.name));
+    const tie = others.length
+      ? ` Tied with ${others.join(", ")}${best.name === origin ? ": the prompt came from " + esc(origin) : ""}.`
+      : "";
     const summary = best
-      ? `Prompt of <b>${fmtInt(tokens.length)}</b> tokens (${fmtInt(full)} full blocks). Router pick: <b>${esc(best.name)}</b>, ${fmtInt(best.matched_blocks)} blocks (${fmtInt(best.matched_tokens)} tokens) already cached.`
+      ? `Prompt of <b>${fmtInt(tokens.length)}</b> tokens (${fmtInt(full)} full blocks). Router pick: <b>${esc(best.name)}</b>, ${fmtInt(best.matched_blocks)} blocks (${fmtInt(best.matched_tokens)} tokens) already cached.${tie}`
       : `Prompt of <b>${fmtInt(tokens.length)}</b> tokens: no instance holds its first block, so any instance will do.`;
     const html = rows.map((r) => {
-      const pick = r.name === answer.best;
+      const pick = best !== null && r.name === best.name;
       const ranks = r.ranks.length > 1 ? ` <span class="hint">(rank ${r.best_rank} of ${r.ranks.length})</span>` : "";
       return `<tr class="${pick ? "pick" : ""}" data-instance="${esc(r.name)}" data-matched="${r.matched_blocks}">
         <td class="name">${esc(r.name)}${pick ? '<span class="badge">router pick</span>' : ""}</td>

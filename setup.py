@@ -43,7 +43,10 @@ setup(
         Extension(
             "kvindex.index._core",
             sources=[f"{CORE}/core.c", f"{CORE}/parse.c", f"{CORE}/module.c"],
-            depends=[f"{CORE}/core.h", f"{CORE}/map.h", f"{CORE}/msgpack.h", f"{CORE}/intern.h"],
+            depends=[
+                f"{CORE}/{name}"
+                for name in ("core.h", "map.h", "maptmpl.h", "msgpack.h", "intern.h")
+            ],
             extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
             extra_link_args=["-pthread"],
         )

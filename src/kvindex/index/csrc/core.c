@@ -112,7 +112,7 @@ uint8_t core_tier_of(core_t *c, uint32_t medium) {
 int core_init(core_t *c, uint64_t seed) {
     memset(c, 0, sizeof *c);
     c->seed = seed;
-    map_init(&c->children);
+    pmap_init(&c->children);
     map_init(&c->root_ns);
     map_init(&c->tokens);
     map_init(&c->ns_by_key);
@@ -136,7 +136,7 @@ void core_free(core_t *c) {
     free(c->nodes);
     free(c->sets);
     free(c->ns);
-    map_free(&c->children);
+    pmap_free(&c->children);
     map_free(&c->root_ns);
     map_free(&c->ns_by_key);
     MAP_FOREACH(&c->tokens, e) { /* the live slots (free ones hold the free list) */
@@ -164,6 +164,8 @@ static uint32_t node_new(core_t *c, uint64_t key, uint32_t parent) {
         if (c->nnodes >= c->nodes_cap) {
             uint32_t cap = c->nodes_cap ? c->nodes_cap * 2 : 1024;
             if (cap >= NODE_LOOSE)
+                cap = NODE_LOOSE - 1; /* node indices must fit a pool entry's 28 bits */
+            if (cap <= c->nodes_cap)
                 return NODE_NONE;
             node_t *nodes = realloc(c->nodes, (size_t)cap * sizeof(node_t));
             if (nodes == NULL)
@@ -206,17 +208,18 @@ static inline uint64_t prefix_of(uint64_t parent_prefix, uint64_t block_digest) 
 
 /* The entry of `parent`'s child with prefix digest `prefix`: probes 0, 1, ... past other
  * paths that reached the same 64-bit digest (never seen; kept exact all the same). */
-static map_entry *child_entry(const core_t *c, uint32_t parent, uint64_t prefix) {
-    for (uint32_t probe = 0;; probe++) {
-        map_entry *e = map_find(&c->children, prefix, probe);
-        if (e == NULL || c->nodes[e->value].parent == parent)
+static pmap_entry *child_entry(const core_t *c, uint32_t parent, uint64_t prefix) {
+    for (uint32_t probe = 0; probe <= PMAP_MAX_B; probe++) {
+        pmap_entry *e = pmap_find(&c->children, prefix, probe);
+        if (e == NULL || c->nodes[pmap_value(e)].parent == parent)
             return e;
     }
+    return NULL;
 }
 
 uint32_t child_get(const core_t *c, uint32_t parent, uint64_t key) {
-    map_entry *e = child_entry(c, parent, prefix_of(node_key(&c->nodes[parent]), key));
-    return e ? e->value : NODE_NONE;
+    pmap_entry *e = child_entry(c, parent, prefix_of(node_key(&c->nodes[parent]), key));
+    return e ? pmap_value(e) : NODE_NONE;
 }
 
 /* `_child`: the child of `parent` with this block key digest, made if there is none.
@@ -225,22 +228,24 @@ static uint32_t child_make(core_t *c, uint32_t parent, uint64_t key) {
     uint64_t prefix = prefix_of(node_key(&c->nodes[parent]), key);
     uint32_t probe = 0;
     for (;; probe++) {
-        map_entry *e = map_find(&c->children, prefix, probe);
+        pmap_entry *e = pmap_find(&c->children, prefix, probe);
         if (e == NULL)
             break;
-        if (c->nodes[e->value].parent == parent)
-            return e->value;
+        if (c->nodes[pmap_value(e)].parent == parent)
+            return pmap_value(e);
     }
+    if (probe > PMAP_MAX_B)
+        return NODE_NONE; /* 15 paths on one 64-bit digest: held without a place */
     uint32_t child = node_new(c, prefix, parent);
     if (child == NODE_NONE)
         return NODE_NONE;
     int made;
-    map_entry *e = map_put(&c->children, prefix, probe, &made);
+    pmap_entry *e = pmap_put(&c->children, prefix, probe, &made);
     if (e == NULL) {
         node_free(c, child);
         return NODE_NONE;
     }
-    e->value = child;
+    pmap_set(e, child);
     c->nodes[parent].nchild++;
     return child;
 }
@@ -249,24 +254,24 @@ static uint32_t child_make(core_t *c, uint32_t parent, uint64_t key) {
 static void child_forget(core_t *c, uint32_t n) {
     uint64_t prefix = node_key(&c->nodes[n]);
     for (uint32_t probe = 0;; probe++) {
-        map_entry *e = map_find(&c->children, prefix, probe);
+        pmap_entry *e = pmap_find(&c->children, prefix, probe);
         if (e == NULL)
             return;
-        if (e->value == n) {
-            map_delete(&c->children, e);
+        if (pmap_value(e) == n) {
+            pmap_delete(&c->children, e);
             break;
         }
     }
     /* Later probes of this digest move down one, so no search stops at the hole. */
-    for (uint32_t probe = 1;; probe++) {
+    for (uint32_t probe = 1; probe <= PMAP_MAX_B; probe++) {
         uint32_t moved;
-        if (map_find(&c->children, prefix, probe - 1) != NULL ||
-            !map_remove(&c->children, prefix, probe, &moved))
+        if (pmap_find(&c->children, prefix, probe - 1) != NULL ||
+            !pmap_remove(&c->children, prefix, probe, &moved))
             return;
         int made;
-        map_entry *e = map_put(&c->children, prefix, probe - 1, &made);
+        pmap_entry *e = pmap_put(&c->children, prefix, probe - 1, &made);
         if (e != NULL)
-            e->value = moved;
+            pmap_set(e, moved);
     }
 }
 
@@ -553,7 +558,7 @@ const uint32_t *node_tokens(const core_t *c, uint32_t n) {
 static inline uint32_t hk_b(hkey h) { return h.kind; }
 
 /* A pool entry's hash as a map key: (value, kind). */
-#define POOL_FIND(pool, h) map_find(&(pool)->blocks, (h).v, (h).kind)
+#define POOL_FIND(pool, h) pmap_find(&(pool)->blocks, (h).v, (h).kind)
 
 source_t *source_get(core_t *c, uint32_t bit, int make) {
     if (bit < c->nsources_cap && c->sources[bit] != NULL)
@@ -612,15 +617,15 @@ static pool_t *pool_get(core_t *c, source_t *s, int64_t group, uint32_t medium) 
     p->tier = core_tier_of(c, medium);
     p->index = (uint8_t)s->npools;
     p->size = 0;
-    map_init(&p->blocks);
+    pmap_init(&p->blocks);
     s->npools++;
     if (s->npools == 2) {
         s->several = 1;
-        MAP_FOREACH(&s->pools[0].blocks, e) {
-            if (e->value == NODE_LOOSE)
+        PMAP_FOREACH(&s->pools[0].blocks, e) {
+            if (pmap_value(e) == NODE_LOOSE)
                 continue;
             int made;
-            map_entry *w = map_put(&s->where, e->value, 0, &made);
+            map_entry *w = map_put(&s->where, pmap_value(e), 0, &made);
             if (w == NULL)
                 return NULL;
             w->value = 1;
@@ -701,11 +706,11 @@ static uint32_t placed_elsewhere(core_t *c, source_t *s, hkey h, uint32_t size, 
         pool_t *p = &s->pools[i];
         if (p == skip)
             continue;
-        map_entry *e = POOL_FIND(p, h);
-        if (e == NULL || e->value == NODE_LOOSE)
+        pmap_entry *e = POOL_FIND(p, h);
+        if (e == NULL || pmap_value(e) == NODE_LOOSE)
             continue;
-        if (p->size == size || size_of(c, e->value) == size)
-            return e->value;
+        if (p->size == size || size_of(c, pmap_value(e)) == size)
+            return pmap_value(e);
     }
     return NODE_NONE;
 }
@@ -714,20 +719,20 @@ static uint32_t placed_elsewhere(core_t *c, source_t *s, hkey h, uint32_t size, 
 static void put(core_t *c, source_t *s, pool_t *p, hkey h, uint32_t n, const uint32_t *tokens,
                 uint32_t ntokens) {
     int made;
-    map_entry *e = map_put(&p->blocks, h.v, h.kind, &made);
+    pmap_entry *e = pmap_put(&p->blocks, h.v, h.kind, &made);
     if (e == NULL)
         return;
     if (made) {
-        e->value = n;
+        pmap_set(e, n);
         hkey_ref(c, h);
         if (src_hold(c, s, p->index, n))
             tokens_keep(c, n, tokens, ntokens);
         return;
     }
     count_add(&s->extra, h.v, h.kind | ((uint32_t)p->index << 8));
-    uint32_t old = e->value;
+    uint32_t old = pmap_value(e);
     if (old != n && n != NODE_LOOSE) {
-        e->value = n;
+        pmap_set(e, n);
         if (src_hold(c, s, p->index, n))
             tokens_keep(c, n, tokens, ntokens);
         src_release(c, s, p->index, old);
@@ -743,15 +748,15 @@ static void take_over(core_t *c, source_t *s, pool_t *placed_in, hkey h, uint32_
         pool_t *p = &s->pools[i];
         if (p == placed_in)
             continue;
-        map_entry *e = POOL_FIND(p, h);
-        if (e == NULL || e->value == n)
+        pmap_entry *e = POOL_FIND(p, h);
+        if (e == NULL || pmap_value(e) == n)
             continue;
         if (p->size && p->size != size)
             continue;
-        uint32_t old = e->value;
+        uint32_t old = pmap_value(e);
         if (old != NODE_LOOSE && p->tier == TIER_GPU)
             continue;
-        e->value = n;
+        pmap_set(e, n);
         src_hold(c, s, p->index, n);
         src_release(c, s, p->index, old);
         s->stats.namespace_moved += old != NODE_LOOSE;
@@ -789,9 +794,10 @@ static uint32_t anchor(core_t *c, source_t *s, const rop_t *r, pool_t *p) {
         return root_of(c, r->lora, r->salt, size, 1);
     if (!r->parent_known)
         return NODE_NONE;
-    map_entry *e = POOL_FIND(p, r->parent);
-    if (e != NULL && e->value != NODE_LOOSE && (p->size == size || size_of(c, e->value) == size))
-        return e->value;
+    pmap_entry *e = POOL_FIND(p, r->parent);
+    if (e != NULL && pmap_value(e) != NODE_LOOSE &&
+        (p->size == size || size_of(c, pmap_value(e)) == size))
+        return pmap_value(e);
     if (!s->several)
         return NODE_NONE;
     return placed_elsewhere(c, s, r->parent, size, p);
@@ -874,13 +880,13 @@ static void remove_hashes(core_t *c, source_t *s, int64_t group, uint32_t medium
     uint32_t extra_b = (uint32_t)p->index << 8;
     for (uint32_t i = 0; i < n; i++) {
         hkey h = hashes[i];
-        map_entry *e = POOL_FIND(p, h);
+        pmap_entry *e = POOL_FIND(p, h);
         if (e == NULL)
             continue; /* not known to be held (e.g. stored before a loss) */
         if (count_drop(&s->extra, h.v, h.kind | extra_b))
             continue; /* one of several copies went */
-        uint32_t node = e->value;
-        map_delete(&p->blocks, e);
+        uint32_t node = pmap_value(e);
+        pmap_delete(&p->blocks, e);
         hkey_unref(c, h);
         src_release(c, s, p->index, node);
     }
@@ -889,21 +895,22 @@ static void remove_hashes(core_t *c, source_t *s, int64_t group, uint32_t medium
 /* `_clear`: everything the publisher holds goes (AllBlocksCleared, a restart). */
 void source_clear(core_t *c, source_t *s) {
     for (uint32_t i = 0; i < s->npools; i++) {
-        MAP_FOREACH(&s->pools[i].blocks, e) {
-            if (e->value != NODE_LOOSE && !node_freed(c, e->value))
-                holders_del(c, e->value, s->bit);
+        PMAP_FOREACH(&s->pools[i].blocks, e) {
+            uint32_t n = pmap_value(e);
+            if (n != NODE_LOOSE && !node_freed(c, n))
+                holders_del(c, n, s->bit);
         }
     }
     for (uint32_t i = 0; i < s->npools; i++) {
-        MAP_FOREACH(&s->pools[i].blocks, e) {
-            uint32_t n = e->value;
-            hkey_unref(c, (hkey){e->a, e->b});
+        PMAP_FOREACH(&s->pools[i].blocks, e) {
+            uint32_t n = pmap_value(e);
+            hkey_unref(c, (hkey){e->a, pmap_b(e)});
             if (n == NODE_LOOSE || node_freed(c, n))
                 continue;
             if (c->nodes[n].holders == 0 && c->nodes[n].nchild == 0)
                 prune(c, n);
         }
-        map_free(&s->pools[i].blocks);
+        pmap_free(&s->pools[i].blocks);
     }
     s->npools = 0;
     s->several = 0;
@@ -1336,7 +1343,7 @@ uint32_t walk(const core_t *c, uint32_t root, const uint64_t *keys, uint32_t nke
     for (uint32_t i = 0; i < ahead; i++) {
         next = prefix_of(next, keys[i]);
         prefix[i] = next;
-        __builtin_prefetch(&c->children.slots[map_slot_of(&c->children, next, 0)]);
+        __builtin_prefetch(&c->children.slots[pmap_slot_of(&c->children, next, 0)]);
     }
     for (; d < nkeys; d++) {
         if (c->nodes[node].nchild == 0)
@@ -1345,12 +1352,12 @@ uint32_t walk(const core_t *c, uint32_t root, const uint64_t *keys, uint32_t nke
         if (d + AHEAD < nkeys) {
             next = prefix_of(next, keys[d + AHEAD]);
             prefix[d % AHEAD] = next;
-            __builtin_prefetch(&c->children.slots[map_slot_of(&c->children, next, 0)]);
+            __builtin_prefetch(&c->children.slots[pmap_slot_of(&c->children, next, 0)]);
         }
-        map_entry *e = child_entry(c, node, here);
+        pmap_entry *e = child_entry(c, node, here);
         if (e == NULL)
             break;
-        uint32_t child = e->value;
+        uint32_t child = pmap_value(e);
         if (any_alive) {
             uint32_t h = c->nodes[child].holders;
             /* alive &= holders; publishers dropping out past depth 0 get depth d */

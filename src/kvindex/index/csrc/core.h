@@ -25,7 +25,7 @@
 #include "map.h"
 
 #define NODE_NONE 0u         /* node index 0 is never used: "no node" */
-#define NODE_LOOSE 0xFFFFFFFEu /* a pool entry of a block with no place in the tree */
+#define NODE_LOOSE 0x0FFFFFFEu /* a pool entry of a block with no place in the tree (PMAP_MAX_VALUE) */
 #define HOLD_SET 0x80000000u /* node.holders: the low bits index a bit set */
 #define NODE_FREED 0xFFFFFFFFu
 #define MAX_POOLS 32         /* per publisher: (group, medium) pairs */
@@ -55,7 +55,7 @@ typedef struct {
     uint8_t tier;
     uint8_t index; /* its bit in `where` */
     uint32_t size; /* largest block size of its events */
-    map_t blocks;  /* a = hash value, b = hash kind -> node index or NODE_LOOSE */
+    pmap_t blocks; /* a = hash value, b = hash kind -> node index or NODE_LOOSE */
 } pool_t;
 
 typedef struct {
@@ -164,7 +164,7 @@ typedef struct {
     /* nodes */
     node_t *nodes;
     uint32_t nnodes, nodes_cap, free_nodes, live_nodes;
-    map_t children; /* a = the child's prefix digest, b = probe -> child (see prefix_of) */
+    pmap_t children; /* a = the child's prefix digest, b = probe -> child (see prefix_of) */
     map_t root_ns;  /* a = root node, b = 0 -> namespace index */
     map_t tokens;   /* a = node, b = 0 -> index into token_store (shared nodes) */
     /* holder sets */

@@ -1,10 +1,12 @@
-/* An open-addressing hash map with 16-byte entries: key (a: u64, b: u32) -> value u32.
+/* Open-addressing hash maps: key (a: u64, b: u32) -> value u32, linear probing.
  *
- * Every table of the core is one of these (a pool: hash -> node; the children of all
- * nodes: (digest, parent) -> child; copies, counts and pool sets per node), so the probing,
- * growing and deletion are written once. Linear probing; deletion shifts the following
- * entries back (no tombstones), so a table's cost follows what it holds. A slot whose `b`
- * is MAP_EMPTY is free: no key may use that value of `b`.
+ * Every table of the core is one of two instances of one template (maptmpl.h), so the
+ * probing, growing and deletion are written once:
+ * - `map`: 16-byte entries, any b and value (copies, counts, pool sets per node, ...);
+ * - `pmap` (pmap.h): 12-byte entries with b in 4 bits and the value in 28, for the two
+ *   tables that hold an entry per block (the pools, and the tree's children).
+ * Deletion shifts the following entries back (no tombstones), so a table's cost follows
+ * what it holds.
  */
 #ifndef KVCORE_MAP_H
 #define KVCORE_MAP_H
@@ -13,19 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAP_EMPTY 0xFFFFFFFFu
-
-typedef struct {
-    uint64_t a;
-    uint32_t b;
-    uint32_t value;
-} map_entry;
-
-typedef struct {
-    map_entry *slots;
-    uint32_t mask; /* capacity - 1 (any capacity: see map_slot_of), or 0 before the first put */
-    uint32_t count;
-} map_t;
+#define MAP_EMPTY 0xFFFFFFFFu /* a free slot's b: no key may use it */
 
 /* A 64-bit mixer (the finaliser of MurmurHash3 / splitmix64): every input bit reaches
  * every output bit, so linear probing sees no clusters from regular keys. */
@@ -38,138 +28,73 @@ static inline uint64_t mix64(uint64_t x) {
     return x;
 }
 
-/* The home slot: the hash scaled to the capacity (multiply-high, not a mask), so a table
- * can grow by half rather than double: the millions of entries of a big fleet's pools and
- * tree sit at 53-80 % load, not 37-75 %. */
-static inline uint32_t map_slot_of(const map_t *m, uint64_t a, uint32_t b) {
-    uint64_t h = mix64(a ^ ((uint64_t)b * 0x9E3779B97F4A7C15ULL));
-    return (uint32_t)(((__uint128_t)h * ((uint64_t)m->mask + 1)) >> 64);
-}
+typedef struct {
+    uint64_t a;
+    uint32_t b;
+    uint32_t value;
+} map_entry;
 
-static inline uint32_t map_next(const map_t *m, uint32_t i) { return i == m->mask ? 0 : i + 1; }
-
-static inline void map_init(map_t *m) {
-    m->slots = NULL;
-    m->mask = 0;
-    m->count = 0;
-}
-
-static inline void map_free(map_t *m) {
-    free(m->slots);
-    map_init(m);
-}
-
-/* The entry of (a, b), or NULL. */
-static inline map_entry *map_find(const map_t *m, uint64_t a, uint32_t b) {
-    if (m->slots == NULL)
-        return NULL;
-    uint32_t i = map_slot_of(m, a, b);
-    for (;;) {
-        map_entry *e = &m->slots[i];
-        if (e->b == MAP_EMPTY)
-            return NULL;
-        if (e->a == a && e->b == b)
-            return e;
-        i = map_next(m, i);
-    }
-}
-
-static int map_grow(map_t *m, uint32_t capacity) {
-    map_entry *old = m->slots;
-    uint32_t old_capacity = old ? m->mask + 1 : 0;
-    map_entry *slots = malloc((size_t)capacity * sizeof(map_entry));
-    if (slots == NULL)
-        return -1;
-    for (uint32_t i = 0; i < capacity; i++)
-        slots[i].b = MAP_EMPTY;
-    m->slots = slots;
-    m->mask = capacity - 1;
-    for (uint32_t i = 0; i < old_capacity; i++) {
-        if (old[i].b == MAP_EMPTY)
-            continue;
-        uint32_t j = map_slot_of(m, old[i].a, old[i].b);
-        while (slots[j].b != MAP_EMPTY)
-            j = map_next(m, j);
-        slots[j] = old[i];
-    }
-    free(old);
-    return 0;
-}
-
-/* The entry of (a, b), made (value 0) if absent; `*made` says which. NULL: out of
- * memory. Pointers into the table are valid until the next put or delete. */
-static inline map_entry *map_put(map_t *m, uint64_t a, uint32_t b, int *made) {
-    /* Kept at most 4/5 full (a miss then probes about 13 slots at worst, 3 at the 53 %
-     * a table grows to), growing by half. */
-    uint64_t capacity = (uint64_t)m->mask + 1;
-    if (m->slots == NULL || ((uint64_t)m->count + 1) * 5 > capacity * 4) {
-        uint64_t grown = m->slots == NULL ? 8 : capacity + capacity / 2;
-        if (grown > 0xFFFFFFFFULL || map_grow(m, (uint32_t)grown) < 0)
-            return NULL;
-    }
-    uint32_t i = map_slot_of(m, a, b);
-    for (;;) {
-        map_entry *e = &m->slots[i];
-        if (e->b == MAP_EMPTY) {
-            e->a = a;
-            e->b = b;
-            e->value = 0;
-            m->count++;
-            *made = 1;
-            return e;
-        }
-        if (e->a == a && e->b == b) {
-            *made = 0;
-            return e;
-        }
-        i = map_next(m, i);
-    }
-}
-
-/* Remove the entry at `e` (from map_find): the entries after it that probed past its slot
- * move back, so every remaining key is still found by linear probing. */
-static inline void map_delete(map_t *m, map_entry *e) {
-    uint32_t hole = (uint32_t)(e - m->slots);
-    uint32_t i = hole;
-    for (;;) {
-        i = map_next(m, i);
-        map_entry *next = &m->slots[i];
-        if (next->b == MAP_EMPTY)
-            break;
-        uint32_t home = map_slot_of(m, next->a, next->b);
-        /* `next` may fill the hole if its home is not in (hole, i] (cyclically). */
-        int stays = hole <= i ? (hole < home && home <= i) : (hole < home || home <= i);
-        if (!stays) {
-            m->slots[hole] = *next;
-            hole = i;
-        }
-    }
-    m->slots[hole].b = MAP_EMPTY;
-    m->count--;
-    /* Shrink a table that emptied out (a pool after a clear of most of it). */
-    if (m->mask >= 64 && (uint64_t)m->count * 8 < (uint64_t)m->mask + 1)
-        map_grow(m, (m->mask + 1) / 2); /* on failure the table just stays large */
-}
-
-static inline int map_remove(map_t *m, uint64_t a, uint32_t b, uint32_t *value) {
-    map_entry *e = map_find(m, a, b);
-    if (e == NULL)
-        return 0;
-    if (value)
-        *value = e->value;
-    map_delete(m, e);
-    return 1;
-}
-
-/* Bytes a table holds (for the memory figures). */
-static inline size_t map_bytes(const map_t *m) {
-    return m->slots ? ((size_t)m->mask + 1) * sizeof(map_entry) : 0;
-}
+#define MT_NAME map
+#define MT_ENTRY map_entry
+#define MT_GET_B(e) ((e)->b)
+#define MT_GET_V(e) ((e)->value)
+#define MT_SET_KEY(e, ka, kb) ((e)->a = (ka), (e)->b = (kb), (e)->value = 0)
+#define MT_IS_EMPTY(e) ((e)->b == MAP_EMPTY)
+#define MT_SET_EMPTY(e) ((e)->b = MAP_EMPTY)
+#include "maptmpl.h"
+#undef MT_NAME
+#undef MT_ENTRY
+#undef MT_GET_B
+#undef MT_GET_V
+#undef MT_SET_KEY
+#undef MT_IS_EMPTY
+#undef MT_SET_EMPTY
 
 #define MAP_FOREACH(m, e)                                                                  \
     for (map_entry *e = (m)->slots,                                                        \
                    *e##_end = (m)->slots ? (m)->slots + (size_t)(m)->mask + 1 : NULL;      \
          e != e##_end; e++)                                                                \
         if (e->b != MAP_EMPTY)
+
+/* -- pmap: 12 bytes an entry -------------------------------------------------------- */
+
+#define PMAP_VALUE_BITS 28
+#define PMAP_MAX_VALUE ((1u << PMAP_VALUE_BITS) - 2) /* values 0 .. PMAP_MAX_VALUE */
+#define PMAP_MAX_B 14                                  /* b 0 .. 14; 15 marks a free slot */
+
+typedef struct __attribute__((packed)) {
+    uint64_t a;
+    uint32_t bv; /* b << 28 | value */
+} pmap_entry;
+
+static inline uint32_t pmap_b(const pmap_entry *e) { return e->bv >> PMAP_VALUE_BITS; }
+static inline uint32_t pmap_value(const pmap_entry *e) {
+    return e->bv & ((1u << PMAP_VALUE_BITS) - 1);
+}
+static inline void pmap_set(pmap_entry *e, uint32_t value) {
+    e->bv = (e->bv & ~((1u << PMAP_VALUE_BITS) - 1)) | value;
+}
+
+#define MT_NAME pmap
+#define MT_ENTRY pmap_entry
+#define MT_GET_B(e) pmap_b(e)
+#define MT_GET_V(e) pmap_value(e)
+#define MT_SET_KEY(e, ka, kb) ((e)->a = (ka), (e)->bv = (uint32_t)(kb) << PMAP_VALUE_BITS)
+#define MT_IS_EMPTY(e) ((e)->bv == MAP_EMPTY)
+#define MT_SET_EMPTY(e) ((e)->bv = MAP_EMPTY)
+#include "maptmpl.h"
+#undef MT_NAME
+#undef MT_ENTRY
+#undef MT_GET_B
+#undef MT_GET_V
+#undef MT_SET_KEY
+#undef MT_IS_EMPTY
+#undef MT_SET_EMPTY
+
+#define PMAP_FOREACH(m, e)                                                                 \
+    for (pmap_entry *e = (m)->slots,                                                       \
+                    *e##_end = (m)->slots ? (m)->slots + (size_t)(m)->mask + 1 : NULL;     \
+         e != e##_end; e++)                                                                \
+        if (e->bv != MAP_EMPTY)
 
 #endif

@@ -909,7 +909,7 @@ static PyObject *Core_lookup_hashes(CoreObject *self, PyObject *hashes_obj) {
             int held = 0;
             for (uint32_t p = 0; known[d] && !held && p < s->npools; p++)
                 held = s->pools[p].tier == TIER_GPU &&
-                       map_find(&s->pools[p].blocks, hk[d].v, hk[d].kind) != NULL;
+                       pmap_find(&s->pools[p].blocks, hk[d].v, hk[d].kind) != NULL;
             if (!held)
                 break;
         }
@@ -919,7 +919,7 @@ static PyObject *Core_lookup_hashes(CoreObject *self, PyObject *hashes_obj) {
             for (int t = TIER_CPU; t < TIER_COUNT && tier < 0 && known[d]; t++)
                 for (uint32_t p = 0; tier < 0 && p < s->npools; p++)
                     if (s->pools[p].tier == t &&
-                        map_find(&s->pools[p].blocks, hk[d].v, hk[d].kind) != NULL)
+                        pmap_find(&s->pools[p].blocks, hk[d].v, hk[d].kind) != NULL)
                         tier = t;
             if (tier < 0)
                 break;
@@ -967,11 +967,12 @@ static PyObject *Core_pools(CoreObject *self, PyObject *bit_obj) {
     for (uint32_t i = 0; out && s && i < s->npools; i++) {
         pool_t *p = &s->pools[i];
         PyObject *d = PyDict_New();
-        MAP_FOREACH(&p->blocks, e) {
+        PMAP_FOREACH(&p->blocks, e) {
             if (d == NULL)
                 break;
-            map_entry *x = s->extra.count ? map_find(&s->extra, e->a, e->b | ((uint32_t)p->index << 8)) : NULL;
-            PyObject *k = hash_object(c, e->a, e->b);
+            uint32_t kind = pmap_b(e);
+            map_entry *x = s->extra.count ? map_find(&s->extra, e->a, kind | ((uint32_t)p->index << 8)) : NULL;
+            PyObject *k = hash_object(c, e->a, kind);
             PyObject *v = PyLong_FromUnsignedLong(1 + (x ? x->value : 0));
             if (!k || !v || PyDict_SetItem(d, k, v) < 0)
                 Py_CLEAR(d);
@@ -1029,8 +1030,8 @@ static PyObject *Core_pool_hashes(CoreObject *self, PyObject *args) {
     pthread_rwlock_rdlock(&self->lock);
     source_t *s = source_get(c, bit, 0);
     if (out && s && index < s->npools) {
-        MAP_FOREACH(&s->pools[index].blocks, e) {
-            PyObject *k = hash_object(c, e->a, e->b);
+        PMAP_FOREACH(&s->pools[index].blocks, e) {
+            PyObject *k = hash_object(c, e->a, pmap_b(e));
             if (k == NULL || PyList_Append(out, k) < 0) {
                 Py_XDECREF(k);
                 Py_CLEAR(out);
@@ -1077,8 +1078,8 @@ static PyObject *Core_hashes(CoreObject *self, PyObject *args) {
         pool_t *p = &s->pools[i];
         if (medium.p != NULL && !medium_matches(c, p->medium, medium))
             continue;
-        MAP_FOREACH(&p->blocks, e) {
-            PyObject *k = hash_object(c, e->a, e->b);
+        PMAP_FOREACH(&p->blocks, e) {
+            PyObject *k = hash_object(c, e->a, pmap_b(e));
             if (k == NULL || PyList_Append(out, k) < 0) {
                 Py_XDECREF(k);
                 Py_CLEAR(out);
@@ -1115,7 +1116,7 @@ static PyObject *Core_count(CoreObject *self, PyObject *args) {
         pool_t *p = &s->pools[i];
         if (p->group != group || p->medium != mid)
             continue;
-        if (map_find(&p->blocks, h.v, h.kind) != NULL) {
+        if (pmap_find(&p->blocks, h.v, h.kind) != NULL) {
             map_entry *x = map_find(&s->extra, h.v, h.kind | ((uint32_t)p->index << 8));
             copies = 1 + (x ? x->value : 0);
         }
@@ -1174,10 +1175,10 @@ static PyObject *Core_memory(CoreObject *self, PyObject *Py_UNUSED(unused)) {
             continue;
         side += sizeof(source_t) + map_bytes(&s->extra) + map_bytes(&s->refs) + map_bytes(&s->where);
         for (uint32_t i = 0; i < s->npools; i++)
-            pools += map_bytes(&s->pools[i].blocks);
+            pools += pmap_bytes(&s->pools[i].blocks);
     }
     unsigned long long nodes = (unsigned long long)c->nodes_cap * sizeof(node_t);
-    unsigned long long children = map_bytes(&c->children);
+    unsigned long long children = pmap_bytes(&c->children);
     unsigned long long sets = (unsigned long long)c->sets_cap * c->set_words * 8;
     unsigned long long tokens = map_bytes(&c->tokens) + (unsigned long long)c->tokens.count * 68;
     pthread_rwlock_unlock(&self->lock);
@@ -1213,10 +1214,10 @@ static PyObject *Core_walk_tree(CoreObject *self, PyObject *Py_UNUSED(unused)) {
         Py_DECREF(out);
         return PyErr_NoMemory();
     }
-    MAP_FOREACH(&c->children, e) {
-        uint32_t parent = c->nodes[e->value].parent;
-        next[e->value] = first[parent];
-        first[parent] = e->value;
+    PMAP_FOREACH(&c->children, e) {
+        uint32_t child = pmap_value(e), parent = c->nodes[child].parent;
+        next[child] = first[parent];
+        first[parent] = child;
     }
     for (uint32_t k = 0; out && k < c->nns; k++) {
         namespace_t ns = c->ns[k];

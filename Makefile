@@ -8,28 +8,41 @@ STAMP := $(VENV)/.installed
 FUZZ_SECONDS ?= 120
 SOAK_SECONDS ?= 300
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(CORE_STAMP)
 
-venv: $(STAMP)
+# The compiled core again when its C sources change (an editable install built it once).
+CORE_STAMP := $(VENV)/.core-built
+$(CORE_STAMP): $(STAMP) $(wildcard src/kvindex/index/csrc/*)
+	$(BIN)/python setup.py -q build_ext --inplace
+	touch $(CORE_STAMP)
 
-demo: $(STAMP)
+venv: $(CORE_STAMP)
+
+demo: $(CORE_STAMP)
 	$(BIN)/kvindex demo
 
-test: $(STAMP)
+# The index, wire and interop tests run twice: on the compiled core, then on the pure-Python
+# reference (KVINDEX_PURE=1); tests/test_core.py holds the two to identical answers.
+PURE_TESTS := tests/test_index.py tests/test_index_model.py tests/test_core.py \
+	tests/test_wire.py tests/test_fuzz.py tests/test_sglang_interop.py \
+	tests/test_vllm_releases.py tests/test_interop_releases.py tests/interop
+
+test: $(CORE_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+	KVINDEX_PURE=1 $(BIN)/python -m pytest -q -p no:cacheprovider $(PURE_TESTS)
 
 # The benchmark suite, full size (10-20 minutes): table, bench/results.json, bench/*.png.
 # Dynamo's radix tree (the `[bench]` extra) is a baseline when it installs, skipped if not.
-bench: $(STAMP)
+bench: $(CORE_STAMP)
 	$(BIN)/pip install -q -e '.[bench]' || echo "bench: ai-dynamo-runtime did not install; its column will say skipped"
 	$(BIN)/python -m kvindex.bench
 
 # The same cases, smaller (under 2 minutes; what CI can afford).
-bench-quick: $(STAMP)
+bench-quick: $(CORE_STAMP)
 	$(BIN)/pip install -q -e '.[bench]' || echo "bench: ai-dynamo-runtime did not install; its column will say skipped"
 	$(BIN)/python -m kvindex.bench --quick
 

@@ -11,6 +11,7 @@ lookup (by tokens and by hashes) and have the same tree.
 
 from __future__ import annotations
 
+import os
 import random
 from collections import Counter
 from typing import Any
@@ -325,3 +326,46 @@ def test_tiers_agree(medium: str) -> None:
     from kvindex.wire.tiers import tier_of
 
     assert Core(seed=1).tier_of(medium) == tier_of(medium)
+
+
+def test_the_core_is_built() -> None:
+    """`make test` (and CI) run on the compiled core: an install that silently fell back to
+    pure Python must not pass for one that built it."""
+    import os
+
+    from kvindex.index import COMPILED
+
+    if os.environ.get("KVINDEX_PURE", "") not in ("", "0"):
+        pytest.skip("KVINDEX_PURE is set: the reference is chosen on purpose")
+    assert COMPILED, "kvindex.index._core was not built (see the install's warning)"
+
+
+def test_a_failed_build_warns_and_installs_pure(tmp_path: Any) -> None:
+    """No compiler at install time: one line on stderr, and the build still succeeds."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CC="/bin/false", LDSHARED="/bin/false")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "setup.py",
+            "-q",
+            "build_ext",
+            "--build-lib",
+            str(tmp_path / "lib"),
+            "--build-temp",
+            str(tmp_path / "tmp"),
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "kvindex: WARNING" in line]
+    assert len(warnings) == 1 and "pure-Python implementation will be used" in warnings[0]
+    assert not list((tmp_path / "lib").rglob("*.so"))

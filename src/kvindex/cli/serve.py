@@ -157,9 +157,10 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
         store.close()
         raise UsageError(f"can't follow the instances: {exc}") from None
     fleet.on_item.append(store.record)
+    fleet.on_read.append(store.flush)
     fleet.on_remove.append(store.remove_instance)
     fleet.on_add.append(store.save_instance)
-    fleet.subscriber.link_hooks.append(_warn_link)  # a publisher that can't be followed
+    fleet.add_link_hook(_warn_link)  # a publisher that can't be followed
     if shared is not None:
         shared.share(fleet.specs.values())
     store.start()

@@ -8,7 +8,8 @@ the same stats, through this base.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, Protocol, TypeVar
 
 import msgspec
@@ -75,9 +76,14 @@ DEFAULT_POOL = (0, MEDIUM_GPU)
 
 
 class IndexBase(Generic[P]):
-    """Publishers by key and by bit; the answer's layout; rates; `handle`."""
+    """Publishers by key and by bit; the answer's layout; rates; `handle`.
+
+    Ingest threads add publishers while HTTP requests read: publishers are numbered under a
+    lock, and every walk over them is over a snapshot (`list(...)` of a dict is one step
+    under the GIL)."""
 
     def __init__(self, rate_window: float = 60.0) -> None:
+        self._publishers_lock = threading.Lock()
         self._sources: dict[SourceKey, P] = {}
         self._by_bit: dict[int, P] = {}
         self._free_bits: list[int] = []
@@ -137,30 +143,39 @@ class IndexBase(Generic[P]):
         elif isinstance(item, Restarted):
             self.drop_source(item.source)
 
-    def _new_bit(self) -> int:
-        self._layout = None
-        return self._free_bits.pop() if self._free_bits else len(self._by_bit)
+    def _register(self, source: SourceKey, make: Callable[[SourceKey, int], P]) -> P:
+        """The publisher of `source`, numbered now if new (the next free bit)."""
+        with self._publishers_lock:
+            pub = self._sources.get(source)
+            if pub is None:
+                bit = self._free_bits.pop() if self._free_bits else len(self._by_bit)
+                pub = make(source, bit)
+                self._by_bit[bit] = pub
+                self._sources[source] = pub
+                self._layout = None
+            return pub
 
     def _forget(self, pub: P) -> None:
-        del self._sources[pub.key], self._by_bit[pub.bit]
-        self._free_bits.append(pub.bit)
-        self._layout = None
+        with self._publishers_lock:
+            del self._sources[pub.key], self._by_bit[pub.bit]
+            self._free_bits.append(pub.bit)
+            self._layout = None
 
-    def _instance_publishers(self, instance: str) -> Iterator[P]:
-        return (p for k, p in self._sources.items() if k.instance == instance)
+    def _instance_publishers(self, instance: str) -> list[P]:
+        return [p for k, p in list(self._sources.items()) if k.instance == instance]
 
     def instances(self) -> list[str]:
-        return sorted({key.instance for key in self._sources})
+        return sorted({key.instance for key in list(self._sources)})
 
     def sources(self, instance: str | None = None) -> list[SourceKey]:
-        return [k for k in self._sources if instance is None or k.instance == instance]
+        return [k for k in list(self._sources) if instance is None or k.instance == instance]
 
     def has_instance(self, name: str) -> bool:
-        return any(k.instance == name for k in self._sources)
+        return any(k.instance == name for k in list(self._sources))
 
     def source_bits(self) -> dict[int, SourceKey]:
         """Bit number (as in the tree's masks) -> the publisher it stands for."""
-        return {bit: pub.key for bit, pub in self._by_bit.items()}
+        return {bit: pub.key for bit, pub in list(self._by_bit.items())}
 
     def source_state(self, source: SourceKey) -> tuple[int | None, float | None]:
         pub = self._sources.get(source)
@@ -237,7 +252,7 @@ class IndexBase(Generic[P]):
         """Instances by name, each with its (DP rank, bit) pairs by rank: what a lookup
         answer is shaped like, kept until the set of publishers changes."""
         by_name: dict[str, list[tuple[int, int]]] = {}
-        for key, pub in self._sources.items():
+        for key, pub in list(self._sources.items()):
             by_name.setdefault(key.instance, []).append((key.rank, pub.bit))
         self._layout = [(name, sorted(ranks)) for name, ranks in sorted(by_name.items())]
         self._empty_rows = {}

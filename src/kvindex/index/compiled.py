@@ -62,11 +62,7 @@ class CompiledIndex(IndexBase[_Pub]):
     # -- feeding -----------------------------------------------------------------------
 
     def _pub(self, source: SourceKey) -> _Pub:
-        pub = self._sources.get(source)
-        if pub is None:
-            bit = self._new_bit()
-            pub = self._sources[source] = self._by_bit[bit] = _Pub(source, bit)
-        return pub
+        return self._sources.get(source) or self._register(source, _Pub)
 
     def apply(self, source: SourceKey, batch: EventBatch, seq: int | None = None) -> None:
         """Apply one decoded batch of `source`."""

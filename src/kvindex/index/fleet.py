@@ -236,8 +236,7 @@ class FleetIndex(IndexBase[_Source]):
             self._forget(src)
 
     def _source(self, key: SourceKey) -> _Source:
-        bit = self._new_bit()
-        src = self._sources[key] = self._by_bit[bit] = _Source(key, bit)
+        src = self._register(key, _Source)
         self._all_mask |= src.flag
         return src
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, fields
@@ -33,14 +34,20 @@ class CacheStats:
 
 
 class RateWindow:
-    """Stores, removes and clears over a sliding window, in one-second buckets."""
+    """Stores, removes and clears over a sliding window, in one-second buckets. Ingest
+    threads add while requests read: a lock keeps the buckets whole."""
 
     def __init__(self, window: float = 60.0) -> None:
         self.window = window
         self._buckets: deque[list[float]] = deque()  # [second, stored, removed, clears]
         self._now = time.monotonic
+        self._lock = threading.Lock()
 
     def add(self, stored: int, removed: int, clears: int, now: float | None = None) -> None:
+        with self._lock:
+            self._add(stored, removed, clears, now)
+
+    def _add(self, stored: int, removed: int, clears: int, now: float | None) -> None:
         second = float(int(self._now() if now is None else now))
         buckets = self._buckets
         if buckets and buckets[-1][0] == second:
@@ -60,10 +67,11 @@ class RateWindow:
     def per_minute(self, now: float | None = None) -> dict[str, float]:
         """Rates per minute over the window (or over the time covered, if shorter)."""
         t = self._now() if now is None else now
-        self._expire(float(int(t)))
-        stored = sum(b[1] for b in self._buckets)
-        removed = sum(b[2] for b in self._buckets)
-        clears = sum(b[3] for b in self._buckets)
+        with self._lock:
+            self._expire(float(int(t)))
+            stored = sum(b[1] for b in self._buckets)
+            removed = sum(b[2] for b in self._buckets)
+            clears = sum(b[3] for b in self._buckets)
         scale = 60.0 / self.window
         return {
             "stores_per_minute": stored * scale,

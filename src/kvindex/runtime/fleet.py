@@ -1,34 +1,26 @@
-"""`Fleet`: one Subscriber and one FleetIndex, ingested in the HTTP server's own event loop.
+"""`Fleet`: the fleet followed, its index, and the views every face renders.
 
-Why one loop and no thread: the index is plain Python, so an ingest thread would hold the
-GIL for up to a switch interval (5 ms) while a lookup waits. Instead ingest is a task that
-works in slices of about a millisecond and then yields (`await asyncio.sleep(0)`), so a
-request that arrived meanwhile runs between two slices; when there is nothing to read it
-awaits the sockets' readiness, costing nothing. Every read or change of the index happens
-on the loop's thread, so lookups see a consistent state without locks.
-
-Waiting on readiness: each ZMQ socket exposes an edge-triggered file descriptor. The task
-waits on those descriptors (`loop.add_reader`) only after checking that no socket has a
-message left (that check re-arms the edge), and unregisters them after every wait, so a
-socket the Subscriber closes (a finished replay, a renewed SUB, a removed instance) never
-leaves a stale registration behind for a later socket that reuses its descriptor number.
+Ingest runs on worker threads (`kvindex.runtime.ingest`), each following a share of the
+instances with its own Subscriber and applying batches to the shared index as they came;
+the HTTP server's event loop only reads (views, lookups). With the compiled index the two
+run on separate cores: applies release the GIL and take the index's write lock per batch,
+lookups take its read lock, so a lookup never waits for more than one batch and never sees
+half of one.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import time
-from collections import deque
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, fields
+from typing import Protocol
 
 import zmq
 
 from kvindex.index import CacheStats, FleetIndex, LookupRow
 from kvindex.index.sharing import Sharing, sharing
+from kvindex.runtime.ingest import IndexGuard, IngestCounters, IngestWorker, default_workers
 from kvindex.runtime.views import (
     FleetSummary,
     InstanceMatch,
@@ -40,6 +32,7 @@ from kvindex.runtime.views import (
 )
 from kvindex.subscriber import (
     Checkpoint,
+    DecodeFailed,
     Delivery,
     InstanceSpec,
     Item,
@@ -102,32 +95,27 @@ class _Counts:
     by_medium: dict[str, int]
 
 
-@dataclass(slots=True)
-class IngestStats:
-    """How the ingest task is doing: for `/v1/stats` and the metrics."""
-
-    items: int = 0
-    deliveries: int = 0
-    slices: int = 0
-    waits: int = 0
-    errors: int = 0
-    hook_errors: int = 0
-    longest_slice_seconds: float = 0.0
+IngestStats = IngestCounters  # how ingest is doing, over all workers
 
 
-@dataclass(slots=True)
-class _Wait:
-    future: asyncio.Future[None]
-    fds: list[int] = field(default_factory=list)
+def _total(parts: Iterable[IngestCounters]) -> IngestCounters:
+    total = IngestCounters()
+    for part in parts:
+        for f in fields(IngestCounters):
+            mine, theirs = getattr(total, f.name), getattr(part, f.name)
+            merged = max(mine, theirs) if f.name == "longest_slice_seconds" else mine + theirs
+            setattr(total, f.name, merged)
+    return total
 
 
 class Fleet:
-    """Follows a set of vLLM instances and keeps their exact state, inside an event loop.
+    """Follows a set of vLLM instances and keeps their exact state.
 
-    Call `start()` from the loop that serves requests and `stop()` before it closes.
+    `start()` starts the ingest threads, `stop()` stops them and closes every socket.
     `on_item` hooks see every item after the index applied it (a store layer can persist
     from there); `on_add` and `on_remove` hooks see every instance added or removed here
-    at runtime (not those a `membership` feed reports: they were made elsewhere).
+    at runtime (not those a `membership` feed reports: they were made elsewhere). Hooks run
+    one at a time, whichever thread calls them.
     """
 
     def __init__(
@@ -143,36 +131,63 @@ class Fleet:
         keep_payload: bool = False,
         subscriber: Subscriber | None = None,
         membership: MembershipFeed | None = None,
+        ingest_workers: int | None = None,
     ) -> None:
+        """`ingest_workers`: threads that read and apply (default: one per core with the
+        compiled index). `slice_seconds` and `keep_payload` are no longer needed: ingest
+        has its own threads, and always hands the hooks the payloads as they came."""
+        del slice_seconds, keep_payload
         # `index` and `resume` come from a store's warm start: the state as persisted, and
         # where each publisher's stream continues. A shared store brings its own
         # `subscriber`, which also yields the batches other replicas ingest, and the
-        # `membership` feed of the instances they add and remove.
-        self.subscriber = subscriber or Subscriber(
-            policy=policy, resume=resume, keep_payload=keep_payload
-        )
+        # `membership` feed of the instances they add and remove: one worker follows all.
         self.index = index if index is not None else FleetIndex(rate_window=rate_window)
+        self._guard = IndexGuard(self.index)
         self._membership = membership
         self.on_item: list[ItemHook] = []
+        self.on_read: list[Callable[[], None]] = []  # after each read's items are applied
         self.on_remove: list[RemoveHook] = []
         self.on_add: list[Callable[[InstanceSpec], None]] = []  # runtime additions only
-        self.ingest = IngestStats()
-        self._slice = slice_seconds
-        # Requests waiting for the loop that ingest should make way for (lookups, counted
-        # by the HTTP layer): while there are any, slices are a tenth as long, so a lookup
-        # needing several loop turns does not wait a whole slice at each.
+        self._hook_lock = threading.Lock()
+        self.hook_errors = 0
+        # Kept for the HTTP layer's lookup priority; ingest no longer shares its loop.
         self.urgent = 0
-        self._idle_wait = idle_wait  # also how often replay deadlines are checked when idle
-        self._specs: dict[str, InstanceSpec] = {}  # the Subscriber's own map is copied per read
+        if subscriber is not None:
+            subscribers = [subscriber]
+        else:
+            count = ingest_workers if ingest_workers is not None else default_workers()
+            subscribers = [
+                Subscriber(policy=policy, resume=resume, decode=False) for _ in range(max(1, count))
+            ]
+        self._workers = [
+            IngestWorker(
+                f"kvindex-ingest-{i}",
+                sub,
+                self.index,
+                self._guard,
+                self._on_item,
+                after_read=self._follow_membership if membership is not None else None,
+                after_apply=self._after_apply,
+                idle_wait=idle_wait,
+            )
+            for i, sub in enumerate(subscribers)
+        ]
+        self._specs: dict[str, InstanceSpec] = {}
         self._ranks: dict[str, list[SourceKey]] = {}
-        self._backlog: deque[Item] = deque()
-        self._lag: dict[SourceKey, float] = {}
+        self._owner: dict[str, IngestWorker] = {}
         self._counts: dict[str, _Counts] = {}  # per instance, valid until it changes
-        self._task: asyncio.Task[None] | None = None
-        self._wait: _Wait | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         for spec in instances:
             self.add_instance(spec)
+
+    @property
+    def subscriber(self) -> Subscriber:
+        """The first worker's Subscriber (the only one, with a shared store)."""
+        return self._workers[0].subscriber
+
+    def add_link_hook(self, hook: Callable[..., None]) -> None:
+        """Have `hook` see every worker's link notices (see Subscriber.link_hooks)."""
+        for worker in self._workers:
+            worker.subscriber.link_hooks.append(hook)
 
     # -- membership --------------------------------------------------------------------
 
@@ -199,26 +214,47 @@ class Fleet:
     def _add(self, spec: InstanceSpec) -> None:
         if self.has_instance(spec.name):
             raise DuplicateInstance(f"instance {spec.name!r} already exists")
-        self._interrupt_wait()  # the wait in progress does not watch the new sockets
-        self._backlog.extend(self.subscriber.add_instance(spec))
+        worker = self._owner.get(spec.name) or min(
+            self._workers, key=lambda w: len(w.subscriber.sources())
+        )
+        # On the worker's own thread: its sockets are made there. Items the start makes
+        # (a replay from 0 for a late join) are applied there too.
+        worker.call(lambda: self._start_following(worker, spec))
         self._specs[spec.name] = spec
         self._ranks[spec.name] = [source.source for source in spec.sources()]
+        self._owner[spec.name] = worker
         self._counts.pop(spec.name, None)
+
+    def _start_following(self, worker: IngestWorker, spec: InstanceSpec) -> None:
+        for item in worker.subscriber.add_instance(spec):
+            worker.apply(item)
 
     def _remove(self, name: str) -> None:
         if not self.has_instance(name):
             raise UnknownInstance(name)
-        self._interrupt_wait()  # before its sockets close under a registered reader
-        self.subscriber.remove_instance(name)
+        worker = self._owner.pop(name)
+        worker.call(lambda: self._stop_following(worker, name))
         del self._specs[name], self._ranks[name]
-        self.index.remove_instance(name)
-        self._backlog = deque(i for i in self._backlog if i.source.instance != name)
-        self._lag = {k: v for k, v in self._lag.items() if k.instance != name}
         self._counts.pop(name, None)
 
-    def _follow_membership(self, feed: MembershipFeed) -> None:
-        """Apply the changes made elsewhere (no hooks: they are not this replica's news)."""
-        for change in feed.membership_changes():
+    def _stop_following(self, worker: IngestWorker, name: str) -> None:
+        worker.subscriber.remove_instance(name)
+        with self._guard():
+            self.index.remove_instance(name)
+        worker.lag = {k: v for k, v in worker.lag.items() if k.instance != name}
+
+    def _after_apply(self) -> None:
+        """After each read an ingest worker applied (on its thread): the `on_read` hooks
+        (a store hands over what was recorded)."""
+        for hook in self.on_read:
+            self._call_hook(hook, None)
+
+    def _follow_membership(self) -> None:
+        """Apply the changes made elsewhere (no hooks: they are not this replica's news).
+        On the worker's thread, after each read of the shared Subscriber, before its items
+        (the feed holds back what follows a change until the change is taken)."""
+        assert self._membership is not None
+        for change in self._membership.membership_changes():
             try:
                 if change.spec is None:
                     if self.has_instance(change.name):
@@ -233,9 +269,10 @@ class Fleet:
     def status(self, name: str) -> Status:
         """The worst status among the instance's DP ranks (cheap: no block counting)."""
         ranks = self._ranks.get(name)
-        if ranks is None:
+        worker = self._owner.get(name)
+        if ranks is None or worker is None:
             raise UnknownInstance(name)
-        return worst_status(self.subscriber.status(source) for source in ranks)
+        return worst_status(worker.subscriber.status(source) for source in ranks)
 
     def instance_views(self) -> list[InstanceView]:
         return [self.instance_view(name) for name in sorted(self._specs)]
@@ -260,13 +297,14 @@ class Fleet:
         )
 
     def _rank_view(self, source: SourceKey) -> RankView:
-        stats: SourceStats = self.subscriber.stats(source)
+        worker = self._owner[source.instance]
+        stats: SourceStats = worker.subscriber.stats(source)
         # The last seq the *index* applied: what the blocks and lookups answered next
         # reflect (the Subscriber may have delivered more into the backlog already).
         applied_seq, _ = self.index.source_state(source)
         return RankView(
             rank=source.rank,
-            status=self.subscriber.status(source),
+            status=worker.subscriber.status(source),
             last_seq=applied_seq if applied_seq is not None else stats.last_seq,
             gaps=stats.gaps,
             received=stats.received,
@@ -276,7 +314,7 @@ class Fleet:
             decode_errors=stats.decode_errors,
             publisher_restarts=stats.publisher_restarts,
             last_batch_ts=stats.last_ts,
-            ingest_lag_seconds=self._lag.get(source),
+            ingest_lag_seconds=worker.lag.get(source),
             problem=stats.problem,
         )
 
@@ -285,14 +323,17 @@ class Fleet:
         # the instance changes, so an idle fleet is scraped and listed for free.
         counts = self._counts.get(name)
         if counts is None:
-            counts = _Counts(self.index.cache_stats(name), self.index.blocks_by_medium(name))
+            with self._guard():
+                counts = _Counts(self.index.cache_stats(name), self.index.blocks_by_medium(name))
             self._counts[name] = counts
         return counts
 
     def summary(self, views: list[InstanceView] | None = None) -> FleetSummary:
         """Totals over the fleet (from `views` when the caller has them already)."""
         views = self.instance_views() if views is None else views
-        return FleetSummary.of(views, entries=self.index.entries(), backlog=self.backlog)
+        with self._guard():
+            entries = self.index.entries()
+        return FleetSummary.of(views, entries=entries, backlog=self.backlog)
 
     def rates_per_minute(self) -> dict[str, float]:
         """Stores, removes and clears per minute over the index's rate window."""
@@ -303,27 +344,39 @@ class Fleet:
         UnknownInstance."""
         if not self.has_instance(name):
             raise UnknownInstance(name)
-        return self.index.block_hashes(name, medium)
+        with self._guard():
+            return self.index.block_hashes(name, medium)
 
     def sharing(self, max_instances: int, max_nodes: int) -> Sharing:
         """Which instances hold the same blocks, and the hottest shared prefixes: over the
         `max_instances` largest instances, walking at most `max_nodes` tree nodes."""
-        names = self.index.instances()
-        if len(names) > max_instances:
-            names = sorted(names, key=self.index.block_count, reverse=True)
-            names = sorted(names[:max_instances])
-        return sharing(self.index, instances=names, max_nodes=max_nodes)
+        with self._guard():
+            names = self.index.instances()
+            if len(names) > max_instances:
+                names = sorted(names, key=self.index.block_count, reverse=True)
+                names = sorted(names[:max_instances])
+            return sharing(self.index, instances=names, max_nodes=max_nodes)
 
     # -- lookups -----------------------------------------------------------------------
 
-    def lookup(self, token_ids: Sequence[int], lora_name: str | None = None) -> LookupAnswer:
-        """Per instance, the longest cached prefix of the prompt, in whole blocks from its
-        first token; rows best first."""
-        return self._answer(self.index.lookup(token_ids, lora_name), by_tokens=True)
+    def lookup(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> LookupAnswer:
+        """Per instance, what the engine would reuse of the prompt, in whole blocks from
+        its first token (the chains of the namespace its LoRA adapter and salt name); rows
+        best first."""
+        with self._guard():
+            rows = self.index.lookup(token_ids, lora_name, cache_salt)
+        return self._answer(rows, by_tokens=True)
 
     def lookup_hashes(self, block_hashes: Sequence[BlockHash]) -> LookupAnswer:
         """Per instance, how many of these block hashes, from the first, it holds now."""
-        return self._answer(self.index.lookup_hashes(block_hashes), by_tokens=False)
+        with self._guard():
+            rows = self.index.lookup_hashes(block_hashes)
+        return self._answer(rows, by_tokens=False)
 
     def _answer(self, rows: list[LookupRow], by_tokens: bool) -> LookupAnswer:
         """One row per followed instance (0 where it holds nothing yet), best first; `best`
@@ -353,150 +406,62 @@ class Fleet:
     # -- ingest ------------------------------------------------------------------------
 
     @property
+    def ingest(self) -> IngestCounters:
+        """How ingest is doing, over all workers."""
+        total = _total(w.counters for w in self._workers)
+        total.hook_errors += self.hook_errors
+        return total
+
+    @property
+    def workers(self) -> int:
+        return len(self._workers)
+
+    @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return all(w.running for w in self._workers)
 
     @property
     def backlog(self) -> int:
         """Items read from the sockets but not applied yet (ingest is behind if it grows)."""
-        return len(self._backlog)
+        return sum(w.backlog for w in self._workers)
 
     @property
     def failure(self) -> str | None:
         """Why ingest stopped on its own (a bug): the service is then unhealthy."""
-        task = self._task
-        if task is None or not task.done() or task.cancelled():
-            return None
-        exc = task.exception()
-        return None if exc is None else f"{type(exc).__name__}: {exc}"
+        return next((w.failure for w in self._workers if w.failure), None)
 
     async def start(self) -> None:
-        """Start ingesting in the running loop (the one that serves requests)."""
-        if self._task is None:
-            self._loop = asyncio.get_running_loop()
-            self._task = asyncio.create_task(self._run(), name="kvindex-ingest")
+        """Start the ingest threads."""
+        for worker in self._workers:
+            worker.start()
 
     async def stop(self) -> None:
         """Stop ingesting and close every socket."""
-        task, self._task = self._task, None
-        if task is not None:
-            self._interrupt_wait()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self.subscriber.close()
+        self.close()
 
     def close(self) -> None:
-        """Close the sockets without a loop (for a Fleet that never started)."""
-        self.subscriber.close()
-
-    async def _run(self) -> None:
-        while True:
-            if self.step():
-                await asyncio.sleep(0)
-            else:
-                await self._wait_ready()
+        """Stop the ingest threads (if they run) and close their sockets."""
+        for worker in self._workers:
+            worker.stop()
 
     def step(self) -> bool:
-        """Ingest for about one slice; True if more input may be waiting right now.
+        """Read and apply what every worker's sockets have now (a Fleet not started:
+        tests step it by hand); True if anything was read."""
+        return any([worker.step(0) for worker in self._workers])
 
-        Applying one item takes microseconds, so the clock is read between items and the
-        slice ends as soon as it is used up; what is left stays in the backlog, in order.
-        """
-        start = time.perf_counter()
-        deadline = start + (self._slice / 10 if self.urgent else self._slice)
-        self.ingest.slices += 1
-        try:
-            while True:
-                if not self._backlog:
-                    # A bounded read keeps one poll well inside the slice.
-                    self._backlog.extend(self.subscriber.poll(0, max_messages=32))
-                    if self._membership is not None:
-                        self._follow_membership(self._membership)
-                    if not self._backlog:
-                        return self._input_pending()
-                if self._apply_until(deadline):
-                    return True
-        finally:
-            took = time.perf_counter() - start
-            if took > self.ingest.longest_slice_seconds:
-                self.ingest.longest_slice_seconds = took
-
-    def _apply_until(self, deadline: float) -> bool:
-        """Apply backlog items until it is empty (False) or the slice is used up (True)."""
-        backlog = self._backlog
-        clock = time.perf_counter
-        while backlog:
-            self._apply(backlog.popleft())
-            if clock() >= deadline:
-                return True
-        return False
-
-    def _apply(self, item: Item) -> None:
-        self.ingest.items += 1
-        try:
-            self.index.handle(item)
-        except Exception:
-            self.ingest.errors += 1
-            log.exception("could not apply %r", item)
-        if isinstance(item, Delivery):
-            self.ingest.deliveries += 1
-            self._lag[item.source] = max(0.0, time.time() - item.batch.ts)
-            self._counts.pop(item.source.instance, None)
-        elif isinstance(item, Restarted):
+    def _on_item(self, item: Item) -> None:
+        """After the index applied an item (on an ingest thread): the views' cached counts
+        go, and the hooks see it, one at a time."""
+        if isinstance(item, Delivery | DecodeFailed | Restarted):
             self._counts.pop(item.source.instance, None)
         for hook in self.on_item:
             self._call_hook(hook, item)
 
-    def _call_hook(self, hook: Callable[[Any], None], arg: object) -> None:
+    def _call_hook(self, hook: Callable[..., None], arg: object) -> None:
         # A failing observer must not stop ingest for everyone else.
-        try:
-            hook(arg)
-        except Exception:
-            self.ingest.hook_errors += 1
-            log.exception("hook %r failed", hook)
-
-    def _sockets(self) -> list[zmq.Socket[bytes]]:
-        return self.subscriber.sockets()
-
-    def _input_pending(self) -> bool:
-        """Whether any socket still holds a message; reading EVENTS re-arms its fd's edge."""
-        for sock in self._sockets():
+        with self._hook_lock:
             try:
-                events = sock.getsockopt(zmq.EVENTS)
-            except zmq.ZMQError:
-                continue
-            if isinstance(events, int) and events & zmq.POLLIN:
-                return True
-        return False
-
-    async def _wait_ready(self) -> None:
-        """Sleep until a socket may have input, the idle timeout passes, or membership
-        changes. Readers are registered for this wait only."""
-        loop = asyncio.get_running_loop()
-        wait = self._wait = _Wait(loop.create_future())
-        for sock in self._sockets():
-            fd = sock.getsockopt(zmq.FD)
-            assert isinstance(fd, int)
-            loop.add_reader(fd, _resolve, wait.future)
-            wait.fds.append(fd)
-        timer = loop.call_later(self._idle_wait, _resolve, wait.future)
-        self.ingest.waits += 1
-        try:
-            await wait.future
-        finally:
-            timer.cancel()
-            self._interrupt_wait()
-
-    def _interrupt_wait(self) -> None:
-        wait, self._wait = self._wait, None
-        if wait is None or self._loop is None:
-            return
-        for fd in wait.fds:
-            self._loop.remove_reader(fd)
-        _resolve(wait.future)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+                hook() if arg is None else hook(arg)
+            except Exception:
+                self.hook_errors += 1
+                log.exception("hook %r failed", hook)

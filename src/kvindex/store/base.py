@@ -40,6 +40,10 @@ class Store(Protocol):
     def record(self, item: Item) -> None:
         """Called for every item the index applied, in order. Must not block."""
 
+    def flush(self) -> None:
+        """Hand over what `record` has queued (called after each read the ingest applied:
+        a store may group records, but not hold them back waiting for more)."""
+
     def save_instance(self, spec: InstanceSpec) -> None: ...
 
     def remove_instance(self, name: str) -> None: ...
@@ -86,6 +90,9 @@ class MemoryStore:
         pass
 
     def record(self, item: Item) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def save_instance(self, spec: InstanceSpec) -> None:

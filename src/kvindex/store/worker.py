@@ -49,7 +49,9 @@ class WorkerLink:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._tokens = 0
-        self._lock = threading.Lock()
+        # Ingest threads record, and a sync may come from another thread: one at a time
+        # on the socket (a ZMQ socket moves between threads only across a lock).
+        self._lock = threading.RLock()
         self.encode = msgspec.msgpack.Encoder().encode
         self._encoder = msgspec.msgpack.Encoder()
         self._buffer = bytearray(GROUP_BYTES * 2)
@@ -84,6 +86,10 @@ class WorkerLink:
     def post(self, message: tuple[Any, ...], size: int = 0) -> None:
         """Queue a message for the worker (`size`: the bytes of its payload, if any); it
         goes with the next group (see the module)."""
+        with self._lock:
+            self._post(message, size)
+
+    def _post(self, message: tuple[Any, ...], size: int) -> None:
         group = self._group
         group.append(message)
         self._group_bytes += size
@@ -93,7 +99,7 @@ class WorkerLink:
                 asyncio.get_running_loop().call_soon(self.flush)
                 self._flush_scheduled = True
             except RuntimeError:
-                self._flush_scheduled = False  # no loop: by size or age
+                self._flush_scheduled = False  # no loop: by size or age, or the next flush()
         if self._group_bytes >= GROUP_BYTES or (
             not self._flush_scheduled
             and (
@@ -101,10 +107,14 @@ class WorkerLink:
                 or time.monotonic() - self._group_started >= GROUP_SECONDS
             )
         ):
-            self.flush()
+            self._flush()
 
     def flush(self) -> None:
         """Hand the queued messages over now, as one ZMQ message."""
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
         group, self._group, self._group_bytes = self._group, [], 0
         if not group:
             return
@@ -158,6 +168,9 @@ class WorkerStore:
     (load, start, record) is the store's own."""
 
     _link: WorkerLink
+
+    def flush(self) -> None:
+        self._link.flush()
 
     def sync(self, timeout: float = 30.0) -> None:
         """Wait until everything handed over so far is persisted by the worker."""

@@ -134,6 +134,7 @@ class Subscriber:
         self._sources: dict[SourceKey, _Source] = {}
         self._by_socket: dict[zmq.Socket[bytes], _Source] = {}
         self._poller = zmq.Poller()
+        self._wake_fd: int | None = None
         self._instances: dict[str, InstanceSpec] = {}
         self._closed = False
         # Called with each `Unreachable` notice too (it is yielded as well): for a caller
@@ -191,11 +192,20 @@ class Subscriber:
         items: list[Item] = []
         now = time.monotonic()
         wait = self._wait_ms(timeout, now)
-        ready = dict(self._poller.poll(wait)) if self._sources else {}
-        if not self._sources and wait:
-            time.sleep(wait / 1000)
+        if self._sources or self._wake_fd is not None:
+            ready = dict(self._poller.poll(wait))
+        else:
+            ready = {}
+            if wait:
+                time.sleep(wait / 1000)
         self._process(ready, items, max_messages)
         return items
+
+    def wake_on(self, fd: int) -> None:
+        """Have `poll` also return (with what it has) as soon as `fd` is readable: another
+        thread's way to interrupt a wait. The caller drains the fd."""
+        self._wake_fd = fd
+        self._poller.register(fd, zmq.POLLIN)
 
     def sockets(self) -> list[zmq.Socket[bytes]]:
         """Every socket in use now (SUBs, monitors, replay DEALERs): for external pollers."""

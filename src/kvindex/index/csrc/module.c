@@ -718,7 +718,7 @@ static PyObject *make_rows(CoreObject *self, PyObject *layout, PyObject *empty,
             if (best_rank < 0 || blocks > best_blocks || (blocks == best_blocks && rank < best_rank))
                 best_rank = rank, best_bit = bit, best_blocks = blocks;
         }
-        const reuse_t *detail = answers[best_bit].detail;
+        const reuse_t *detail = best_bit < nbits ? answers[best_bit].detail : NULL;
         int groups_only = 0; /* nothing reused, but a group's own hit to report */
         for (uint32_t g = 0; best_blocks == 0 && detail && g < detail->ngroups; g++)
             groups_only |= detail->group_blocks[g] != 0;

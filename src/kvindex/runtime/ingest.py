@@ -1,0 +1,266 @@
+"""Ingest off the event loop: worker threads, each following a share of the fleet.
+
+A worker owns one `Subscriber` (its instances' sockets: ZMQ sockets stay on the thread
+that made them) and applies every batch it reads to the shared index as the publisher
+sent it (`apply_payload`): with the compiled index the parse and apply run with the GIL
+released, so the HTTP loop answers lookups on another core meanwhile, and lookups take the
+index's read lock, so they never see half a batch. With the pure-Python index a lock does
+the same (`IndexGuard`), and ingest and lookups share one core.
+
+Changes of membership come from other threads (an API call adding an instance): they
+are handed to the owning worker as commands and run between two reads; a pipe wakes the
+worker out of its poll at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvindex.index import COMPILED, FleetIndex
+from kvindex.subscriber import (
+    DecodeFailed,
+    Delivery,
+    Item,
+    Restarted,
+    SourceKey,
+    Subscriber,
+)
+from kvindex.wire import WireError
+
+__all__ = ["IndexGuard", "IngestCounters", "IngestWorker", "default_workers"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+COMMAND_TIMEOUT = 30.0  # an add or remove waits this long for its worker
+
+
+def default_workers() -> int:
+    """Ingest threads by default: one per core (the compiled index applies without the
+    GIL); one with the pure-Python index, whose applies hold the GIL anyway."""
+    return max(1, os.cpu_count() or 1) if COMPILED else 1
+
+
+class IndexGuard:
+    """Mutual exclusion for an index that has none of its own (the pure-Python one); the
+    compiled index has a read-write lock inside and needs nothing here."""
+
+    def __init__(self, index: FleetIndex) -> None:
+        self._lock: threading.RLock | None = None if _locks_itself(index) else threading.RLock()
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        if self._lock is None:
+            yield
+            return
+        with self._lock:
+            yield
+
+
+def _locks_itself(index: FleetIndex) -> bool:
+    try:
+        from kvindex.index.compiled import CompiledIndex
+    except ImportError:
+        return False
+    return isinstance(index, CompiledIndex)
+
+
+@dataclass(slots=True)
+class IngestCounters:
+    """How one worker is doing (summed by the Fleet for /v1/stats and the metrics)."""
+
+    items: int = 0
+    deliveries: int = 0
+    slices: int = 0  # reads of the sockets
+    waits: int = 0  # reads that found nothing and waited
+    errors: int = 0
+    hook_errors: int = 0
+    longest_slice_seconds: float = 0.0  # the longest read + apply
+
+
+class IngestWorker:
+    """One ingest thread and the `Subscriber` it owns."""
+
+    def __init__(
+        self,
+        name: str,
+        subscriber: Subscriber,
+        index: FleetIndex,
+        guard: IndexGuard,
+        on_item: Callable[[Item], None],
+        after_read: Callable[[], None] | None = None,
+        after_apply: Callable[[], None] | None = None,
+        idle_wait: float = 0.05,
+    ) -> None:
+        """`on_item` sees every item after the index applied it (the Fleet's hooks);
+        `after_read` runs on this thread after each read, before its items are applied (a
+        shared store's membership), `after_apply` once they are (a store's flush)."""
+        self.name = name
+        self.subscriber = subscriber
+        self.counters = IngestCounters()
+        self.lag: dict[SourceKey, float] = {}
+        self.failure: str | None = None
+        self._index = index
+        self._guard = guard
+        self._on_item = on_item
+        self._after_read = after_read
+        self._after_apply = after_apply
+        self._idle_wait = idle_wait
+        self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._pending: list[Item] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        subscriber.wake_on(self._wake_r)
+
+    # -- the thread -----------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def backlog(self) -> int:
+        return len(self._pending)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; it closes its sockets on the way out."""
+        self._stopping = True
+        self._wake()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("ingest worker %s did not stop within %.0f s", self.name, timeout)
+        else:
+            self.subscriber.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._run_commands()
+                self.step(self._idle_wait)
+        except BaseException as exc:  # a bug: the service must say it is unhealthy
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.exception("ingest worker %s stopped", self.name)
+        finally:
+            self._fail_commands()
+            self.subscriber.close()
+
+    # -- commands from other threads ------------------------------------------------------
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on this worker's thread (now, if it is not running or this is it) and
+        return its result or raise its exception."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            return fn()
+        if not self.running:
+            raise RuntimeError(f"ingest worker {self.name} is not running")
+        future: Future[T] = Future()
+        self._commands.append((fn, future))
+        self._wake()
+        return future.result(COMMAND_TIMEOUT)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # a full pipe is awake already
+            os.write(self._wake_w, b"x")
+
+    def _run_commands(self) -> None:
+        with contextlib.suppress(OSError):
+            while os.read(self._wake_r, 4096):
+                pass
+        while self._commands:
+            fn, future = self._commands.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def _fail_commands(self) -> None:
+        while self._commands:
+            _, future = self._commands.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError(f"ingest worker {self.name} stopped"))
+
+    # -- reading and applying ---------------------------------------------------------------
+
+    def step(self, timeout: float = 0.0) -> bool:
+        """Read what the sockets have (waiting up to `timeout` for something) and apply it
+        all; True if anything was read. Tests drive a Fleet that was not started this way."""
+        start = time.perf_counter()
+        counters = self.counters
+        counters.slices += 1
+        items = self.subscriber.poll(timeout, max_messages=256)
+        if self._after_read is not None:
+            self._after_read()
+        if not items:
+            counters.waits += 1
+            return False
+        self._pending = items
+        for item in items:
+            self.apply(item)
+        self._pending = []
+        if self._after_apply is not None:
+            self._after_apply()
+        took = time.perf_counter() - start
+        if took > counters.longest_slice_seconds:
+            counters.longest_slice_seconds = took
+        return True
+
+    def apply(self, item: Item) -> None:
+        self.counters.items += 1
+        try:
+            item = self._apply_to_index(item)
+        except Exception:
+            self.counters.errors += 1
+            log.exception("could not apply %r", item)
+        self._on_item(item)
+
+    def _apply_to_index(self, item: Item) -> Item:
+        """Apply one item; a Delivery's payload goes to the index as it came. Returns what
+        the hooks see: the item, or a DecodeFailed for a payload that is not a batch."""
+        if not isinstance(item, Delivery):
+            if isinstance(item, Restarted):
+                with self._guard():
+                    self._index.drop_source(item.source)
+            return item
+        self.counters.deliveries += 1
+        stats = self.subscriber.stats(item.source)
+        if item.payload is None:  # decoded already (a shared store's feed of other replicas)
+            with self._guard():
+                self._index.apply(item.source, item.batch, item.seq)
+            self.lag[item.source] = max(0.0, time.time() - item.batch.ts)
+            return item
+        try:
+            with self._guard():
+                result = self._index.apply_payload(item.source, item.payload, item.seq)
+        except WireError as exc:
+            stats.decode_errors += 1
+            return DecodeFailed(item.source, item.seq, str(exc))
+        stats.decode_errors += result.malformed_events
+        stats.unknown_events += result.unknown_events
+        stats.last_ts = result.ts
+        self.lag[item.source] = max(0.0, time.time() - result.ts)
+        return item

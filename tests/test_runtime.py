@@ -203,3 +203,38 @@ def test_lookup_answers_every_instance_best_first_ties_by_name() -> None:
             assert [(r.matched_tokens, r.block_size) for r in miss.instances] == [(None, None)] * 2
         finally:
             fleet.close()
+
+
+def test_instances_are_split_between_ingest_workers() -> None:
+    """Two workers share the instances; each ingests its own, and a lookup sees both."""
+
+    async def run() -> None:
+        pubs = [Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
+        try:
+            specs = [
+                InstanceSpec(f"w{i}", p.endpoint, p.replay_endpoint) for i, p in enumerate(pubs)
+            ]
+            fleet = Fleet(specs, ingest_workers=2)
+            assert fleet.workers == 2
+            assert {w.subscriber.sources()[0].instance for w in fleet._workers} == {"w0", "w1"}
+            await fleet.start()
+            try:
+                tokens = list(range(32))
+                for i, pub in enumerate(pubs):
+                    await asyncio.sleep(0.3)  # the SUB sockets connect
+                    pub.publish([BlockStored([1000 + i, 2000 + i], None, tokens, 16)])
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    answer = fleet.lookup(tokens)
+                    if all(r.matched_blocks == 2 for r in answer.instances):
+                        break
+                    await asyncio.sleep(0.05)
+                assert [r.matched_blocks for r in fleet.lookup(tokens).instances] == [2, 2]
+                assert fleet.ingest.deliveries >= 2
+            finally:
+                await fleet.stop()
+        finally:
+            for pub in pubs:
+                pub.close()
+
+    asyncio.run(run())

@@ -58,7 +58,9 @@ _SECRET_KEYS = {"token_file", "token_env", "metrics_token_file", "metrics_token_
 _PATH_KEYS = {"tls_cert", "tls_key"}
 _INT_KEYS = {"max_body_bytes", "max_lookup_tokens"}
 _FLOAT_KEYS = {"request_timeout"}
-SERVER_KEYS = {"http", "store"} | _SECRET_KEYS | _PATH_KEYS | _INT_KEYS | _FLOAT_KEYS
+SERVER_KEYS = (
+    {"http", "store", "ingest_workers"} | _SECRET_KEYS | _PATH_KEYS | _INT_KEYS | _FLOAT_KEYS
+)
 
 
 @dataclass(slots=True)
@@ -72,6 +74,7 @@ class Settings:
     # `http_options` uses where no flag was given. Keys: token, metrics_token, tls_cert,
     # tls_key, max_body_bytes, max_lookup_tokens, request_timeout.
     http_options: dict[str, Any] = field(default_factory=dict)
+    ingest_workers: int | None = None  # None: one per core (kvindex.runtime.ingest)
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
@@ -83,6 +86,8 @@ def load_settings(args: argparse.Namespace) -> Settings:
         settings.http = args.http
     if args.store is not None:
         settings.store = args.store
+    if getattr(args, "ingest_workers", None) is not None:
+        settings.ingest_workers = args.ingest_workers
     names = [spec.name for spec in settings.instances]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -113,6 +118,11 @@ def read_config(path: Path) -> Settings:
     store = server.get("store", data.get("store", DEFAULT_STORE))
     settings.store = _string(store, f"{path}: store")
     settings.http_options = _http_options(server, path)
+    if "ingest_workers" in server:
+        workers = server["ingest_workers"]
+        if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= 256:
+            raise UsageError(f"{path}: server.ingest_workers must be a whole number, 1 to 256")
+        settings.ingest_workers = workers
     instances = data.get("instances", [])
     if not isinstance(instances, list):
         raise UsageError(f"{path}: 'instances' must be an array of tables ([[instances]])")

@@ -55,11 +55,24 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--store", metavar="URL", help=f"state store (default: {DEFAULT_STORE})")
     p.add_argument("--http", metavar="HOST:PORT", help=f"listen address (default: {DEFAULT_HTTP})")
+    p.add_argument(
+        "--ingest-workers",
+        metavar="N",
+        type=_workers,
+        help="threads that read and apply the engines' events, the instances split between "
+        "them (default: one per core)",
+    )
     add_http_arguments(p)
     p.set_defaults(run=run)
 
 
 # -- settings ----------------------------------------------------------------------------
+
+
+def _workers(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 256:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to 256, got {text!r}")
+    return int(text)
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
@@ -151,6 +164,7 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
             keep_payload=store.url != "memory",
             subscriber=shared.subscriber if shared else None,
             membership=shared.membership if shared else None,
+            ingest_workers=settings.ingest_workers,
         )
     except zmq.ZMQError as exc:
         sock.close()

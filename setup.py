@@ -14,28 +14,32 @@ CORE = "src/kvindex/index/csrc"
 
 
 class OptionalBuildExt(build_ext):
-    """build_ext that falls back to pure Python instead of failing the install."""
+    """build_ext that falls back to pure Python instead of failing the install (one line
+    says so)."""
 
     def run(self) -> None:
+        self._failed: list[str] = []
         try:
             super().run()
         except Exception as exc:  # no compiler at all: distutils raises here
-            _warn(exc)
+            self._failed.append(_first_line(exc))
+        if self._failed:
+            print(
+                f"kvindex: WARNING: the compiled core was not built ({self._failed[0]}); "
+                "the pure-Python implementation will be used",
+                file=sys.stderr,
+            )
 
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
         except Exception as exc:  # the compiler or headers failed on this extension
-            _warn(exc)
+            self._failed.append(_first_line(exc))
 
 
-def _warn(exc: BaseException) -> None:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    print(
-        f"kvindex: WARNING: the compiled core was not built ({first}); "
-        "the pure-Python implementation will be used",
-        file=sys.stderr,
-    )
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 setup(
@@ -49,7 +53,13 @@ setup(
             ],
             extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
             extra_link_args=["-pthread"],
-        )
+        ),
+        Extension(
+            "kvindex.subscriber._recv",
+            sources=["src/kvindex/subscriber/_recv.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
+            extra_link_args=["-ldl"],
+        ),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -54,9 +54,14 @@ class _Pub:
 class CompiledIndex(IndexBase[_Pub]):
     """Exact per-publisher block state and token-prefix lookups, in C."""
 
-    def __init__(self, rate_window: float = 60.0, seed: int | None = None) -> None:
+    def __init__(
+        self, rate_window: float = 60.0, seed: int | None = None, shared_tokens: bool = True
+    ) -> None:
+        """`shared_tokens`: keep the tokens of blocks two publishers or more hold, which
+        `walk_tree` (the dashboard's shared prefixes) shows; off saves ingest some work."""
         super().__init__(rate_window)
         self._core = Core(seed)
+        self._core.keep_tokens(shared_tokens)
         self.slow_batches = 0  # payloads the fast parser left to the Python decoder
 
     # -- feeding -----------------------------------------------------------------------

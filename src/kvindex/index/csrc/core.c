@@ -120,6 +120,7 @@ int core_init(core_t *c, uint64_t seed) {
     interner_init(&c->bytes, seed ^ 0x27d4eb2fu);
     c->nnodes = 1; /* index 0: NODE_NONE */
     c->set_words = 1;
+    c->keep_tokens = 1;
     c->gpu_medium = intern(&c->strings, (const uint8_t *)"GPU", 3);
     return c->gpu_medium ? 0 : -1;
 }
@@ -185,9 +186,10 @@ static void set_free(core_t *c, uint32_t s);
 
 static void node_free(core_t *c, uint32_t i) {
     node_t *n = &c->nodes[i];
-    if (n->holders & HOLD_SET)
+    if (n->holders & HOLD_SET) { /* only a node two publishers hold keeps tokens */
         set_free(c, n->holders & ~HOLD_SET);
-    tokens_forget(c, i);
+        tokens_forget(c, i);
+    }
     n->holders = NODE_FREED;
     n->parent = c->free_nodes;
     c->free_nodes = i;
@@ -501,7 +503,7 @@ static void holders_del(core_t *c, uint32_t n, uint32_t bit) {
 /* -- tokens of shared nodes (for the dashboard's shared prefixes) --------------------- */
 
 static void tokens_keep(core_t *c, uint32_t n, const uint32_t *tokens, uint32_t count) {
-    if (tokens == NULL || map_find(&c->tokens, n, 0) != NULL)
+    if (!c->keep_tokens || tokens == NULL || map_find(&c->tokens, n, 0) != NULL)
         return;
     uint32_t *copy = malloc(((size_t)count + 1) * sizeof(uint32_t));
     if (copy == NULL)
@@ -949,17 +951,21 @@ static int hash_of(core_t *c, const phash *ph, int make, hkey *out) {
     return id != 0;
 }
 
-/* The medium's id; the last one is remembered (a batch names one or two mediums). */
-static uint32_t medium_of(core_t *c, span_t sp) {
-    if (sp.p == NULL)
-        return c->gpu_medium;
-    if (c->last_medium && sp.len == c->last_medium_len &&
-        memcmp(sp.p, c->strings.items[c->last_medium].data, sp.len) == 0)
-        return c->last_medium;
+/* A string's id, remembering the last one of its kind (a stream repeats its medium, spec
+ * kind and adapter in every event: a compare instead of hashing each time). */
+static uint32_t intern_cached(core_t *c, span_t sp, uint32_t *last) {
+    if (*last) {
+        const blob_t *b = &c->strings.items[*last];
+        if (b->len == sp.len && memcmp(sp.p, b->data, sp.len) == 0)
+            return *last;
+    }
     uint32_t id = intern_span(c, sp);
-    c->last_medium = id;
-    c->last_medium_len = sp.len;
+    *last = id;
     return id;
+}
+
+static uint32_t medium_of(core_t *c, span_t sp) {
+    return sp.p == NULL ? c->gpu_medium : intern_cached(c, sp, &c->last_medium);
 }
 
 static int resolve(core_t *c, scratch_t *sc, const op_t *op, rop_t *r) {
@@ -989,14 +995,14 @@ static int resolve(core_t *c, scratch_t *sc, const op_t *op, rop_t *r) {
     if (op->has_parent)
         r->parent_known = (uint8_t)hash_of(c, &op->parent, 0, &r->parent);
     if (op->lora.p != NULL) {
-        r->lora = intern_span(c, op->lora);
+        r->lora = intern_cached(c, op->lora, &c->last_lora);
     } else if (op->has_lora_id) {
         char text[32];
         int n = snprintf(text, sizeof text, "\xff%lld", (long long)op->lora_id);
         r->lora = intern(&c->strings, (const uint8_t *)text, (uint32_t)n);
     }
-    r->salt = intern_span(c, op->salt);
-    r->spec_kind = intern_span(c, op->spec_kind);
+    r->salt = op->salt.p == NULL ? 0 : intern_cached(c, op->salt, &c->last_salt);
+    r->spec_kind = op->spec_kind.p == NULL ? 0 : intern_cached(c, op->spec_kind, &c->last_kind);
     return (int)op->nhashes;
 }
 

@@ -187,7 +187,11 @@ typedef struct {
     uint32_t **token_store;
     uint32_t ntoken_store, token_store_cap, free_token_slots;
     uint32_t gpu_medium; /* the interned "GPU": the medium of events that name none */
-    uint32_t last_medium, last_medium_len;
+    uint32_t last_medium, last_lora, last_salt, last_kind; /* see intern_cached */
+    /* Keep the tokens of nodes as they become shared (the dashboard's shared prefixes
+     * show them). On by default; it costs ingest a copy and two table updates each time a
+     * block gets or loses its second holder, so a library user can turn it off. */
+    uint8_t keep_tokens;
 } core_t;
 
 /* What one publisher would reuse of a prompt (kvindex.index.reuse.Reuse). */

@@ -1196,6 +1196,7 @@ static PyObject *one_bit(uint32_t bit) {
 
 /* walk_tree() -> [(lora, salt, size, depth, digest, tokens|None, holders), ...]: every node,
    depth first, parents before children (fleet.py's walk_tree; siblings in no set order).
+   Tokens are there for nodes two publishers hold, unless keep_tokens(False) (core.h).
    `lora` is the name, or the int lora_id; `holders` the publishers' bits as an int. */
 static PyObject *Core_walk_tree(CoreObject *self, PyObject *Py_UNUSED(unused)) {
     READY(self);
@@ -1275,6 +1276,17 @@ static PyObject *Core_walk_tree(CoreObject *self, PyObject *Py_UNUSED(unused)) {
     return out;
 }
 
+static PyObject *Core_keep_tokens(CoreObject *self, PyObject *on) {
+    READY(self);
+    int keep = PyObject_IsTrue(on);
+    if (keep < 0)
+        return NULL;
+    pthread_rwlock_wrlock(&self->lock);
+    self->core.keep_tokens = (uint8_t)keep;
+    pthread_rwlock_unlock(&self->lock);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Core_key_digest(CoreObject *self, PyObject *data) {
     READY(self);
     Py_buffer view;
@@ -1316,6 +1328,7 @@ static PyMethodDef Core_methods[] = {
     {"memory", (PyCFunction)Core_memory, METH_NOARGS, NULL},
     {"walk_tree", (PyCFunction)Core_walk_tree, METH_NOARGS, NULL},
     {"key_digest", (PyCFunction)Core_key_digest, METH_O, NULL},
+    {"keep_tokens", (PyCFunction)Core_keep_tokens, METH_O, NULL},
     {"tier_of", (PyCFunction)Core_tier_of, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };

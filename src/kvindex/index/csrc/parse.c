@@ -288,7 +288,8 @@ typedef struct {
 
 /* -- events -------------------------------------------------------------------------- */
 
-static int read_field(mp_reader *r, scratch_t *sc, op_t *op, enum field f, extra_span *extra) {
+static inline __attribute__((always_inline)) int read_field(mp_reader *r, scratch_t *sc, op_t *op,
+                                                             enum field f, extra_span *extra) {
     span_t ignored;
     switch (f) {
     case F_HASHES:

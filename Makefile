@@ -25,10 +25,12 @@ venv: $(CORE_STAMP)
 demo: $(CORE_STAMP)
 	$(BIN)/kvindex demo
 
-# The index, wire and interop tests run twice: on the compiled core, then on the pure-Python
+# The index, wire, subscriber and interop tests run twice: on the compiled code (the core,
+# the C receive), then on the pure-Python
 # reference (KVINDEX_PURE=1); tests/test_core.py holds the two to identical answers.
 PURE_TESTS := tests/test_index.py tests/test_index_model.py tests/test_core.py \
 	tests/test_wire.py tests/test_fuzz.py tests/test_sglang_interop.py \
+	tests/test_subscriber.py tests/test_hostile.py \
 	tests/test_vllm_releases.py tests/test_interop_releases.py tests/interop
 
 test: $(CORE_STAMP)

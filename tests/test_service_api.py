@@ -120,6 +120,37 @@ def test_lookup_lora_namespace(service: Service) -> None:
     assert other["instances"][0]["matched_blocks"] == 0
 
 
+def test_lookup_salt_namespace() -> None:
+    """A tenant's salted chain (vLLM: the salt in block 0's extra keys) answers only a
+    lookup with that salt; per-tier and per-group detail stand beside it."""
+    with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
+        fleet = Fleet([InstanceSpec("s", pub.endpoint, pub.replay_endpoint)], policy=FAST)
+        with TestClient(create_app(fleet), raise_server_exceptions=False) as client:
+            svc = Service(client, pub, fleet)
+            assert wait_until(lambda: svc.instances()["s"]["status"] == "live")
+            pub.publish([BlockStored([1, 2, 3], None, list(range(12)), 4, group_idx=0)])
+            keys = [["tenant-1"], None]
+            pub.publish(
+                [BlockStored([21, 22], None, list(range(8)), 4, extra_keys=keys, group_idx=0)]
+            )
+            svc.wait_blocks("s", 5)
+            check_salts(svc)
+
+
+def check_salts(service: Service) -> None:
+    tokens = list(range(12))
+    salted = lookup(service, {"token_ids": tokens, "cache_salt": "tenant-1"})["instances"][0]
+    assert (salted["matched_blocks"], salted["by_tier"], salted["by_group"]) == (
+        2,
+        {"gpu": 2},
+        {"0": 2},
+    )
+    other = lookup(service, {"token_ids": tokens, "cache_salt": "tenant-2"})
+    assert other["instances"][0]["matched_blocks"] == 0
+    # Without the salt only the plain chain answers (3 blocks), never the salted one.
+    assert lookup(service, {"token_ids": tokens})["instances"][0]["matched_blocks"] == 3
+
+
 def test_lookup_by_hashes(service: Service) -> None:
     post = service.client.post
     r = post("/v1/lookup/hashes", json={"block_hashes": ["1", "2", "99", "3"]})

@@ -401,6 +401,8 @@ class Fleet:
             block_size=size if by_tokens else None,
             best_rank=row.best_rank if row is not None else 0,
             ranks=[RankMatch(r, n) for r, n in sorted(ranks.items())],
+            by_tier=row.by_tier if row is not None else {},
+            by_group=row.by_group if row is not None else {},
         )
 
     # -- ingest ------------------------------------------------------------------------

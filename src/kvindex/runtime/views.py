@@ -178,7 +178,9 @@ class RankMatch(msgspec.Struct, frozen=True, gc=False):
 
 
 class InstanceMatch(msgspec.Struct, frozen=True, gc=False):
-    """One instance's row of a lookup: its best rank's match, and every rank's beside it.
+    """One instance's row of a lookup: what its best rank would reuse, and every rank's
+    beside it. `by_tier` splits `matched_blocks` by tier (`gpu` first, then the run lower
+    tiers hold from there); `by_group` is each KV cache group's own GPU hit (hybrid models).
 
     `matched_tokens` and `block_size` are None for a lookup by block hashes (no tokens)."""
 
@@ -189,6 +191,8 @@ class InstanceMatch(msgspec.Struct, frozen=True, gc=False):
     block_size: int | None
     best_rank: int
     ranks: list[RankMatch]
+    by_tier: dict[str, int] = {}
+    by_group: dict[int, int] = {}
 
 
 class LookupAnswer(msgspec.Struct, frozen=True, gc=False):

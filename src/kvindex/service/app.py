@@ -69,6 +69,7 @@ class LookupRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     token_ids: Annotated[list[TokenId], Field(max_length=MAX_LOOKUP_ITEMS)]
     lora_name: Annotated[str | None, Field(max_length=1024)] = None
+    cache_salt: Annotated[str | None, Field(max_length=1024)] = None
 
 
 class HashLookupRequest(BaseModel):
@@ -89,6 +90,7 @@ _Token = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 class _LookupBody(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: Annotated[list[_Token], msgspec.Meta(max_length=MAX_LOOKUP_ITEMS)]
     lora_name: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    cache_salt: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
 
 
 class _HashLookupBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -105,6 +107,7 @@ _hash_lookup_decoder = msgspec.json.Decoder(_HashLookupBody)
 class _LenientLookupBody(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: Annotated[list[int | float], msgspec.Meta(max_length=MAX_LOOKUP_ITEMS)]
     lora_name: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    cache_salt: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
 
 
 _lenient_lookup_decoder = msgspec.json.Decoder(_LenientLookupBody)
@@ -124,7 +127,7 @@ def _integral_lookup(raw: bytes) -> _LookupBody | None:
         if not 0 <= value <= MAX_TOKEN_ID:
             return None
         tokens.append(int(value))
-    return _LookupBody(tokens, body.lora_name)
+    return _LookupBody(tokens, body.lora_name, body.cache_salt)
 
 
 async def _decode_lookup(request: Request) -> _LookupBody:
@@ -250,6 +253,8 @@ class LookupRowOut(BaseModel):
     block_size: int | None
     best_rank: int
     ranks: list[RankMatchOut]
+    by_tier: dict[str, int] = {}
+    by_group: dict[int, int] = {}
 
 
 class LookupOut(BaseModel):
@@ -592,7 +597,7 @@ def _add_lookup_routes(app: FastAPI, fleet: Fleet, metrics: ServiceMetrics) -> N
         body = await _decode_lookup(request)
         _check_items(request, len(body.token_ids), "token_ids")
         start = time.perf_counter()
-        answer = fleet.lookup(body.token_ids, body.lora_name)
+        answer = fleet.lookup(body.token_ids, body.lora_name, body.cache_salt)
         return _answered(metrics, "tokens", start, answer)
 
     @app.post(

@@ -115,7 +115,10 @@ def test_flags_win_over_the_file_and_the_file_over_the_environment(
         ('token_file = "x"\ntoken_env = "y"', "give server.token_file or server.token_env"),
         ("max_body_bytes = 0", "server.max_body_bytes must be a whole number of at least 1"),
         ('request_timeout = "soon"', "server.request_timeout must be a positive number"),
-        ('tlscert = "x"', "[server]: unknown key 'tlscert' (http, ingest_workers, max_body_bytes, "),
+        (
+            'tlscert = "x"',
+            "[server]: unknown key 'tlscert' (http, ingest_workers, max_body_bytes, ",
+        ),
     ],
 )
 def test_config_problems_are_one_line(tmp_path: Path, server: str, message: str) -> None:

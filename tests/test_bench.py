@@ -23,7 +23,7 @@ from kvindex import bench
 from kvindex.bench import report, suite, workloads
 from kvindex.bench.cases import run_probe
 from kvindex.bench.consumers import Dynamo, Kvindex, Naive, dynamo_status
-from kvindex.bench.plan import PLANS, plan_from
+from kvindex.bench.plan import PLANS, Plan, plan_from
 from kvindex.bench.workloads import FillSpec, IngestSpec, fill, ingest_workload, prompts
 from kvindex.cli import build_parser
 
@@ -138,8 +138,8 @@ def _fake_e2e() -> types.ModuleType:
     module.__spec__ = importlib.machinery.ModuleSpec("kvindex.bench.e2e", None)
     calls: list[dict[str, Any]] = []
 
-    def run_e2e(quick: bool, workdir: Path, smoke: bool) -> dict[str, Any]:
-        calls.append({"quick": quick, "workdir": workdir, "smoke": smoke})
+    def run_e2e(plan: Plan, workdir: Path) -> dict[str, Any]:
+        calls.append({"plan": plan, "workdir": workdir})
         return {"ingest_zmq": {"per_s": 123_456.0}}
 
     def table_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
@@ -205,7 +205,7 @@ def test_smoke_run_has_every_case_with_real_figures(smoke_run: Any) -> None:
         assert case["naive"]["bytes_per_entry"] > 0
         assert case["target"]["p99_us"] == 300 and case["memory_target"]["bytes_per_entry"] == 120
     assert data["e2e"] == {"ingest_zmq": {"per_s": 123_456.0}}
-    assert fake.calls and fake.calls[0]["smoke"] and fake.calls[0]["quick"]
+    assert fake.calls and fake.calls[0]["plan"] == plan
 
 
 def test_smoke_run_writes_valid_plots(smoke_run: Any) -> None:

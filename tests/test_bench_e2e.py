@@ -11,6 +11,9 @@ from typing import Any
 import pytest
 
 from kvindex.bench import e2e
+from kvindex.bench.plan import PLANS
+
+SMOKE = PLANS["smoke"].e2e
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -30,7 +33,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     workdir = tmp_path_factory.mktemp("bench-e2e")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVINDEX_BENCH_CACHE", str(workdir / "cache"))
-        yield e2e.run_e2e(quick=False, workdir=workdir, smoke=True)
+        yield e2e.run_e2e(PLANS["smoke"], workdir)
 
 
 def test_every_case_ran(results: dict[str, Any]) -> None:
@@ -66,14 +69,14 @@ def test_lookups_answered_correctly_idle_and_under_load(results: dict[str, Any])
     r = results["e2e_lookup_http"]
     assert r["answers_correct"] is True  # each instance's depth of each staged prompt
     for phase in ("idle", "loaded"):
-        assert r[phase]["count"] == e2e.SMOKE.lookups
+        assert r[phase]["count"] == SMOKE.lookups
         assert 0 < r[phase]["p50_ms"] <= r[phase]["p99_ms"] <= r[phase]["max_ms"]
     assert r["load_achieved_per_s"] > 0
 
 
 def test_every_marker_became_visible(results: dict[str, Any]) -> None:
     r = results["e2e_freshness"]
-    assert r["markers"] == int(e2e.SMOKE.fresh_seconds / e2e.SMOKE.marker_every)
+    assert r["markers"] == int(SMOKE.fresh_seconds / SMOKE.marker_every)
     assert r["markers_seen"] == r["markers"]
     assert 0 < r["p50_ms"] <= r["p99_ms"]
     assert r["resolution_ms"] > 0
@@ -81,7 +84,7 @@ def test_every_marker_became_visible(results: dict[str, Any]) -> None:
 
 def test_warm_restart_loaded_every_block(results: dict[str, Any]) -> None:
     r = results["e2e_warm_restart"]
-    assert r["blocks"] == e2e.SMOKE.warm_blocks
+    assert r["blocks"] == SMOKE.warm_blocks
     # blocks_listed_seconds is only reached once /v1/instances counts every block.
     assert 0 < r["healthz_seconds"] <= r["blocks_listed_seconds"]
     assert r["cold_healthz_seconds"] > 0

@@ -73,18 +73,22 @@ class Naive:
         self.sets: list[set[Any]] = [set() for _ in range(instances)]
 
     def feed(self, batches: Sequence[Batch]) -> None:
-        held, decode = self.sets, msgspec.msgpack.decode
+        apply = self.apply
         for instance, _seq, payload in batches:
-            blocks = held[instance]
-            _ts, events, *_ = decode(payload)
-            for event in events:
-                kind = event["type"]
-                if kind == "BlockStored":
-                    blocks.update(event["block_hashes"])
-                elif kind == "BlockRemoved":
-                    blocks.difference_update(event["block_hashes"])
-                elif kind == "AllBlocksCleared":
-                    blocks.clear()
+            apply(instance, payload)
+
+    def apply(self, instance: int, payload: bytes) -> None:
+        """One batch as vLLM sends it (what the end-to-end naive subscriber calls too)."""
+        blocks = self.sets[instance]
+        _ts, events, *_ = msgspec.msgpack.decode(payload)
+        for event in events:
+            kind = event["type"]
+            if kind == "BlockStored":
+                blocks.update(event["block_hashes"])
+            elif kind == "BlockRemoved":
+                blocks.difference_update(event["block_hashes"])
+            elif kind == "AllBlocksCleared":
+                blocks.clear()
 
     def build(self, stores: Iterable[Store]) -> None:
         held = self.sets

@@ -9,7 +9,30 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
-__all__ = ["PLANS", "Plan", "add_arguments", "plan_from"]
+__all__ = ["PLANS", "EndToEnd", "Plan", "add_arguments", "plan_from"]
+
+
+@dataclass(frozen=True, slots=True)
+class EndToEnd:
+    """The sizes of the end-to-end cases (`kvindex.bench.e2e`)."""
+
+    instances: int
+    batches: int  # measured batches of the steady-state stream
+    prompts: int  # staged 512-block prompts (HTTP lookups)
+    lookups: int  # per phase (HTTP lookups), one every `lookup_interval` seconds
+    lookup_interval: float
+    fresh_seconds: float  # the freshness case's paced phase
+    marker_every: float  # seconds between two freshness markers
+    warm_blocks: int  # warm restart
+    timeout: float  # for any one wait
+
+
+# The lookup and freshness cases consume the measured stream at 200k and 100k block
+# events/s (~27 block events a batch): it must outlast both (quick: ~0.55 M of its 0.68 M
+# block events; smoke runs out, which the results say as `load_ran_out`).
+E2E_SMOKE = EndToEnd(3, 1_500, 6, 40, 0.005, 1.0, 0.01, 4_000, 60.0)
+E2E_QUICK = EndToEnd(4, 25_000, 32, 200, 0.005, 1.5, 0.01, 100_000, 120.0)
+E2E_FULL = EndToEnd(8, 100_000, 64, 1_200, 0.005, 8.0, 0.01, 1_000_000, 600.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +55,7 @@ class Plan:
     # Dynamo's ingest is ~5x slower than kvindex's and its warm-up at 256 instances alone
     # takes ~15 s here: quick mode leaves the largest ingest case to the full run.
     dynamo_ingest_max_instances: int
+    e2e: EndToEnd
 
 
 PLANS = {
@@ -50,6 +74,7 @@ PLANS = {
         rounds=2,
         dynamo_max_entries=10_000,
         dynamo_ingest_max_instances=256,
+        e2e=E2E_SMOKE,
     ),
     "quick": Plan(
         mode="quick",
@@ -66,6 +91,7 @@ PLANS = {
         rounds=3,
         dynamo_max_entries=1_100_000,
         dynamo_ingest_max_instances=64,
+        e2e=E2E_QUICK,
     ),
     "full": Plan(
         mode="full",
@@ -83,6 +109,7 @@ PLANS = {
         rounds=5,
         dynamo_max_entries=6_500_000,
         dynamo_ingest_max_instances=256,
+        e2e=E2E_FULL,
     ),
 }
 

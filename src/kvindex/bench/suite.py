@@ -131,9 +131,7 @@ def _e2e(plan: Plan, workdir: Path) -> dict[str, Any]:
     directory = workdir / "e2e"
     directory.mkdir(exist_ok=True)
     try:
-        result: dict[str, Any] = module.run_e2e(
-            quick=plan.mode != "full", workdir=directory, smoke=plan.mode == "smoke"
-        )
+        result: dict[str, Any] = module.run_e2e(plan, directory)
     except Exception as exc:  # one broken case must not lose the rest of the run
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
     return result

@@ -1,0 +1,200 @@
+"""What the cases ask `serve` and its stores while they run: HTTP (stdlib only: `kvindex
+bench` runs without the dev extras), each instance's state, the stores' checkpoints, a
+process's resident memory, and the polling that turns these into timestamps."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+
+__all__ = [
+    "POLL",
+    "BenchError",
+    "connect",
+    "counters",
+    "free_port",
+    "http_json",
+    "instances",
+    "lookup_metric",
+    "request",
+    "rss_mib",
+    "served_blocks",
+    "wait_applied",
+    "wait_for",
+    "wait_live",
+    "wait_persisted",
+]
+
+POLL = 0.02  # seconds between two polls of serve's state
+
+
+class BenchError(RuntimeError):
+    """A case could not complete (a child died, serve never caught up, ...)."""
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+
+
+def connect(url: str, timeout: float = 30) -> http.client.HTTPConnection:
+    parts = urlsplit(url)
+    return http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
+
+
+def request(conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None) -> Any:
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    conn.request(method, path, body, headers)
+    resp = conn.getresponse()
+    data = resp.read()
+    if resp.status != 200:
+        raise BenchError(f"{method} {path}: HTTP {resp.status} {data[:200]!r}")
+    return msgspec.json.decode(data)
+
+
+def http_json(url: str, path: str, body: bytes | None = None) -> Any:
+    """GET `path` (POST if there is a body) on a fresh connection."""
+    conn = connect(url)
+    try:
+        return request(conn, "GET" if body is None else "POST", path, body)
+    finally:
+        conn.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- serve's state -----------------------------------------------------------------------------
+
+
+def instances(url: str) -> list[dict[str, Any]]:
+    views: list[dict[str, Any]] = http_json(url, "/v1/instances")["instances"]
+    return views
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float, step: float = POLL) -> float:
+    """Poll `check` until it holds; returns the wall time of the poll that saw it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if check():
+            return time.time()
+        if time.monotonic() > deadline:
+            raise BenchError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(step)
+
+
+def wait_live(url: str, timeout: float) -> None:
+    def live() -> bool:
+        return all(view["status"] == "live" for view in instances(url))
+
+    wait_for("every instance to be live", live, timeout)
+    time.sleep(0.2)  # the SUB sockets' subscriptions reach the publishers
+
+
+def wait_applied(url: str, names: Sequence[str], next_seqs: Sequence[int], timeout: float) -> float:
+    want = {name: n - 1 if n else None for name, n in zip(names, next_seqs, strict=True)}
+
+    def applied() -> bool:
+        return {view["name"]: view["last_seq"] for view in instances(url)} == want
+
+    return wait_for("serve to apply every batch", applied, timeout)
+
+
+def served_blocks(url: str, names: Sequence[str]) -> dict[str, set[str]]:
+    return {n: set(http_json(url, f"/v1/instances/{n}/blocks")["block_hashes"]) for n in names}
+
+
+COUNTERS = ("gaps", "replayed_batches", "lost_batches", "decode_errors", "publisher_restarts")
+
+
+def counters(url: str) -> dict[str, int]:
+    views = instances(url)
+    return {key: sum(int(view[key]) for view in views) for key in COUNTERS}
+
+
+def lookup_metric(url: str) -> tuple[float, float]:
+    """(sum of seconds, count) of serve's token-lookup latency histogram."""
+    conn = connect(url)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    found = {"sum": 0.0, "count": 0.0}
+    for line in text.splitlines():
+        for key in found:
+            if line.startswith(f'kvindex_lookup_latency_seconds_{key}{{kind="tokens"}}'):
+                found[key] = float(line.rsplit(" ", 1)[1])
+    return found["sum"], found["count"]
+
+
+def rss_mib(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# -- what the stores have persisted ----------------------------------------------------------
+
+
+def sqlite_next_seqs(path: Path) -> dict[str, int]:
+    """Each publisher's next seq as the SQLite store has committed it (read-only)."""
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1)
+    except sqlite3.Error:
+        return {}
+    try:
+        rows = db.execute("SELECT instance, next_seq FROM sources WHERE rank = 0").fetchall()
+        return {str(name): int(seq) for name, seq in rows}
+    except sqlite3.Error:
+        return {}
+    finally:
+        db.close()
+
+
+def redis_next_seqs(url: str, names: Sequence[str]) -> Callable[[], dict[str, int]]:
+    """A reader of each publisher's next seq as Redis holds it (its checkpoint hash)."""
+    import redis
+
+    from kvindex.store.redis_keys import cp_key
+    from kvindex.subscriber.messages import SourceKey
+
+    client = redis.Redis.from_url(url)
+
+    def read() -> dict[str, int]:
+        out = {}
+        for name in names:
+            value = client.hget(cp_key(SourceKey(name, 0)), "n")
+            if value is not None:
+                out[name] = int(value)
+        return out
+
+    return read
+
+
+def wait_persisted(
+    store: str, names: Sequence[str], next_seqs: Sequence[int], timeout: float
+) -> float | None:
+    """When the store holds every batch (None for the memory store)."""
+    want = dict(zip(names, next_seqs, strict=True))
+    if store.startswith("sqlite:///"):
+        path = Path(store[len("sqlite:///") :])
+        return wait_for(
+            "the SQLite store to commit", lambda: sqlite_next_seqs(path) == want, timeout
+        )
+    if store.startswith("redis://"):
+        read = redis_next_seqs(store, names)
+        return wait_for("Redis to hold every batch", lambda: read() == want, timeout)
+    return None

@@ -22,7 +22,7 @@ import pytest
 from kvindex import bench
 from kvindex.bench import report, suite, workloads
 from kvindex.bench.cases import run_probe
-from kvindex.bench.consumers import Dynamo, Kvindex, Naive, dynamo_status
+from kvindex.bench.consumers import Kvindex, Naive
 from kvindex.bench.plan import PLANS, Plan, plan_from
 from kvindex.bench.workloads import FillSpec, IngestSpec, fill, ingest_workload, prompts
 from kvindex.cli import build_parser
@@ -55,18 +55,6 @@ def test_ingest_workload_is_steady_state_and_consumers_reach_the_truth() -> None
         # never invents one: otherwise the two agree.
         assert held <= truth and len(truth - held) <= 0.01 * len(truth)
     assert sum(map(len, w.truth)) > 4 * 32  # the pools hold something worth comparing
-
-
-def test_dynamo_ends_near_the_truth_when_installed() -> None:
-    if not dynamo_status()["available"]:
-        pytest.skip("ai-dynamo-runtime is not installed")
-    w = _small_workload()
-    theirs = Dynamo(4)
-    theirs.feed(w.warmup)
-    theirs.feed(w.measured)
-    held = theirs.held()
-    off = sum(len(h ^ t) for h, t in zip(held, w.truth, strict=True))
-    assert off <= 0.02 * sum(map(len, w.truth))
 
 
 def test_slices_cut_the_measured_stream_into_equal_parts() -> None:
@@ -138,8 +126,8 @@ def _fake_e2e() -> types.ModuleType:
     module.__spec__ = importlib.machinery.ModuleSpec("kvindex.bench.e2e", None)
     calls: list[dict[str, Any]] = []
 
-    def run_e2e(plan: Plan, workdir: Path) -> dict[str, Any]:
-        calls.append({"plan": plan, "workdir": workdir})
+    def run_e2e(plan: Plan, workdir: Path, dynamo: bool) -> dict[str, Any]:
+        calls.append({"plan": plan, "workdir": workdir, "dynamo": dynamo})
         return {"ingest_zmq": {"per_s": 123_456.0}}
 
     def table_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
@@ -182,10 +170,10 @@ def test_smoke_run_has_every_case_with_real_figures(smoke_run: Any) -> None:
         for name in ("kvindex", "naive"):
             assert case[name]["per_s"] > 0 and len(case[name]["slices_per_s"]) == plan.slices
         assert case["kvindex"]["mismatched_blocks"] == 0  # exact against the simulator
-        assert case["target"] == {"per_s": 1_000_000, "ratio_vs_naive": 1.2}
+        assert case["target"] == {"ratio_vs_naive": 3.0}
+        assert case["meets_target"] == (case["ratio_vs_naive"] >= 3.0)
         assert abs(case["stores"] - case["removes"]) <= 0.1 * case["block_events"]
-        dynamo = case["dynamo"]
-        assert dynamo.get("per_s", 0) > 0 if data["dynamo"]["available"] else "skipped" in dynamo
+        assert "dynamo" not in case  # its binding measures itself, not Dynamo: see e2e
     for kind in ("sqlite", "redis"):
         store = data["stores"][kind]
         assert store.get("per_s", 0) > 0 or "skipped" in store, store
@@ -203,7 +191,12 @@ def test_smoke_run_has_every_case_with_real_figures(smoke_run: Any) -> None:
         assert case["kvindex"]["lookup"]["p99_us"] > 0 and case["naive"]["lookup"]["p50_us"] > 0
         assert case["kvindex"]["bytes_per_entry"] > 0 and case["kvindex"]["entries_per_node"] >= 1
         assert case["naive"]["bytes_per_entry"] > 0
-        assert case["target"]["p99_us"] == 300 and case["memory_target"]["bytes_per_entry"] == 120
+        assert case["target"]["p50_us"] == 30 and case["target"]["p99_us"] == 100
+        assert case["memory_target"]["vs_dynamo"] == 1.0
+        if "bytes_per_entry" in case["dynamo"]:
+            ratio = case["kvindex"]["bytes_per_entry"] / case["dynamo"]["bytes_per_entry"]
+            assert case["memory_vs_dynamo"] == pytest.approx(ratio)
+        assert case["memory_meets_target"] is None  # judged from 1.28M entries only
     assert data["e2e"] == {"ingest_zmq": {"per_s": 123_456.0}}
     assert fake.calls and fake.calls[0]["plan"] == plan
 

@@ -1,7 +1,8 @@
-"""The end-to-end bench cases in smoke mode: real publishers, `kvindex serve` and clients,
-each in its own process. Figures are not checked against targets (timing on a shared
-machine is not a test); what is checked is that every case ran, measured something, and
-that what serve ended up holding is exactly what the workload left."""
+"""The end-to-end bench cases in smoke mode: real publishers, `kvindex serve`, Dynamo's
+standalone indexer (where `ai-dynamo-runtime` is installed) and clients, each in its own
+process. Figures are not checked against targets (timing on a shared machine is not a
+test); what is checked is that every case ran, measured something, and that what serve
+and Dynamo ended up holding, and every lookup answer, is exactly what the workload left."""
 
 from __future__ import annotations
 
@@ -11,18 +12,20 @@ from typing import Any
 import pytest
 
 from kvindex.bench import e2e
+from kvindex.bench.e2e import dynamo
+from kvindex.bench.e2e.runs import best_run
 from kvindex.bench.plan import PLANS
 
+pytestmark = pytest.mark.timeout(300)
+
 SMOKE = PLANS["smoke"].e2e
-
-pytestmark = pytest.mark.timeout(240)
-
 CASES = (
     "e2e_naive",
     "e2e_ingest_memory",
     "e2e_ingest_sqlite",
     "e2e_ingest_redis",
-    "e2e_lookup_http",
+    "e2e_ingest_dynamo",
+    "e2e_lookup",
     "e2e_freshness",
     "e2e_warm_restart",
 )
@@ -36,11 +39,16 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         yield e2e.run_e2e(PLANS["smoke"], workdir)
 
 
+def _peer(results: dict[str, Any]) -> None:
+    if not results["e2e_peer"]["available"]:
+        pytest.skip(results["e2e_peer"]["reason"])
+
+
 def test_every_case_ran(results: dict[str, Any]) -> None:
     for case in CASES:
         assert case in results, case
         assert "error" not in results[case], (case, results[case])
-    assert results["e2e_workload"]["block_events"] > 0
+    assert results["e2e_workload"]["block_events"] >= SMOKE.ingest_events
 
 
 @pytest.mark.parametrize("case", ["e2e_ingest_memory", "e2e_ingest_sqlite", "e2e_ingest_redis"])
@@ -58,6 +66,27 @@ def test_serve_ingested_the_whole_workload_exactly(results: dict[str, Any], case
         assert r["persist_lag_seconds"] >= 0
 
 
+def test_dynamo_applied_every_event_and_holds_the_truth(results: dict[str, Any]) -> None:
+    _peer(results)
+    r = results["e2e_ingest_dynamo"]
+    # Its applied-events counter reached exactly the vLLM events published (warm-up and
+    # measured part), none refused, and its /dump lists exactly the simulated pools.
+    work = results["e2e_workload"]
+    assert sum(r["events_applied"].values()) == work["wire_events"] + work["wire_events_warmup"]
+    assert r["refused_events"] == 0
+    assert r["exact"] is True and r["blocks_off"] == 0
+    assert r["per_s"] > 0 and r["runs_per_s"] == [r["per_s"]]
+
+
+def test_serve_is_given_as_a_ratio_to_dynamo(results: dict[str, Any]) -> None:
+    _peer(results)
+    theirs = results["e2e_ingest_dynamo"]["per_s"]
+    for case, target in (("e2e_ingest_memory", 2.0), ("e2e_ingest_sqlite", 1.5)):
+        r = results[case]
+        assert r["vs_dynamo"] == pytest.approx(r["per_s"] / theirs)
+        assert r["target_vs_dynamo"] == target and r["meets_target"] == (r["vs_dynamo"] >= target)
+
+
 def test_naive_baseline_received_every_batch(results: dict[str, Any]) -> None:
     r = results["e2e_naive"]
     assert r["complete"] is True
@@ -65,13 +94,31 @@ def test_naive_baseline_received_every_batch(results: dict[str, Any]) -> None:
     assert r["per_s"] > 0
 
 
-def test_lookups_answered_correctly_idle_and_under_load(results: dict[str, Any]) -> None:
-    r = results["e2e_lookup_http"]
-    assert r["answers_correct"] is True  # each instance's depth of each staged prompt
+@pytest.mark.parametrize("side", ["kvindex", "dynamo"])
+def test_lookups_answered_exactly_idle_and_under_load(results: dict[str, Any], side: str) -> None:
+    if side == "dynamo":
+        _peer(results)
+    case = results["e2e_lookup"]
+    assert case["entries"] == SMOKE.lookup_instances * SMOKE.lookup_blocks
+    r = case[side]
+    # Every answer gave each instance's depth of its prompt, as the fill holds it.
+    assert r["exact"] is True and r["wrong_answers"] == 0
     for phase in ("idle", "loaded"):
         assert r[phase]["count"] == SMOKE.lookups
         assert 0 < r[phase]["p50_ms"] <= r[phase]["p99_ms"] <= r[phase]["max_ms"]
+    assert r["floor_idle"]["count"] == SMOKE.gets and r["floor_idle"]["p50_ms"] > 0
     assert r["load_achieved_per_s"] > 0
+    assert r["bytes_per_entry"] is None or r["bytes_per_entry"] >= 0
+
+
+def test_lookup_ratios_are_to_dynamo_in_the_same_run(results: dict[str, Any]) -> None:
+    _peer(results)
+    case = results["e2e_lookup"]
+    ours, theirs = case["kvindex"], case["dynamo"]
+    for phase in ("idle", "loaded", "floor_idle"):
+        ratio = ours[phase]["p50_ms"] / theirs[phase]["p50_ms"]
+        assert ours[phase]["p50_vs_dynamo"] == pytest.approx(ratio)
+    assert isinstance(ours["meets_target"], bool)
 
 
 def test_every_marker_became_visible(results: dict[str, Any]) -> None:
@@ -92,20 +139,48 @@ def test_warm_restart_loaded_every_block(results: dict[str, Any]) -> None:
 
 def test_table_rows_render_every_case(results: dict[str, Any]) -> None:
     rows = e2e.table_rows(results)
-    assert len(rows) == 6
+    assert len(rows) == 9
     for row in rows:
         assert len(row) == 4 and all(isinstance(cell, str) and cell for cell in row)
         assert not row[1].startswith(("failed", "not run")), row
         assert "NOT EXACT" not in row[1] and "WRONG" not in row[1], row
+    if results["e2e_peer"]["available"]:
+        assert "x Dynamo" in rows[0][1] and "Dynamo standalone" in rows[0][2]
 
 
 def test_table_rows_survive_failed_and_skipped_cases() -> None:
+    skipped = {"skipped": "ai-dynamo-runtime is not installed (pip install -e '.[bench]')"}
     results = {
         "e2e_ingest_memory": {"error": "BenchError: serve exited with 2"},
         "e2e_ingest_redis": {"skipped": "redis-server is not installed"},
+        "e2e_ingest_dynamo": skipped,
+        "e2e_lookup": {"kvindex": {"error": "BenchError: timed out"}, "dynamo": skipped},
     }
     rows = e2e.table_rows(results)
-    assert len(rows) == 6
+    assert len(rows) == 9
     assert rows[0][1].startswith("failed: BenchError")
+    assert "Dynamo standalone skipped: ai-dynamo-runtime is not installed" in rows[0][2]
     assert rows[2][1] == "skipped: redis-server is not installed"
-    assert rows[3][1] == "not run"
+    assert rows[3][1] == "failed: BenchError: timed out"
+    assert rows[3][2].startswith("Dynamo standalone skipped")
+    assert rows[7][1] == "not run"
+
+
+def test_a_missing_dynamo_indexer_is_a_reason_not_a_failure(monkeypatch: Any) -> None:
+    monkeypatch.setattr(dynamo.importlib.util, "find_spec", lambda name: None)
+    assert dynamo.standalone_status() == {
+        "available": False,
+        "reason": "ai-dynamo-runtime is not installed (pip install -e '.[bench]')",
+    }
+
+
+def test_best_run_keeps_the_fastest_completed_run() -> None:
+    runs = [
+        {"per_s": 2.0, "exact": True},
+        {"error": "BenchError: timed out"},
+        {"per_s": 3.0, "exact": False},
+    ]
+    best = best_run(runs)
+    assert best["per_s"] == 3.0 and best["runs_per_s"] == [2.0, None, 3.0]
+    assert best["exact_every_run"] is False
+    assert best_run([{"error": "x"}]) == {"error": "x"}

@@ -1,5 +1,6 @@
-"""The in-process cases: ingest (kvindex, naive, Dynamo; with the SQLite and Redis stores),
-warm restart, and lookups and memory of filled fleets (each in a fresh process).
+"""The in-process cases: ingest (kvindex and naive; with the SQLite and Redis stores),
+warm restart, and lookups and memory of filled fleets (kvindex, naive and Dynamo's radix
+tree through its Python binding, each in a fresh process).
 
 Every case returns a plain dict for `results.json`, its figures beside their target.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvindex.bench.common import BLOCK, best_of, median, redis_server
-from kvindex.bench.consumers import Dynamo, Kvindex, Naive
+from kvindex.bench.consumers import Kvindex, Naive
 from kvindex.bench.workloads import FillSpec, IngestWorkload, fill
 from kvindex.index import FleetIndex
 from kvindex.subscriber.messages import Delivery, SourceKey
@@ -36,13 +37,16 @@ __all__ = [
     "warm_restart_case",
 ]
 
-INGEST_TARGET = {"per_s": 1_000_000, "ratio_vs_naive": 1.2}
+# Issue 13's targets: ingest at least 3x the naive consumer; a 512-block prompt's lookup
+# within 30 us (p50) and 100 us (p99) at 64 x 100k blocks; memory per entry no more than
+# Dynamo's radix tree at 1.28M and 5M entries; a 1M-block SQLite store loaded in 1 s.
+INGEST_TARGET = {"ratio_vs_naive": 3.0}
 STORE_TARGETS = {"sqlite": 500_000, "redis": 300_000}
-LOOKUP_TARGET = {"p50_us": 50.0, "p99_us": 300.0, "at": "64 instances x 100k blocks"}
-MEMORY_TARGET = {"bytes_per_entry": 120.0, "at_entries": 5_000_000}
-WARM_TARGET_SECONDS = 3.0
+LOOKUP_TARGET = {"p50_us": 30.0, "p99_us": 100.0, "at": "64 instances x 100k blocks"}
+MEMORY_TARGET = {"vs_dynamo": 1.0, "bytes_per_entry": 77.0, "from_entries": 1_280_000}
+WARM_TARGET_SECONDS = 1.0
 
-Consumer = Kvindex | Naive | Dynamo
+Consumer = Kvindex | Naive
 
 
 # -- ingest -------------------------------------------------------------------------------
@@ -74,14 +78,15 @@ def _measure(make: Callable[[int], Consumer], w: IngestWorkload, slices: int) ->
         # Blocks on which the final state differs from the simulator's own pools.
         "mismatched_blocks": sum(len(h ^ t) for h, t in zip(held, w.truth, strict=True)),
     }
-    if isinstance(consumer, Dynamo):
-        out["rejected_events"] = consumer.rejected
     return out
 
 
-def ingest_case(w: IngestWorkload, slices: int, dynamo: dict[str, Any]) -> dict[str, Any]:
-    """Decode + apply of the same steady-state stream by the three consumers: each takes
-    the best of `slices` equal slices of the stream (see `report.METHOD`)."""
+def ingest_case(w: IngestWorkload, slices: int) -> dict[str, Any]:
+    """Decode + apply of the same steady-state stream by kvindex and the naive consumer:
+    each takes the best of `slices` equal slices of the stream (see `report.METHOD`).
+    (Dynamo's radix tree is not fed here: through its Python binding every event becomes
+    JSON and a call, ~20k events/s, which says nothing about Dynamo; its standalone
+    indexer's ingest is measured end to end, `e2e.ingest`.)"""
     ours = _measure(Kvindex, w, slices)
     naive = _measure(Naive, w, slices)
     case: dict[str, Any] = {
@@ -97,24 +102,8 @@ def ingest_case(w: IngestWorkload, slices: int, dynamo: dict[str, Any]) -> dict[
         "ratio_vs_naive": ours["per_s"] / naive["per_s"],
         "target": INGEST_TARGET,
     }
-    case["meets_target"] = (
-        ours["per_s"] >= INGEST_TARGET["per_s"]
-        and case["ratio_vs_naive"] >= INGEST_TARGET["ratio_vs_naive"]
-    )
-    case["dynamo"] = _dynamo_ingest(w, slices, dynamo)
+    case["meets_target"] = case["ratio_vs_naive"] >= INGEST_TARGET["ratio_vs_naive"]
     return case
-
-
-def _dynamo_ingest(w: IngestWorkload, slices: int, dynamo: dict[str, Any]) -> dict[str, Any]:
-    if not dynamo.get("available"):
-        return {"skipped": dynamo.get("reason", "not available")}
-    limit = int(dynamo.get("ingest_max_instances", w.spec.instances))
-    if w.spec.instances > limit:
-        return {"skipped": f"over {limit} instances in this mode (the full run measures it)"}
-    try:
-        return _measure(Dynamo, w, slices)
-    except Exception as exc:  # another release's binding may differ: a skipped column
-        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 # -- ingest with a store --------------------------------------------------------------------
@@ -294,8 +283,18 @@ def lookup_case(
         case["meets_target"] = (
             lat["p50_us"] <= LOOKUP_TARGET["p50_us"] and lat["p99_us"] <= LOOKUP_TARGET["p99_us"]
         )
-    if ours.get("bytes_per_entry") is not None:
-        # The memory target is stated at >= 5M entries (smaller indexes carry fixed costs).
-        within = ours["bytes_per_entry"] <= MEMORY_TARGET["bytes_per_entry"]
-        case["memory_meets_target"] = within if case["entries"] >= 5_000_000 else None
+    _memory_target(case)
     return case
+
+
+def _memory_target(case: dict[str, Any]) -> None:
+    """Memory per entry against Dynamo's radix tree measured in the same run (77 B when it
+    is not there); the target holds from 1.28M entries (smaller indexes carry fixed costs)."""
+    ours, theirs = case["kvindex"].get("bytes_per_entry"), case["dynamo"].get("bytes_per_entry")
+    if ours is None:
+        return
+    limit = theirs * MEMORY_TARGET["vs_dynamo"] if theirs else MEMORY_TARGET["bytes_per_entry"]
+    if theirs:
+        case["memory_vs_dynamo"] = ours / theirs
+    judged = case["entries"] >= MEMORY_TARGET["from_entries"]
+    case["memory_meets_target"] = ours <= limit if judged else None

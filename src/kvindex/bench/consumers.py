@@ -6,11 +6,14 @@
   eviction) and cannot answer a token lookup (it has no tokens), so its lookups are handed
   the prompt's block hashes for free.
 - `Dynamo`: NVIDIA Dynamo's KV router radix tree (`dynamo._core.RadixTree`, PyPI
-  `ai-dynamo-runtime`, the `[bench]` extra) through its Python binding: each vLLM event is
-  converted to Dynamo's `KvCacheEvent` JSON (block hashes plus the hash of each block's
-  tokens, from Dynamo's own `compute_block_hash_for_seq`) and applied; a lookup hashes the
-  prompt's tokens the same way and asks `find_matches`. Optional: `dynamo_api()` says why
-  it is missing instead of failing.
+  `ai-dynamo-runtime`, the `[bench]` extra) through its Python binding, for lookups and
+  memory in process: each store of a fill is converted to Dynamo's `KvCacheEvent` JSON
+  (block hashes plus the hash of each block's tokens, from Dynamo's own
+  `compute_block_hash_for_seq`) and applied; a lookup hashes the prompt's tokens the same
+  way and asks `find_matches`. (Not for ingest: through the binding every event is JSON
+  and a call, which measures the binding, not Dynamo. Dynamo's standalone indexer is the
+  end-to-end peer, `e2e.dynamo`.) Optional: `dynamo_api()` says why it is missing instead
+  of failing.
 """
 
 from __future__ import annotations
@@ -171,23 +174,6 @@ class Dynamo:
         blocks = [{"block_hash": h, "tokens_hash": t} for h, t in zip(hashes, local, strict=False)]
         return {"stored": {"parent_hash": parent, "blocks": blocks}}
 
-    def feed(self, batches: Sequence[Batch]) -> None:
-        decode, apply, stored = msgspec.msgpack.decode, self._apply, self._stored
-        for instance, _seq, payload in batches:
-            _ts, events, *_ = decode(payload)
-            for e in events:
-                kind = e["type"]
-                if kind == "BlockStored":
-                    data = stored(
-                        e["block_hashes"], e["parent_block_hash"], e["token_ids"], e["lora_name"]
-                    )
-                elif kind == "BlockRemoved":
-                    data = {"removed": {"block_hashes": e["block_hashes"]}}
-                else:
-                    data = "cleared"
-                apply(instance, data)
-        self.sync()
-
     def build(self, stores: Iterable[Store]) -> None:
         for s in stores:
             self._apply(s.instance, self._stored(s.hashes, s.parent, s.tokens, None))
@@ -196,15 +182,6 @@ class Dynamo:
     def sync(self) -> None:
         # The binding hands events to a background thread; a query waits for them.
         self.tree.find_matches([0])
-
-    def held(self) -> list[set[Any]]:
-        out: list[set[Any]] = [set() for _ in range(self.instances)]
-        for line in self.tree.dump_tree_as_events():
-            record = msgspec.json.decode(line)
-            stored = record["event"]["data"].get("stored")
-            if stored and 0 <= record["worker_id"] < self.instances:
-                out[record["worker_id"]].update(b["block_hash"] for b in stored["blocks"])
-        return out
 
     def query(self, tokens: list[int], hashes: list[BlockHash]) -> Any:
         # A router has tokens: hashing them is part of Dynamo's lookup, as it is of ours.

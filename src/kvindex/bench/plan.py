@@ -16,23 +16,27 @@ __all__ = ["PLANS", "EndToEnd", "Plan", "add_arguments", "plan_from"]
 class EndToEnd:
     """The sizes of the end-to-end cases (`kvindex.bench.e2e`)."""
 
-    instances: int
-    batches: int  # measured batches of the steady-state stream
-    prompts: int  # staged 512-block prompts (HTTP lookups)
+    ingest_instances: int  # publishers of the ingest cases
+    ingest_events: int  # measured block events, after the warm-up
+    ingest_runs: int  # each ingest case: best of N runs, interleaved
+    lookup_instances: int  # publishers of the HTTP lookup case, each ...
+    lookup_blocks: int  # ... holding this many blocks of the fill
+    prompts: int  # distinct 512-block prompts (HTTP lookups)
     lookups: int  # per phase (HTTP lookups), one every `lookup_interval` seconds
     lookup_interval: float
+    gets: int  # empty GETs per phase (the HTTP floor)
+    fresh_instances: int  # publishers of the freshness case
     fresh_seconds: float  # the freshness case's paced phase
     marker_every: float  # seconds between two freshness markers
     warm_blocks: int  # warm restart
     timeout: float  # for any one wait
 
 
-# The lookup and freshness cases consume the measured stream at 200k and 100k block
-# events/s (~27 block events a batch): it must outlast both (quick: ~0.55 M of its 0.68 M
-# block events; smoke runs out, which the results say as `load_ran_out`).
-E2E_SMOKE = EndToEnd(3, 1_500, 6, 40, 0.005, 1.0, 0.01, 4_000, 60.0)
-E2E_QUICK = EndToEnd(4, 25_000, 32, 200, 0.005, 1.5, 0.01, 100_000, 120.0)
-E2E_FULL = EndToEnd(8, 100_000, 64, 1_200, 0.005, 8.0, 0.01, 1_000_000, 600.0)
+E2E_SMOKE = EndToEnd(3, 40_000, 1, 4, 300, 6, 40, 0.005, 40, 3, 1.0, 0.01, 4_000, 60.0)
+E2E_QUICK = EndToEnd(4, 200_000, 2, 64, 2_000, 32, 200, 0.005, 200, 4, 1.5, 0.01, 100_000, 120.0)
+E2E_FULL = EndToEnd(
+    4, 1_000_000, 3, 64, 20_000, 64, 1_200, 0.005, 1_000, 8, 8.0, 0.01, 1_000_000, 600.0
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +55,9 @@ class Plan:
     lookup_entries: tuple[tuple[int, int], ...]  # the same, growing total entries
     prompts: int  # distinct 512-block prompts per lookup case
     rounds: int  # lookup rounds over the prompts: median of the per-round percentiles
-    dynamo_max_entries: int  # its fill is slow: bigger lookup cases skip it
-    # Dynamo's ingest is ~5x slower than kvindex's and its warm-up at 256 instances alone
-    # takes ~15 s here: quick mode leaves the largest ingest case to the full run.
-    dynamo_ingest_max_instances: int
+    # Dynamo's radix tree through its Python binding (lookups and memory): its fill is
+    # slow, bigger cases skip it.
+    dynamo_max_entries: int
     e2e: EndToEnd
 
 
@@ -73,7 +76,6 @@ PLANS = {
         prompts=12,
         rounds=2,
         dynamo_max_entries=10_000,
-        dynamo_ingest_max_instances=256,
         e2e=E2E_SMOKE,
     ),
     "quick": Plan(
@@ -90,7 +92,6 @@ PLANS = {
         prompts=100,
         rounds=3,
         dynamo_max_entries=1_100_000,
-        dynamo_ingest_max_instances=64,
         e2e=E2E_QUICK,
     ),
     "full": Plan(
@@ -108,7 +109,6 @@ PLANS = {
         prompts=500,
         rounds=5,
         dynamo_max_entries=6_500_000,
-        dynamo_ingest_max_instances=256,
         e2e=E2E_FULL,
     ),
 }

@@ -52,10 +52,7 @@ def run_suite(plan: Plan, workdir: Path, dynamo: bool = True, e2e: bool = True) 
     """Every case of `plan`; the results as `results.json` holds them."""
     status = dynamo_status() if dynamo else {"available": False, "reason": "--no-dynamo"}
     if status["available"]:
-        status |= {
-            "max_entries": plan.dynamo_max_entries,
-            "ingest_max_instances": plan.dynamo_ingest_max_instances,
-        }
+        status["max_entries"] = plan.dynamo_max_entries
     results: dict[str, Any] = {
         "format": 1,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -67,7 +64,7 @@ def run_suite(plan: Plan, workdir: Path, dynamo: bool = True, e2e: bool = True) 
         "elapsed_seconds": {},
     }
     workloads: dict[int, IngestWorkload] = {}
-    results["ingest"] = _timed(results, "ingest", lambda: _ingest(plan, status, workloads))
+    results["ingest"] = _timed(results, "ingest", lambda: _ingest(plan, workloads))
     results["stores"] = _timed(results, "stores", lambda: _stores(plan, workloads, workdir))
     workloads.clear()
     _say(f"warm restart: {plan.warm_blocks:,} blocks")
@@ -77,7 +74,9 @@ def run_suite(plan: Plan, workdir: Path, dynamo: bool = True, e2e: bool = True) 
         lambda: cases.warm_restart_case(plan.warm_blocks, plan.warm_loads, workdir),
     )
     results["lookup"] = _timed(results, "lookup", lambda: _lookups(plan, status))
-    results["e2e"] = _timed(results, "e2e", lambda: _e2e(plan, workdir) if e2e else _no_e2e())
+    results["e2e"] = _timed(
+        results, "e2e", lambda: _e2e(plan, workdir, dynamo) if e2e else _no_e2e()
+    )
     return results
 
 
@@ -89,12 +88,12 @@ def _workload(plan: Plan, instances: int) -> IngestWorkload:
     return w
 
 
-def _ingest(plan: Plan, status: dict[str, Any], keep: dict[int, IngestWorkload]) -> dict[str, Any]:
+def _ingest(plan: Plan, keep: dict[int, IngestWorkload]) -> dict[str, Any]:
     out = []
     for n in plan.ingest_instances:
         w = _workload(plan, n)
         _say(f"ingest: {n} instances")
-        out.append(cases.ingest_case(w, plan.slices, status))
+        out.append(cases.ingest_case(w, plan.slices))
         if n == plan.store_instances:
             keep[n] = w
     return {"cases": out}
@@ -120,7 +119,7 @@ def _no_e2e() -> dict[str, Any]:
     return {"skipped": "--no-e2e"}
 
 
-def _e2e(plan: Plan, workdir: Path) -> dict[str, Any]:
+def _e2e(plan: Plan, workdir: Path, dynamo: bool = True) -> dict[str, Any]:
     """The end-to-end cases (`kvindex.bench.e2e`: ZMQ into `serve`, HTTP under load,
     freshness, warm restart to healthz), when that module is there."""
     if importlib.util.find_spec("kvindex.bench.e2e") is None:
@@ -131,7 +130,7 @@ def _e2e(plan: Plan, workdir: Path) -> dict[str, Any]:
     directory = workdir / "e2e"
     directory.mkdir(exist_ok=True)
     try:
-        result: dict[str, Any] = module.run_e2e(plan, directory)
+        result: dict[str, Any] = module.run_e2e(plan, directory, dynamo=dynamo)
     except Exception as exc:  # one broken case must not lose the rest of the run
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
     return result

@@ -66,9 +66,10 @@ from kvindex.bench.plan import Plan
 __all__ = ["run_e2e", "table_rows"]
 
 
-def run_e2e(plan: Plan, workdir: Path) -> dict[str, Any]:
-    """Every end-to-end case of `plan` (`plan.e2e`'s sizes); one key per case."""
+def run_e2e(plan: Plan, workdir: Path, dynamo: bool = True) -> dict[str, Any]:
+    """Every end-to-end case of `plan` (`plan.e2e`'s sizes); one key per case. Dynamo's
+    standalone indexer is the peer unless `dynamo` is False (or it can't run here)."""
     # Imported here: the child programs import this package and need none of the cases.
     from kvindex.bench.e2e.cases import run_e2e as run
 
-    return run(plan, workdir)
+    return run(plan, workdir, dynamo)

@@ -21,6 +21,7 @@ __all__ = [
     "BenchError",
     "connect",
     "counters",
+    "fetch",
     "free_port",
     "http_json",
     "instances",
@@ -49,14 +50,20 @@ def connect(url: str, timeout: float = 30) -> http.client.HTTPConnection:
     return http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
 
 
-def request(conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None) -> Any:
+def fetch(conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None) -> bytes:
+    """One request with a JSON body (if any); the answer's body, which must be a 200's."""
     headers = {"Content-Type": "application/json"} if body is not None else {}
     conn.request(method, path, body, headers)
     resp = conn.getresponse()
     data = resp.read()
     if resp.status != 200:
         raise BenchError(f"{method} {path}: HTTP {resp.status} {data[:200]!r}")
-    return msgspec.json.decode(data)
+    return data
+
+
+def request(conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None) -> Any:
+    """`fetch`, the answer decoded from JSON."""
+    return msgspec.json.decode(fetch(conn, method, path, body))
 
 
 def http_json(url: str, path: str, body: bytes | None = None) -> Any:

@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
-from kvindex.bench.common import percentile
-from kvindex.bench.e2e.probes import connect, request
+from kvindex.bench.common import BLOCK, percentile
+from kvindex.bench.e2e.probes import connect, fetch, request
 from kvindex.bench.e2e.streams import MARKER_BASE, Item, marker_payload, read_items
 
 __all__ = ["FRESH_PAUSE", "child_main"]
@@ -31,7 +31,7 @@ def child_main(argv: list[str]) -> None:
     elif role == "naive":
         naive_main(json.loads(args[0]), int(args[1]), int(args[2]), float(args[3]))
     elif role == "lookups":
-        lookups_main(args[0], Path(args[1]), int(args[2]), float(args[3]))
+        lookups_main(args[0], args[1], Path(args[2]), int(args[3]), int(args[4]), float(args[5]))
     elif role == "fresh":
         fresh_main(args[0], int(args[1]), args[2], float(args[3]))
     else:
@@ -231,18 +231,50 @@ class _NaiveSubscriber:
 # -- the HTTP clients ------------------------------------------------------------------------
 
 
-def lookups_main(url: str, prompts_file: Path, count: int, interval: float) -> None:
-    """`count` lookups, one every `interval` seconds (lookup i asks prompt i % P)."""
+# Per API: the lookup path, the empty GET, a lookup body, and its answer as matched blocks
+# per instance key (kvindex: the instance's name; Dynamo: the worker id, matched tokens
+# per DP rank, the best rank counting).
+_LOOKUP = {"kvindex": "/v1/lookup", "dynamo": "/query"}
+_FLOOR = {"kvindex": "/healthz", "dynamo": "/health"}
+
+
+def _body(api: str, tokens: list[int]) -> bytes:
+    if api == "dynamo":
+        from kvindex.bench.e2e.dynamo import MODEL
+
+        return msgspec.json.encode({"token_ids": tokens, "model_name": MODEL})
+    return msgspec.json.encode({"token_ids": tokens})
+
+
+def _matched(api: str, answer: Any) -> dict[str, int]:
+    if api == "dynamo":
+        scores = answer["scores"]
+        return {w: max(ranks.values()) // BLOCK for w, ranks in scores.items() if ranks}
+    return {row["name"]: row["matched_blocks"] for row in answer["instances"]}
+
+
+def lookups_main(
+    api: str, url: str, prompts_file: Path, count: int, gets: int, interval: float
+) -> None:
+    """`gets` empty GETs back to back, then `count` lookups, one every `interval` seconds
+    (lookup i asks prompt i % P), on one keep-alive connection."""
     prompts = msgspec.msgpack.decode(prompts_file.read_bytes(), type=list[list[int]])
-    bodies = [msgspec.json.encode({"token_ids": p}) for p in prompts]
+    bodies = [_body(api, p) for p in prompts]
+    path, floor_path = _LOOKUP[api], _FLOOR[api]
     conn = connect(url)
-    for body in bodies[:3]:  # warm the connection and the handler up
-        request(conn, "POST", "/v1/lookup", body)
+    for body in bodies[:3]:  # warm the connection and the handlers up
+        request(conn, "POST", path, body)
+        fetch(conn, "GET", floor_path, None)
     say({"op": "ready"})
     sys.stdin.readline()  # go
+    clock = time.perf_counter
+    floor: list[float] = []
+    for _ in range(gets):
+        start = clock()
+        fetch(conn, "GET", floor_path, None)
+        floor.append(clock() - start)
     latencies: list[float] = []
     answers: list[dict[str, int]] = []
-    clock = time.perf_counter
     next_at = clock()
     for i in range(count):
         pause = next_at - clock()
@@ -250,11 +282,11 @@ def lookups_main(url: str, prompts_file: Path, count: int, interval: float) -> N
             time.sleep(pause)
         next_at = max(next_at + interval, clock())
         start = clock()
-        answer = request(conn, "POST", "/v1/lookup", bodies[i % len(bodies)])
+        answer = request(conn, "POST", path, bodies[i % len(bodies)])
         latencies.append(clock() - start)
-        answers.append({row["name"]: row["matched_blocks"] for row in answer["instances"]})
+        answers.append(_matched(api, answer))
     conn.close()
-    say({"op": "done", "latencies": latencies, "answers": answers})
+    say({"op": "done", "latencies": latencies, "floor": floor, "answers": answers})
 
 
 def fresh_main(url: str, count: int, instance: str, timeout: float) -> None:

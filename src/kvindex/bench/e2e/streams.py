@@ -1,34 +1,35 @@
-"""What the end-to-end cases publish: the steady-state stream, the staged prompts, the
-warm-restart store's chains and the freshness markers, each as (instance, payload) items
-that the publisher child reads from a file."""
+"""What the end-to-end cases publish: the steady-state stream, a filled fleet with its
+prompts, the warm-restart store's chains and the freshness markers, each as (instance,
+payload) items that the publisher child reads from a file."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvindex.bench.common import BLOCK
-from kvindex.bench.plan import EndToEnd
+
+if TYPE_CHECKING:
+    from kvindex.bench.workloads import FillSpec
 
 __all__ = [
     "MARKER_BASE",
-    "PROMPT_BLOCKS",
+    "Filled",
     "Item",
-    "Staged",
     "Workload",
+    "filled",
     "marker_payload",
     "read_items",
-    "staged_prompts",
     "steady_state",
     "warm_items",
+    "wire_events",
     "write_items",
 ]
 
-PROMPT_BLOCKS = 512
 MARKER_BASE = 7 * 10**18  # marker block hashes: far from the simulator's
 WARM_BASE = 5 * 10**18  # warm-restart block hashes
 
@@ -48,6 +49,8 @@ class Workload:
     events: int  # block events in items[warmup:]
     reference: dict[str, set[str]]  # per instance: every block hash held at the end
     path: Path  # the items, as the publisher child reads them
+    wire_warmup: int  # vLLM events in items[:warmup] (Dynamo counts events, not blocks)
+    wire_total: int  # vLLM events in all items
 
     @property
     def measured(self) -> int:
@@ -58,15 +61,25 @@ class Workload:
         return self.events / max(1, self.measured)
 
 
-def steady_state(sizes: EndToEnd, workdir: Path) -> Workload:
+def steady_state(instances: int, events: int, workdir: Path, tag: str) -> Workload:
+    """The simulator's steady state on `instances` publishers, `events` measured block
+    events after the warm-up; its items written to `workdir` for the publisher child."""
     from kvindex.bench.workloads import IngestSpec, ingest_workload
 
-    w = ingest_workload(IngestSpec(instances=sizes.instances, batches=sizes.batches))
+    w = ingest_workload(IngestSpec(instances=instances, events=events))
     items = [(idx, payload) for idx, _, payload in (*w.warmup, *w.measured)]
     reference = {n: {str(h) for h in held} for n, held in zip(w.names, w.truth, strict=True)}
-    path = workdir / "workload.msgpack"
+    path = workdir / f"stream-{tag}.msgpack"
     write_items(path, items)
-    return Workload(list(w.names), items, len(w.warmup), w.events, reference, path)
+    warmup = len(w.warmup)
+    counts = (wire_events(items[:warmup]), wire_events(items))
+    return Workload(list(w.names), items, warmup, w.events, reference, path, *counts)
+
+
+def wire_events(items: Sequence[Item]) -> int:
+    """How many vLLM events (not block events) `items` carry: what Dynamo's indexer counts."""
+    decode = msgspec.msgpack.decode
+    return sum(len(decode(payload)[1]) for _, payload in items)
 
 
 def write_items(path: Path, items: Sequence[Item]) -> None:
@@ -78,31 +91,39 @@ def read_items(path: str | Path) -> list[Item]:
 
 
 @dataclass(slots=True)
-class Staged:
-    """512-block prompts, each held by every instance to its own depth."""
+class Filled:
+    """A filled fleet (`workloads.fill`) as items, its 512-block prompts, and how many blocks
+    of each prompt each instance holds (the truth every lookup answer is checked against)."""
 
+    spec: FillSpec
+    items: list[Item]
     prompts: list[list[int]]
     depth: list[list[int]]  # depth[p][i]: blocks of prompt p that instance i holds
-    items: list[Item]
+    wire_events: int
+
+    @property
+    def entries(self) -> int:
+        return self.spec.entries
 
 
-def staged_prompts(count: int, instances: int, seed: int = 3) -> Staged:
-    from kvindex.wire import BlockHash, BlockStored
+def filled(spec: FillSpec, prompt_count: int) -> Filled:
+    """The fill as vLLM 0.33 publishes it (one `BlockStored` a batch) and its prompts. The
+    depths come from the naive consumer given each prompt's block hashes: the fill stores
+    each block once per instance, so that count is exact."""
+    from kvindex.bench.consumers import Naive
+    from kvindex.bench.workloads import fill, prompts
+    from kvindex.wire import BlockStored
     from kvindex.wire.publisher import encode_batch
 
-    rng = random.Random(seed)
-    staged = Staged([], [], [])
-    for _ in range(count):
-        tokens = [rng.randrange(32_000) for _ in range(BLOCK * PROMPT_BLOCKS)]
-        hashes: list[BlockHash] = [rng.getrandbits(62) for _ in range(PROMPT_BLOCKS)]
-        depths = [rng.randrange(PROMPT_BLOCKS) for _ in range(instances)]
-        staged.prompts.append(tokens)
-        staged.depth.append(depths)
-        for i, keep in enumerate(depths):
-            if keep:
-                event = BlockStored(hashes[:keep], None, tokens[: BLOCK * keep], BLOCK)
-                staged.items.append((i, encode_batch([event])))
-    return staged
+    items: list[Item] = []
+    naive = Naive(spec.instances)
+    for s in fill(spec):
+        event = BlockStored(s.hashes, s.parent, s.tokens, BLOCK, medium="GPU")
+        items.append((s.instance, encode_batch([event])))
+        naive.sets[s.instance].update(s.hashes)
+    asked = prompts(spec, prompt_count)
+    depth = [naive.depths(naive.query([], p.hashes)) for p in asked]
+    return Filled(spec, items, [p.tokens.tolist() for p in asked], depth, len(items))
 
 
 def warm_items(blocks: int, instances: int) -> list[Item]:

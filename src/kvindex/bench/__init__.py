@@ -3,14 +3,18 @@
 
 Every kvindex figure stands beside baselines measured in the same run, on the same input:
 a naive consumer (untyped msgpack + a dict of sets) and, when `ai-dynamo-runtime` is
-installed (the `[bench]` extra), Dynamo's Rust radix tree through its Python binding.
+installed (the `[bench]` extra), NVIDIA Dynamo: its standalone KV indexer end to end (the
+peer a user would pick instead of `kvindex serve`) and its Rust radix tree through the
+Python binding in process (lookups and memory).
 
 - `workloads`: the simulator's steady-state stream (ingest) and large filled fleets with
   512-block prompts that partly hit (lookups, memory); generated workloads are cached.
-- `consumers`: kvindex, naive and Dynamo, each able to ingest, build and look up.
+- `consumers`: kvindex and naive (ingest, build, look up) and Dynamo's radix tree (build,
+  look up).
 - `cases`: ingest scaling, the SQLite/Redis stores, warm restart, lookups and memory
   (built in a fresh process per consumer by `probe`).
-- `e2e` (when present): ZMQ into `serve`, HTTP lookups under load, freshness, restart.
+- `e2e`: ZMQ into `serve` and into Dynamo's standalone indexer, HTTP lookups idle and
+  under load beside it, freshness, warm restart.
 - `report`: the table, and the README's benchmark section; `plots`: the scaling PNGs.
 - `suite`: the modes (`--smoke`, `--quick`, full) and the command line.
 """

@@ -148,7 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="timed slices per ingest case (best of N), lookup rounds (median of N), loads",
     )
-    parser.add_argument("--no-dynamo", action="store_true", help="leave out the Dynamo baseline")
+    parser.add_argument("--no-dynamo", action="store_true", help="leave out the Dynamo baselines")
     parser.add_argument("--no-e2e", action="store_true", help="leave out the end-to-end cases")
 
 

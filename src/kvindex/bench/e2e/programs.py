@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from kvindex.bench.common import BLOCK, percentile
-from kvindex.bench.e2e.probes import connect, fetch, request
+from kvindex.bench.e2e.probes import Client, connect, request
 from kvindex.bench.e2e.streams import MARKER_BASE, Item, marker_payload, read_items
 
 __all__ = ["FRESH_PAUSE", "child_main"]
@@ -257,22 +257,22 @@ def lookups_main(
     api: str, url: str, prompts_file: Path, count: int, gets: int, interval: float
 ) -> None:
     """`gets` empty GETs back to back, then `count` lookups, one every `interval` seconds
-    (lookup i asks prompt i % P), on one keep-alive connection."""
+    (lookup i asks prompt i % P), on one keep-alive connection (`probes.Client`)."""
     prompts = msgspec.msgpack.decode(prompts_file.read_bytes(), type=list[list[int]])
-    bodies = [_body(api, p) for p in prompts]
-    path, floor_path = _LOOKUP[api], _FLOOR[api]
-    conn = connect(url)
-    for body in bodies[:3]:  # warm the connection and the handlers up
-        request(conn, "POST", path, body)
-        fetch(conn, "GET", floor_path, None)
+    client = Client(url)
+    lookups = [client.prepare("POST", _LOOKUP[api], _body(api, p)) for p in prompts]
+    floor = client.prepare("GET", _FLOOR[api])
+    for prepared in lookups[:3]:  # warm the connection and the handlers up
+        client.send(prepared)
+        client.send(floor)
     say({"op": "ready"})
     sys.stdin.readline()  # go
     clock = time.perf_counter
-    floor: list[float] = []
+    floor_times: list[float] = []
     for _ in range(gets):
         start = clock()
-        fetch(conn, "GET", floor_path, None)
-        floor.append(clock() - start)
+        client.send(floor)
+        floor_times.append(clock() - start)
     latencies: list[float] = []
     answers: list[dict[str, int]] = []
     next_at = clock()
@@ -282,11 +282,11 @@ def lookups_main(
             time.sleep(pause)
         next_at = max(next_at + interval, clock())
         start = clock()
-        answer = request(conn, "POST", path, bodies[i % len(bodies)])
+        answer = client.send(lookups[i % len(lookups)])
         latencies.append(clock() - start)
-        answers.append(_matched(api, answer))
-    conn.close()
-    say({"op": "done", "latencies": latencies, "floor": floor, "answers": answers})
+        answers.append(_matched(api, msgspec.json.decode(answer)))
+    client.close()
+    say({"op": "done", "latencies": latencies, "floor": floor_times, "answers": answers})
 
 
 def fresh_main(url: str, count: int, instance: str, timeout: float) -> None:

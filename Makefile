@@ -38,12 +38,13 @@ test: $(CORE_STAMP)
 	KVINDEX_PURE=1 $(BIN)/python -m pytest -q -p no:cacheprovider $(PURE_TESTS)
 
 # The benchmark suite, full size (10-20 minutes): table, bench/results.json, bench/*.png.
-# Dynamo's radix tree (the `[bench]` extra) is a baseline when it installs, skipped if not.
+# Dynamo (the `[bench]` extra: its standalone indexer end to end, its radix tree in process)
+# is a baseline when it installs, skipped if not.
 bench: $(CORE_STAMP)
 	$(BIN)/pip install -q -e '.[bench]' || echo "bench: ai-dynamo-runtime did not install; its column will say skipped"
 	$(BIN)/python -m kvindex.bench
 
-# The same cases, smaller (under 2 minutes; what CI can afford).
+# The same cases, smaller (a minute or two; what CI can afford).
 bench-quick: $(CORE_STAMP)
 	$(BIN)/pip install -q -e '.[bench]' || echo "bench: ai-dynamo-runtime did not install; its column will say skipped"
 	$(BIN)/python -m kvindex.bench --quick

@@ -18,7 +18,8 @@ def add_parser(sub: Any) -> None:
         "bench",
         help="benchmark kvindex on this machine beside same-run baselines",
         description="Ingest, lookup, memory and restart figures beside a naive consumer "
-        "and Dynamo's radix tree (when installed), measured in the same run.",
+        "and NVIDIA Dynamo (its standalone indexer and radix tree, when installed), "
+        "measured in the same run.",
     )
     add_arguments(p)
     p.set_defaults(run=run)

@@ -76,7 +76,7 @@ def _fastapi() -> Any:
 
 def _kvindex(middleware: bool) -> Any:
     from kvindex.service.app import create_app
-    from kvindex.service.runtime import Fleet
+    from kvindex.runtime import Fleet
 
     app = create_app(Fleet([]))
     if not middleware:

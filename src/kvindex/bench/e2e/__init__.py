@@ -1,45 +1,45 @@
-"""The end-to-end cases: real processes, real sockets, `kvindex serve` as users run it.
+"""The end-to-end cases: real processes, real sockets, `kvindex serve` as users run it,
+beside NVIDIA Dynamo's standalone KV indexer (`python -m dynamo.indexer`) as the peer.
 
 The package: `streams` (what is published), `procs` (the bench's side of its children),
-`programs` (the child programs), `probes` (HTTP and state probes), `cases` (the cases) and
-`table` (their rows in the bench table).
+`programs` (the child programs), `probes` (HTTP and state probes), `runs` (runs into
+figures), `dynamo` (the peer), the cases (`ingest`, `lookup`, and `cases`: freshness, warm
+restart and the order they all run in) and `table` (their rows in the bench table).
 
 Every process the cases start is a child of the bench: publishers (vLLM-compatible
 `Publisher`s, one per instance, all in one child process so they never share serve's
-GIL), `kvindex serve` itself, and the clients (a naive subscriber, HTTP lookup and
-freshness clients). Children talk to the bench in JSON lines (commands on stdin, answers
-on stdout) and are always stopped in a `finally` (SIGTERM, then SIGKILL).
+GIL), `kvindex serve` itself, Dynamo's indexer, and the clients (a
+naive subscriber, HTTP lookup and freshness clients). Children talk to the bench in JSON
+lines (commands on stdin, answers on stdout) and are always stopped in a `finally`
+(SIGTERM, then SIGKILL). Each indexer gets its own fresh publisher child with the same
+items; the two indexers never run at once.
 
-The stream is the bench's steady-state workload (`workloads.ingest_workload`: the
-simulator with no restarts or resets, several instances): its warm-up, which fills every
-instance's pool, is sent first and untimed; the measured part follows. The simulator's
-`reference()` at the end is the truth: every ingest case checks that the blocks serve
-lists per instance equal it.
+The streams are the bench's steady-state workload (`workloads.ingest_workload`: the
+simulator with no restarts or resets): its warm-up, which fills every instance's pool, is
+sent first and untimed; the measured part follows. The simulator's `reference()` at the
+end is the truth every ingest case is checked against.
 
 Cases and how each is measured (times are wall clock, `time.time()`, compared across
 processes of one machine):
 
-1. ingest into `serve --store memory`: the publisher child sends the measured part at
-   once (send and receive high-water marks unbounded, so ZeroMQ queues instead of
+1. ingest (`ingest`), 4 publishers, 1M block events: the publisher child sends the
+   measured part at once (high-water marks unbounded, so ZeroMQ queues instead of
    dropping; gaps and replays are reported if any happen anyway). Rate = block events /
-   (the poll of `GET /v1/instances` that first shows every instance's `last_seq` at its
-   final seq - the first send). Polled every 20 ms: the end is late by at most a poll.
-   Baseline, same run: a naive subscriber child (SUB sockets, untyped msgspec decode, a
-   dict of sets) receiving the same stream from a fresh publisher, stamping its own end:
-   what the transport and a minimal consumer manage.
-2. the same with `--store sqlite:///...` and `--store redis://...` (a throwaway
-   `redis-server`; skipped with a notice when none is installed). The end is when serve
-   applied everything *and* the store persisted it: the SQLite file's `sources`
-   checkpoint table (read on a read-only connection) or Redis's per-publisher checkpoint
-   hash (`cp:...`, field `n`) holds each publisher's final next seq. Applied-only rates
-   are reported beside.
-3. `POST /v1/lookup` of 512-block prompts from a client child (a keep-alive stdlib HTTP
-   connection, one lookup every 5 ms). The prompts are staged chains that each instance
-   holds to its own depth, so lookups partly hit; every answer is checked. Once against
-   the idle service (the baseline), once while the publisher sends the stream paced at
-   200k block events/s. Latency = the client's round trip (request written to answer
-   read; includes the stdlib client's own ~0.1 ms).
-4. freshness at 100k block events/s: beside the paced stream, the publisher sends a
+   (the poll that first shows everything applied - the first send), polled every 20 ms.
+   `serve --store memory`: every instance's `last_seq` in `GET /v1/instances` at its final
+   seq; `--store sqlite:///...` / `redis://...` (a throwaway `redis-server`, skipped when
+   none is installed): applied *and* persisted (the SQLite `sources` checkpoints, Redis's
+   `cp:...` hashes hold each final next seq); Dynamo: its applied-events counter at the
+   number of events published. Baseline beside: a naive subscriber child (SUB sockets,
+   `consumers.Naive`) stamping its own end. Rounds of naive, memory, SQLite, Dynamo, best
+   of N each; Redis once. serve's rates are ratios to Dynamo's.
+2. lookups (`lookup`): a fill of 64 instances x 20k blocks published as vLLM does, then
+   `POST /v1/lookup` (serve) or `POST /query` (Dynamo) of 512-block prompts from a client
+   child (`probes.Client`, one keep-alive connection, one lookup every 5 ms), idle and
+   while the steady-state stream is paced at 200k block events/s; empty GETs before each
+   phase (the HTTP floor); every answer checked against the fill's truth; the process's
+   RSS growth over the fill per entry. Latency = the client's round trip.
+3. freshness at 100k block events/s (serve): beside the paced stream, the publisher sends a
    marker batch every 10 ms (one new block chaining onto the previous marker, on the first
    instance) and stamps each send. A client child polls `POST /v1/lookup/hashes` with the
    markers not seen yet (a chain, so the answer's `matched_blocks` counts the visible
@@ -47,7 +47,7 @@ processes of one machine):
    the first answer that shows it. Latency = that stamp - the send stamp: an upper bound,
    late by up to one poll cycle (round trip + pause; its median is reported as the
    resolution). The polls cost serve a few percent of its loop.
-5. warm restart: serve builds a SQLite store by ingesting N blocks (chains of 32, never
+4. warm restart: serve builds a SQLite store by ingesting N blocks (chains of 32, never
    removed) from a publisher, persists it and stops (SIGTERM). `kvindex serve` on that
    store is then timed from process start until `/healthz` answers ok (serve loads the
    store before it binds its port, so an answer means loaded) and until `/v1/instances`

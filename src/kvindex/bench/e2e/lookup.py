@@ -8,7 +8,7 @@ simulator's steady-state warm-up, then the fill (`workloads.fill`: every instanc
 publishes them), and the indexer takes it all in. Then a client child times, on one
 keep-alive connection:
 
-- `gets` empty GETs (`/healthz`, Dynamo's `/health`): the HTTP floor;
+- `gets` empty GETs (`/healthz`, Dynamo's `/health`): the HTTP floor (idle only);
 - `lookups` lookups of 512-block prompts (`workloads.prompts`: half shared documents, half
   conversations), one every `lookup_interval` seconds, on the idle indexer;
 - the same while the publisher child sends the steady-state stream at 200k block events/s.
@@ -180,7 +180,6 @@ def _measure(
         "rss_growth_mib": growth,
         "bytes_per_entry": None if growth is None else growth * 2**20 / fleet.entries,
         "floor_idle": summarize_ms(idle["floor"]),
-        "floor_loaded": summarize_ms(loaded["floor"]),
         "idle": summarize_ms(idle["latencies"], idle.get("in_service_mean_ms")),
         "loaded": summarize_ms(loaded["latencies"], loaded.get("in_service_mean_ms")),
         "load_achieved_per_s": paced["batches"] * load.events_per_batch / seconds,
@@ -206,8 +205,9 @@ def _lookups(
     """One client child's phase; with `load`, the paced stream starts once the client is
     ready (and runs until the caller stops it). For kvindex, also the mean time serve says
     a lookup took inside (the index walk and the answer, without HTTP and the loop)."""
+    gets = 0 if load is not None else sizes.gets  # the floor idle only: the load is for lookups
     args = bench_child(
-        "lookups", idx.api, idx.url, str(files.prompts), str(sizes.lookups), str(sizes.gets)
+        "lookups", idx.api, idx.url, str(files.prompts), str(sizes.lookups), str(gets)
     )
     log = workdir / f"lookups-{idx.api}-{tag}.log"
     with child([*args, str(sizes.lookup_interval)], log) as c:

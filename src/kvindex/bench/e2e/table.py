@@ -105,6 +105,11 @@ def _exact(side: dict[str, Any]) -> str:
     return ", exact" if side.get("exact") else f", {side.get('wrong_answers', '?')} WRONG ANSWERS"
 
 
+def _load(side: dict[str, Any]) -> str:
+    ran_out = " [the stream ran out before the lookups ended]" if side["load_ran_out"] else ""
+    return f" (load {side['load_achieved_per_s'] / 1e3:.0f}k/s){ran_out}"
+
+
 def _lookup_rows(case: dict[str, Any]) -> list[Row]:
     size = f"{case.get('instances', '?')} x {case.get('per_instance', 0):,} blocks"
     failed = _failed(case)
@@ -122,8 +127,10 @@ def _lookup_rows(case: dict[str, Any]) -> list[Row]:
         else:
             mine = _latency(ours[phase]) + _ratio(ours[phase]) + _exact(ours)
             if phase == "loaded":
-                mine += f" (load {ours['load_achieved_per_s'] / 1e3:.0f}k/s)"
+                mine += _load(ours)
         theirs_text = theirs_failed or _latency(theirs[phase]) + _exact(theirs)
+        if phase == "loaded" and not theirs_failed:
+            theirs_text += _load(theirs)
         rows.append((name, mine, f"Dynamo standalone {theirs_text}", target))
     floor = "floor_idle"
     rows.append(

@@ -3,6 +3,7 @@ freshness and warm restart (here). See the package's docstring for how each is m
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +46,8 @@ def run_e2e(plan: Plan, workdir: Path, dynamo: bool = True) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     peer = standalone_status() if dynamo else {"available": False, "reason": "--no-dynamo"}
+    if not peer["available"]:
+        print(f"[bench] Dynamo's standalone indexer: skipped ({peer['reason']})", file=sys.stderr)
     results: dict[str, Any] = {"e2e_peer": peer}
     work = steady_state(sizes.ingest_instances, sizes.ingest_events, workdir, "ingest")
     results["e2e_workload"] = {

@@ -75,8 +75,8 @@ def _fastapi() -> Any:
 
 
 def _kvindex(middleware: bool) -> Any:
-    from kvindex.service.app import create_app
     from kvindex.runtime import Fleet
+    from kvindex.service.app import create_app
 
     app = create_app(Fleet([]))
     if not middleware:

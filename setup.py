@@ -46,10 +46,10 @@ setup(
     ext_modules=[
         Extension(
             "kvindex.index._core",
-            sources=[f"{CORE}/core.c", f"{CORE}/parse.c", f"{CORE}/module.c"],
+            sources=[f"{CORE}/{name}" for name in ("core.c", "parse.c", "answer.c", "module.c")],
             depends=[
                 f"{CORE}/{name}"
-                for name in ("core.h", "map.h", "maptmpl.h", "msgpack.h", "intern.h")
+                for name in ("core.h", "answer.h", "map.h", "maptmpl.h", "msgpack.h", "intern.h")
             ],
             extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
             extra_link_args=["-pthread"],

@@ -224,7 +224,18 @@ def test_bad_input_is_a_json_error(
 
 
 @pytest.mark.parametrize(
-    "raw", [b"", b"{", b"not json", b"\xff\xfe", b'{"token_ids": [1,]}', b"[" * 10_000]
+    "raw",
+    [
+        b"",
+        b"{",
+        b"not json",
+        b"\xff\xfe",
+        b'{"token_ids": [1,]}',
+        b"[" * 10_000,
+        b'{"token_ids": [1], "lora_name": "\x80"}',  # a string that is not UTF-8
+        b'{"block_hashes": ["\xc3"]}',
+        b'{"spec": "\xff"}',
+    ],
 )
 def test_malformed_json_is_never_a_500(service: Service, raw: bytes) -> None:
     for path in ("/v1/lookup", "/v1/lookup/hashes", "/v1/instances"):

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from kvindex.cli.common import UsageError, positive_int, positive_seconds
+from kvindex.cli.common import UsageError, positive_int, positive_seconds, run_async
 from kvindex.cli.serve import DEFAULT_HTTP, listen, parse_http
 from kvindex.cli.signals import Stop, stop_signals
 from kvindex.cli.simulate import build_config, describe, open_fleet, sim_arguments
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         live.start()
         with stop_signals("demo") as stop:
             pause = partial(_pause, live)
-            asyncio.run(_serve(app, sock, stop, args.duration, args.pause_after, pause))
+            run_async(_serve(app, sock, stop, args.duration, args.pause_after, pause))
     finally:
         live.close()
     print("kvindex demo: stopped", flush=True)

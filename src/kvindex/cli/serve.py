@@ -1,10 +1,11 @@
 """`kvindex serve`: follow a fleet of vLLM instances and answer over HTTP.
 
 Instances come from `--instance SPEC` flags and/or a TOML file; more can be added and
-removed at runtime through the API. The HTTP server (uvicorn) and the ingest task share
-one asyncio loop (see `kvindex.runtime`). The listening socket is bound here,
-before uvicorn starts, so a busy port is a one-line usage error and `--http HOST:0` picks a
-free port that the start line reports.
+removed at runtime through the API. The HTTP server (uvicorn) runs on uvloop's loop when
+it is installed (KVINDEX_LOOP=asyncio: asyncio's own); ingest runs on its own threads (see
+`kvindex.runtime`). The listening socket is bound here, before uvicorn starts, so a busy
+port is a one-line usage error and `--http HOST:0` picks a free port that the start line
+reports.
 
 The config file (`--config`) takes every option: see `kvindex.cli.config` and
 docs/configuration.md.
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvindex.cli import config
-from kvindex.cli.common import UsageError
+from kvindex.cli.common import UsageError, run_async
 from kvindex.cli.config import DEFAULT_HTTP, DEFAULT_STORE, Settings
 from kvindex.cli.httpopts import add_http_arguments, http_options, warn_if_exposed
 from kvindex.cli.signals import Stop, stop_signals
@@ -196,7 +197,7 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
             f"{loaded.log_batches_replayed} logged batches in {loaded.seconds:.2f} s"
         )
     try:
-        asyncio.run(_serve(server, sock, summary))
+        run_async(_serve(server, sock, summary))
     finally:
         store.close()
     return 0

@@ -8,11 +8,14 @@ give identical state and answers (tests/test_core.py holds them to it).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvindex.index.base import LookupRow
 from kvindex.index.fleet import FleetIndex as PureFleetIndex
 from kvindex.index.stats import CacheStats, RateWindow
+
+if TYPE_CHECKING:
+    from kvindex.index.compiled import CompiledIndex
 
 __all__ = [
     "COMPILED",
@@ -21,6 +24,8 @@ __all__ = [
     "LookupRow",
     "PureFleetIndex",
     "RateWindow",
+    "compiled_index",
+    "parse_lookup_body",
 ]
 
 
@@ -41,3 +46,22 @@ else:
     _chosen = _compiled()
     COMPILED = _chosen is not None
     FleetIndex = _chosen or PureFleetIndex
+
+
+def compiled_index(index: Any) -> CompiledIndex | None:
+    """`index` as the compiled index, or None (the pure reference, or a core not built)."""
+    if not COMPILED:
+        return None
+    from kvindex.index.compiled import CompiledIndex
+
+    return index if isinstance(index, CompiledIndex) else None
+
+
+def parse_lookup_body(body: bytes, max_items: int) -> tuple[bytes, str | None, str | None] | None:
+    """A `/v1/lookup` body read in C (see kvindex.index.compiled.parse_lookup_body); always
+    None without the compiled core: the caller's decoder then reads it."""
+    if not COMPILED:
+        return None
+    from kvindex.index.compiled import parse_lookup_body as parse
+
+    return parse(body, max_items)

@@ -16,7 +16,7 @@ class Core:
     def remove(self, bit: int, /) -> None: ...
     def lookup(
         self,
-        tokens: Sequence[int],
+        tokens: Sequence[int] | bytes,
         lora_name: str | None,
         cache_salt: str | None,
         layout: list[tuple[str, list[tuple[int, int]]]],
@@ -24,6 +24,15 @@ class Core:
         row_type: type[LookupRow],
         /,
     ) -> list[LookupRow]: ...
+    def lookup_json(
+        self,
+        tokens: Sequence[int] | bytes,
+        lora_name: str | None,
+        cache_salt: str | None,
+        slots: list[tuple[bytes, list[int]]],
+        statuses: list[bytes],
+        /,
+    ) -> tuple[bytes, bool]: ...
     def lookup_hashes(
         self, hashes: Sequence[BlockHash], /
     ) -> list[tuple[int, int, dict[str, int]]]: ...
@@ -42,3 +51,5 @@ class Core:
     def key_digest(self, data: bytes, /) -> int: ...
     def keep_tokens(self, on: bool, /) -> None: ...
     def tier_of(self, medium: str, /) -> str: ...
+
+def parse_lookup(body: bytes, max_items: int, /) -> tuple[bytes, str | None, str | None] | None: ...

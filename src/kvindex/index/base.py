@@ -21,7 +21,13 @@ from kvindex.wire import BatchDecoder, BlockHash, EventBatch
 from kvindex.wire.events import MEDIUM_GPU
 from kvindex.wire.tiers import tier_of
 
-__all__ = ["IndexBase", "LookupRow", "PayloadResult", "Publisher", "medium_matches"]
+__all__ = ["AnswerSlot", "IndexBase", "LookupRow", "PayloadResult", "Publisher", "medium_matches"]
+
+
+# A followed instance as a compiled lookup answer shows it (CompiledIndex.lookup_json): its
+# name as JSON, and its DP ranks by rank as a flat [rank, bit, rank, bit, ...] (bit -1: the
+# index holds nothing of that rank yet).
+AnswerSlot = tuple[bytes, list[int]]
 
 
 class PayloadResult(msgspec.Struct, frozen=True, gc=False):
@@ -247,6 +253,12 @@ class IndexBase(Generic[P]):
         return LookupRow(
             name, reuse.blocks, reuse.blocks * size, size, rank, ranks, by_tier, by_group
         )
+
+    def layout(self) -> Layout:
+        """Instances by name, each with its (DP rank, bit) pairs by rank (the object stays
+        the same until the set of publishers changes: callers may cache what they derive
+        from it by identity)."""
+        return self._layout or self._lay_out()
 
     def _lay_out(self) -> Layout:
         """Instances by name, each with its (DP rank, bit) pairs by rank: what a lookup

@@ -24,8 +24,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvindex.index._core import Core
-from kvindex.index.base import IndexBase, LookupRow, PayloadResult
+from kvindex.index._core import Core, parse_lookup
+from kvindex.index.base import AnswerSlot, IndexBase, LookupRow, PayloadResult
 from kvindex.index.fleet import MAX_BLOCK_SIZE, Namespace, PoolKey, is_keyed, is_plain
 from kvindex.index.keys import chain_keys_bytes
 from kvindex.index.namespaces import PLAIN, chain_keys
@@ -40,7 +40,14 @@ from kvindex.wire import (
     EventBatch,
 )
 
-__all__ = ["CompiledIndex", "batch_ops"]
+__all__ = ["CompiledIndex", "batch_ops", "parse_lookup_body"]
+
+
+def parse_lookup_body(body: bytes, max_items: int) -> tuple[bytes, str | None, str | None] | None:
+    """A `/v1/lookup` body read in C: (token ids as uint32 bytes, lora_name, cache_salt), or
+    None when it is not the plain shape (anything from an error to `1.0` or an escaped
+    string): the service's own decoder then decides, so every refusal keeps its wording."""
+    return parse_lookup(body, max_items)
 
 
 @dataclass(slots=True)
@@ -175,6 +182,20 @@ class CompiledIndex(IndexBase[_Pub]):
             self._empty_for,
             LookupRow,
         )
+
+    def lookup_json(
+        self,
+        token_ids: Sequence[int] | bytes,
+        lora_name: str | None,
+        cache_salt: str | None,
+        slots: list[AnswerSlot],
+        statuses: list[bytes],
+    ) -> tuple[bytes, bool]:
+        """The runtime's whole answer to a lookup as JSON, made in C with the GIL released,
+        and whether it is a hit: exactly what encoding `Fleet.lookup`'s answer gives
+        (`slots`: the followed instances by name; `statuses`: each one's status as JSON).
+        `token_ids` may be `parse_lookup_body`'s bytes."""
+        return self._core.lookup_json(token_ids, lora_name, cache_salt, slots, statuses)
 
     def _empty_for(self, size: int) -> list[LookupRow]:
         return self._empty_rows.get(size) or self._make_empty_rows(size)

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Protocol
 
+import msgspec
 import zmq
 
-from kvindex.index import CacheStats, FleetIndex, LookupRow
+from kvindex.index import CacheStats, FleetIndex, LookupRow, compiled_index
+from kvindex.index.base import AnswerSlot
 from kvindex.index.sharing import Sharing, sharing
 from kvindex.runtime.ingest import IndexGuard, IngestCounters, IngestWorker, default_workers
 from kvindex.runtime.views import (
@@ -58,6 +61,9 @@ log = logging.getLogger(__name__)
 
 ItemHook = Callable[[Item], None]
 RemoveHook = Callable[[str], None]
+
+
+_STATUS_JSON = {status: msgspec.json.encode(status) for status in Status}
 
 
 class DuplicateInstance(ValueError):
@@ -176,6 +182,11 @@ class Fleet:
         self._ranks: dict[str, list[SourceKey]] = {}
         self._owner: dict[str, IngestWorker] = {}
         self._counts: dict[str, _Counts] = {}  # per instance, valid until it changes
+        # What lookup_json derives from the instances, each kept until what it comes from
+        # moves: (index layout, specs version, slots) and (changes, slots, statuses).
+        self._specs_version = 0
+        self._slots: tuple[object, int, list[AnswerSlot]] | None = None
+        self._statuses: tuple[int, object, list[bytes]] | None = None
         for spec in instances:
             self.add_instance(spec)
 
@@ -221,6 +232,7 @@ class Fleet:
         # (a replay from 0 for a late join) are applied there too.
         worker.call(lambda: self._start_following(worker, spec))
         self._specs[spec.name] = spec
+        self._specs_version += 1
         self._ranks[spec.name] = [source.source for source in spec.sources()]
         self._owner[spec.name] = worker
         self._counts.pop(spec.name, None)
@@ -235,6 +247,7 @@ class Fleet:
         worker = self._owner.pop(name)
         worker.call(lambda: self._stop_following(worker, name))
         del self._specs[name], self._ranks[name]
+        self._specs_version += 1
         self._counts.pop(name, None)
 
     def _stop_following(self, worker: IngestWorker, name: str) -> None:
@@ -377,6 +390,54 @@ class Fleet:
         with self._guard():
             rows = self.index.lookup_hashes(block_hashes)
         return self._answer(rows, by_tokens=False)
+
+    def lookup_json(
+        self,
+        token_ids: Sequence[int] | bytes,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> tuple[bytes, bool]:
+        """`lookup`'s answer encoded as JSON (what `/v1/lookup` sends), and whether it is a
+        hit. The compiled index makes it in one step, without a Python object per instance;
+        the pure index encodes `lookup`'s. `token_ids` may be uint32 bytes (the service's
+        C body reader gives them so)."""
+        core = compiled_index(self.index)
+        if core is not None:
+            slots = self._answer_slots()
+            statuses = self._statuses_json(slots)
+            return core.lookup_json(token_ids, lora_name, cache_salt, slots, statuses)
+        if isinstance(token_ids, bytes):
+            token_ids = array("I", token_ids).tolist()
+        answer = self.lookup(token_ids, lora_name, cache_salt)
+        return msgspec.json.encode(answer), answer.hit
+
+    def _answer_slots(self) -> list[AnswerSlot]:
+        """The followed instances by name, as the compiled answer wants them: each DP rank
+        of the spec (and any other rank the index knows) with its publisher's bit."""
+        layout = self.index.layout()
+        cached = self._slots
+        if cached is not None and cached[0] is layout and cached[1] == self._specs_version:
+            return cached[2]
+        known = {name: dict(ranks) for name, ranks in layout}
+        slots: list[AnswerSlot] = []
+        for name in sorted(self._specs):
+            bits = known.get(name, {})
+            flat: list[int] = []
+            for rank in sorted(set(range(self._specs[name].dp)) | bits.keys()):
+                flat += (rank, bits.get(rank, -1))
+            slots.append((msgspec.json.encode(name), flat))
+        self._slots = (layout, self._specs_version, slots)
+        return slots
+
+    def _statuses_json(self, slots: list[AnswerSlot]) -> list[bytes]:
+        """Each slot's status as JSON, recomputed only when a worker may have changed one."""
+        changes = sum(worker.changes for worker in self._workers)
+        cached = self._statuses
+        if cached is not None and cached[0] == changes and cached[1] is slots:
+            return cached[2]
+        statuses = [_STATUS_JSON[self.status(name)] for name in sorted(self._specs)]
+        self._statuses = (changes, slots, statuses)
+        return statuses
 
     def _answer(self, rows: list[LookupRow], by_tokens: bool) -> LookupAnswer:
         """One row per followed instance (0 where it holds nothing yet), best first; `best`

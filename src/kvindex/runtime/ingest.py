@@ -108,6 +108,9 @@ class IngestWorker:
         self.name = name
         self.subscriber = subscriber
         self.counters = IngestCounters()
+        # Bumped after anything that may change a source's status (a read, a command):
+        # readers cache what they derive from the statuses until it moves.
+        self.changes = 0
         self.lag: dict[SourceKey, float] = {}
         self.failure: str | None = None
         self._index = index
@@ -173,7 +176,10 @@ class IngestWorker:
         """Run `fn` on this worker's thread (now, if it is not running or this is it) and
         return its result or raise its exception."""
         if self._thread is None or threading.current_thread() is self._thread:
-            return fn()
+            try:
+                return fn()
+            finally:
+                self.changes += 1
         if not self.running:
             raise RuntimeError(f"ingest worker {self.name} is not running")
         future: Future[T] = Future()
@@ -197,6 +203,8 @@ class IngestWorker:
                 future.set_result(fn())
             except BaseException as exc:
                 future.set_exception(exc)
+            finally:
+                self.changes += 1
 
     def _fail_commands(self) -> None:
         while self._commands:
@@ -213,6 +221,7 @@ class IngestWorker:
         counters = self.counters
         counters.slices += 1
         items = self.subscriber.poll(timeout, max_messages=256)
+        self.changes += 1
         if self._after_read is not None:
             self._after_read()
         if not items:

@@ -38,6 +38,7 @@ from kvindex.runtime import (
 from kvindex.security.http import HttpGuard
 from kvindex.service.dashboard import install_dashboard
 from kvindex.service.docs import install_docs
+from kvindex.service.fastpath import LookupFastPath
 from kvindex.service.metrics import ServiceMetrics
 from kvindex.subscriber import InstanceSpec, SpecError, Status
 from kvindex.wire import parse_hash, render_hash
@@ -118,7 +119,7 @@ def _integral_lookup(raw: bytes) -> _LookupBody | None:
     path: only after the strict decoder refused the body)."""
     try:
         body = _lenient_lookup_decoder.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError):
         return None
     tokens = []
     for value in body.token_ids:
@@ -163,6 +164,8 @@ async def _decode(request: Request, decoder: msgspec.json.Decoder[_T]) -> _T:
         raise BadBody(422, f"invalid body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadBody(400, f"body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec's, for a string that is not UTF-8
+        raise BadBody(400, f"body is not valid UTF-8: {exc}") from None
 
 
 class AddInstanceRequest(BaseModel):
@@ -443,6 +446,10 @@ def create_app(
     _add_routes(app, fleet, metrics)
     install_dashboard(app, fleet)  # GET /, its assets and /v1/dashboard/*
     install_docs(app)  # GET /docs and its assets
+    # innermost: plain lookups are answered here, past the guards, ahead of the routing
+    app.add_middleware(
+        LookupFastPath, fleet=fleet, metrics=metrics, max_items=guard.max_lookup_items
+    )
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     guard.install(app)  # refuse bad tokens before reading any body
     app.add_middleware(LookupPriority, fleet=fleet)  # outermost: counts from the start

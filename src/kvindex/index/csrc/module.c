@@ -12,6 +12,7 @@
 #include <Python.h>
 #include <pthread.h>
 
+#include "answer.h"
 #include "core.h"
 
 /* Answers' small dicts ({tier: blocks}, {group 0: blocks}, {rank: blocks}) are shared
@@ -539,6 +540,17 @@ static void prompt_free(prompt_t *p) {
 
 static int tokens_arg(PyObject *obj, prompt_t *out) {
     memset(out, 0, sizeof *out);
+    if (PyBytes_Check(obj)) { /* uint32 token ids, native order (parse_lookup's) */
+        Py_ssize_t n = PyBytes_GET_SIZE(obj) / (Py_ssize_t)sizeof(uint32_t);
+        out->small = malloc(((size_t)n + 1) * sizeof(uint32_t));
+        if (out->small == NULL) {
+            PyErr_NoMemory();
+            return 0;
+        }
+        memcpy(out->small, PyBytes_AS_STRING(obj), (size_t)n * sizeof(uint32_t));
+        out->n = (uint32_t)n;
+        return 1;
+    }
     PyObject *fast = PySequence_Fast(obj, "token_ids must be a sequence of ints");
     if (fast == NULL)
         return 0;
@@ -608,11 +620,6 @@ static int lookup_names(CoreObject *self, PyObject *lora, PyObject *salt, uint32
     return 1;
 }
 
-/* A publisher's answer to a lookup (reuse_t for every publisher, several pools or one). */
-typedef struct {
-    uint32_t blocks, size;
-    const reuse_t *detail; /* NULL: one pool, all of it from there */
-} answer_t;
 
 static PyObject *int_dict(const int32_t *keys, const uint32_t *values, uint32_t n) {
     PyObject *d = PyDict_New();
@@ -751,27 +758,25 @@ static PyObject *make_rows(CoreObject *self, PyObject *layout, PyObject *empty,
     return rows;
 }
 
-/* lookup(token_ids, lora_name, cache_salt, layout, empty_rows, row_type) -> [row, ...]
+/* What every publisher would reuse of one prompt: computed with the read lock held (the
+ * answers point into `reuses`), freed by walk_free. */
+typedef struct {
+    answer_t *answers;
+    uint32_t nbits;
+    uint32_t default_size; /* what publishers matching nothing report: the smallest size */
+    reuse_t *reuses;
+    int oom;
+} walked_t;
 
-   What every instance would reuse of the prompt: FleetIndex.lookup. `layout` is the
-   answer's shape (IndexBase._lay_out), `empty_rows(size)` the shared rows of instances
-   matching nothing, `row_type` LookupRow. */
-static PyObject *Core_lookup(CoreObject *self, PyObject *args) {
-    READY(self);
-    PyObject *tokens_obj, *lora, *salt, *layout, *empty_rows, *row_type;
-    if (!PyArg_ParseTuple(args, "OOOO!OO", &tokens_obj, &lora, &salt, &PyList_Type, &layout,
-                          &empty_rows, &row_type))
-        return NULL;
-    prompt_t prompt;
-    uint32_t lora_id, salt_id;
-    int unknown;
-    if (!lookup_names(self, lora, salt, &lora_id, &salt_id, &unknown))
-        return NULL;
-    if (!tokens_arg(tokens_obj, &prompt))
-        return NULL;
-    uint32_t ntokens = prompt.n;
-    core_t *c = &self->core;
-    pthread_rwlock_rdlock(&self->lock);
+static void walk_free(walked_t *w) {
+    free(w->answers);
+    free(w->reuses);
+}
+
+static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_id,
+                        uint32_t salt_id, int unknown, walked_t *out) {
+    memset(out, 0, sizeof *out);
+    uint32_t ntokens = prompt->n;
     uint32_t bits = c->max_bit;
     uint32_t words = c->set_words;
     uint32_t sizes[16], nsizes = 0, roots[16];
@@ -790,17 +795,16 @@ static PyObject *Core_lookup(CoreObject *self, PyObject *args) {
             sizes[k] = c->sizes[i];
             roots[k] = root;
         }
-    /* What publishers matching nothing report as their block size: the smallest. */
-    uint32_t default_size = nsizes ? sizes[0] : 0;
+    out->default_size = nsizes ? sizes[0] : 0;
+    out->nbits = bits;
     uint64_t small_words[8];
     uint64_t *several = words <= 4 ? small_words : calloc(words * 2, sizeof(uint64_t));
     uint64_t *alive = several ? several + words : NULL;
-    answer_t *answers = calloc(bits + 1, sizeof(answer_t));
+    answer_t *answers = out->answers = calloc(bits + 1, sizeof(answer_t));
     uint32_t *depth = calloc(bits + 1, sizeof(uint32_t));
     uint64_t *keys = malloc(((size_t)ntokens + 1) * sizeof(uint64_t));
     uint32_t *paths = NULL;
     walk_path walks[16];
-    reuse_t *reuses = NULL;
     int oom = !several || !answers || !depth || !keys;
     int any_several = 0;
     if (!oom) {
@@ -816,7 +820,7 @@ static PyObject *Core_lookup(CoreObject *self, PyObject *args) {
         }
     }
     for (uint32_t k = 0; !oom && k < nsizes; k++) {
-        uint32_t nkeys = prompt_keys(c, prompt.small, prompt.wide, ntokens, sizes[k], keys);
+        uint32_t nkeys = prompt_keys(c, prompt->small, prompt->wide, ntokens, sizes[k], keys);
         memset(depth, 0, (bits + 1) * sizeof(uint32_t));
         uint32_t *path = paths ? paths + (size_t)k * (ntokens + 1) : NULL;
         walks[k].path = path;
@@ -828,7 +832,7 @@ static PyObject *Core_lookup(CoreObject *self, PyObject *args) {
             }
     }
     if (!oom && any_several && nsizes) {
-        reuses = calloc(bits + 1, sizeof(reuse_t));
+        reuse_t *reuses = out->reuses = calloc(bits + 1, sizeof(reuse_t));
         oom = reuses == NULL;
         for (uint32_t b = 0; !oom && b < bits; b++)
             if (c->sources[b] && c->sources[b]->several) {
@@ -836,31 +840,190 @@ static PyObject *Core_lookup(CoreObject *self, PyObject *args) {
                 answers[b] = (answer_t){reuses[b].blocks, reuses[b].size, &reuses[b]};
             }
     }
+    out->oom = oom;
+    if (several != small_words)
+        free(several);
+    free(depth);
+    free(keys);
+    free(paths);
+}
+
+/* lookup(token_ids, lora_name, cache_salt, layout, empty_rows, row_type) -> [row, ...]
+
+   What every instance would reuse of the prompt: FleetIndex.lookup. `layout` is the
+   answer's shape (IndexBase._lay_out), `empty_rows(size)` the shared rows of instances
+   matching nothing, `row_type` LookupRow. `token_ids`: ints, or bytes of uint32 in native
+   order (parse_lookup's). */
+static PyObject *Core_lookup(CoreObject *self, PyObject *args) {
+    READY(self);
+    PyObject *tokens_obj, *lora, *salt, *layout, *empty_rows, *row_type;
+    if (!PyArg_ParseTuple(args, "OOOO!OO", &tokens_obj, &lora, &salt, &PyList_Type, &layout,
+                          &empty_rows, &row_type))
+        return NULL;
+    prompt_t prompt;
+    uint32_t lora_id, salt_id;
+    int unknown;
+    if (!lookup_names(self, lora, salt, &lora_id, &salt_id, &unknown))
+        return NULL;
+    if (!tokens_arg(tokens_obj, &prompt))
+        return NULL;
+    walked_t w;
     PyObject *rows = NULL;
-    if (oom) {
+    pthread_rwlock_rdlock(&self->lock);
+    walk_prompt(&self->core, &prompt, lora_id, salt_id, unknown, &w);
+    if (w.oom) {
         PyErr_NoMemory();
     } else {
         /* The rows need the pools (by_tier): built before the lock goes, with the GIL
          * kept (ingest never needs the GIL while it holds the write lock). */
-        PyObject *empty = PyObject_CallFunction(empty_rows, "I", default_size);
+        PyObject *empty = PyObject_CallFunction(empty_rows, "I", w.default_size);
         if (empty != NULL && (!PyList_Check(empty) || PyList_GET_SIZE(empty) != PyList_GET_SIZE(layout))) {
             PyErr_SetString(PyExc_ValueError, "empty rows do not match the layout");
             Py_CLEAR(empty);
         }
         if (empty != NULL)
-            rows = make_rows(self, layout, empty, row_type, answers, bits);
+            rows = make_rows(self, layout, empty, row_type, w.answers, w.nbits);
         Py_XDECREF(empty);
     }
     pthread_rwlock_unlock(&self->lock);
     prompt_free(&prompt);
-    if (several != small_words)
-        free(several);
-    free(answers);
-    free(depth);
-    free(keys);
-    free(paths);
-    free(reuses);
+    walk_free(&w);
     return rows;
+}
+
+/* The runtime's instances (a list of (name_json, [rank, bit, rank, bit, ...]) by name, see
+ * CompiledIndex.lookup_json) and their statuses (a list of JSON strings as bytes) as
+ * slot_t; the rank arrays go in `ranks`. 0 with an error set on a bad shape. */
+static int slots_arg(PyObject *slots_obj, PyObject *statuses, slot_t **slots_out,
+                     int32_t **ranks_out) {
+    *slots_out = NULL;
+    *ranks_out = NULL;
+    if (!PyList_Check(slots_obj) || !PyList_Check(statuses) ||
+        PyList_GET_SIZE(slots_obj) != PyList_GET_SIZE(statuses)) {
+        PyErr_SetString(PyExc_TypeError, "slots and statuses: two lists, as long");
+        return 0;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(slots_obj), total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *slot = PyList_GET_ITEM(slots_obj, i);
+        if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != 2 ||
+            !PyBytes_Check(PyTuple_GET_ITEM(slot, 0)) || !PyList_Check(PyTuple_GET_ITEM(slot, 1)) ||
+            PyList_GET_SIZE(PyTuple_GET_ITEM(slot, 1)) % 2) {
+            PyErr_SetString(PyExc_TypeError, "a slot is (name_json, [rank, bit, ...])");
+            return 0;
+        }
+        total += PyList_GET_SIZE(PyTuple_GET_ITEM(slot, 1));
+    }
+    slot_t *slots = *slots_out = calloc((size_t)n + 1, sizeof(slot_t));
+    int32_t *ranks = *ranks_out = malloc(((size_t)total + 1) * sizeof(int32_t));
+    if (slots == NULL || ranks == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *slot = PyList_GET_ITEM(slots_obj, i), *pairs = PyTuple_GET_ITEM(slot, 1);
+        PyObject *status = PyList_GET_ITEM(statuses, i);
+        if (!PyBytes_Check(status)) {
+            PyErr_SetString(PyExc_TypeError, "a status is its JSON string, as bytes");
+            return 0;
+        }
+        slots[i].name_json = PyBytes_AS_STRING(PyTuple_GET_ITEM(slot, 0));
+        slots[i].name_len = (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(slot, 0));
+        slots[i].status_json = PyBytes_AS_STRING(status);
+        slots[i].status_len = (size_t)PyBytes_GET_SIZE(status);
+        slots[i].down = slots[i].status_len == 6 && memcmp(slots[i].status_json, "\"down\"", 6) == 0;
+        slots[i].nranks = (uint32_t)(PyList_GET_SIZE(pairs) / 2);
+        slots[i].ranks = ranks;
+        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(pairs); k++) {
+            long v = PyLong_AsLong(PyList_GET_ITEM(pairs, k));
+            if (v == -1 && PyErr_Occurred())
+                return 0;
+            *ranks++ = (int32_t)v;
+        }
+    }
+    return 1;
+}
+
+/* lookup_json(token_ids, lora_name, cache_salt, slots, statuses) -> (json bytes, hit)
+
+   Core.lookup and the runtime's answer (Fleet.lookup encoded) in one go: see answer.h. */
+static PyObject *Core_lookup_json(CoreObject *self, PyObject *args) {
+    READY(self);
+    PyObject *tokens_obj, *lora, *salt, *slots_obj, *statuses;
+    if (!PyArg_ParseTuple(args, "OOOOO", &tokens_obj, &lora, &salt, &slots_obj, &statuses))
+        return NULL;
+    prompt_t prompt;
+    uint32_t lora_id, salt_id;
+    int unknown;
+    slot_t *slots;
+    int32_t *ranks;
+    if (!lookup_names(self, lora, salt, &lora_id, &salt_id, &unknown))
+        return NULL;
+    if (!slots_arg(slots_obj, statuses, &slots, &ranks)) {
+        free(slots);
+        free(ranks);
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(slots_obj);
+    if (!tokens_arg(tokens_obj, &prompt)) {
+        free(slots);
+        free(ranks);
+        return NULL;
+    }
+    walked_t w;
+    jbuf_t out = {0};
+    int hit = 0;
+    Py_BEGIN_ALLOW_THREADS /* nothing below touches Python objects */
+    pthread_rwlock_rdlock(&self->lock);
+    walk_prompt(&self->core, &prompt, lora_id, salt_id, unknown, &w);
+    if (!w.oom)
+        hit = answer_json(&self->core, w.answers, w.nbits, slots, (uint32_t)n, 1, &out);
+    pthread_rwlock_unlock(&self->lock);
+    Py_END_ALLOW_THREADS
+    PyObject *result = NULL;
+    if (w.oom || out.oom)
+        PyErr_NoMemory();
+    else
+        result = Py_BuildValue("(y#O)", out.p, (Py_ssize_t)out.len, hit ? Py_True : Py_False);
+    jbuf_free(&out);
+    walk_free(&w);
+    prompt_free(&prompt);
+    free(slots);
+    free(ranks);
+    return result;
+}
+
+/* parse_lookup(body, max_items) -> (token_ids as uint32 bytes, lora_name, cache_salt), or
+   None when the body is not the simple shape (see answer.h): the caller decodes it then. */
+static PyObject *parse_lookup(PyObject *module, PyObject *args) {
+    Py_buffer body;
+    unsigned int max_items;
+    if (!PyArg_ParseTuple(args, "y*I", &body, &max_items))
+        return NULL;
+    lookup_body_t parsed;
+    int r = parse_lookup_body(body.buf, (size_t)body.len, max_items, &parsed);
+    PyObject *result = NULL;
+    if (r == PARSE_NOMEM) {
+        PyErr_NoMemory();
+    } else if (r == PARSE_SLOW) {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    } else {
+        PyObject *tokens = PyBytes_FromStringAndSize((const char *)parsed.tokens,
+                                                     (Py_ssize_t)parsed.ntokens * 4);
+        PyObject *lora = parsed.lora ? PyUnicode_FromStringAndSize(parsed.lora, (Py_ssize_t)parsed.lora_len)
+                                     : (Py_INCREF(Py_None), Py_None);
+        PyObject *salt = parsed.salt ? PyUnicode_FromStringAndSize(parsed.salt, (Py_ssize_t)parsed.salt_len)
+                                     : (Py_INCREF(Py_None), Py_None);
+        if (tokens && lora && salt)
+            result = PyTuple_Pack(3, tokens, lora, salt);
+        Py_XDECREF(tokens);
+        Py_XDECREF(lora);
+        Py_XDECREF(salt);
+    }
+    free(parsed.tokens);
+    PyBuffer_Release(&body);
+    return result;
 }
 
 /* lookup_hashes(hashes) -> [(bit, blocks, by_tier), ...]: per publisher, the run of these
@@ -1316,6 +1479,7 @@ static PyMethodDef Core_methods[] = {
     {"clear", (PyCFunction)Core_clear, METH_VARARGS, NULL},
     {"remove", (PyCFunction)Core_remove, METH_O, NULL},
     {"lookup", (PyCFunction)Core_lookup, METH_VARARGS, NULL},
+    {"lookup_json", (PyCFunction)Core_lookup_json, METH_VARARGS, NULL},
     {"lookup_hashes", (PyCFunction)Core_lookup_hashes, METH_O, NULL},
     {"pools", (PyCFunction)Core_pools, METH_O, NULL},
     {"pool_keys", (PyCFunction)Core_pool_keys, METH_O, NULL},
@@ -1344,11 +1508,17 @@ static PyTypeObject CoreType = {
     .tp_new = PyType_GenericNew,
 };
 
+static PyMethodDef module_functions[] = {
+    {"parse_lookup", (PyCFunction)parse_lookup, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef core_module = {
     .m_base = PyModuleDef_HEAD_INIT,
     .m_name = "kvindex.index._core",
     .m_doc = "The compiled index core.",
     .m_size = -1,
+    .m_methods = module_functions,
 };
 
 PyMODINIT_FUNC PyInit__core(void) {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import msgspec
@@ -22,10 +23,12 @@ from test_core import BASE, build, event_plan, feed, prompt_of
 
 from kvindex.index import COMPILED, PureFleetIndex, parse_lookup_body
 from kvindex.runtime import Fleet
+from kvindex.runtime.fleet import StatusReader
 from kvindex.security.http import HttpGuard
 from kvindex.service import fastpath
 from kvindex.service.app import create_app
-from kvindex.subscriber import InstanceSpec, Status
+from kvindex.subscriber import InstanceSpec, SourceKey, Status
+from kvindex.wire.publisher import Publisher
 
 pytestmark = pytest.mark.skipif(not COMPILED, reason="the compiled core is not built")
 
@@ -43,12 +46,20 @@ NAMES = [
 
 
 class StatusFleet(Fleet):
-    """A Fleet whose instances show the statuses a test gives them."""
+    """A Fleet whose instances show the statuses a test gives them (down or replaying
+    take real sockets and time: test_real_statuses_reach_the_answer has them), both to the
+    reference answer (`status`) and to the compiled one (its per-rank readers)."""
 
     shown: dict[str, Status]
 
     def status(self, name: str) -> Status:
         return self.shown.get(name, Status.LIVE)
+
+    def _status_sources(self, slots: Any) -> list[StatusReader]:
+        def reader(source: SourceKey) -> Status:
+            return self.shown.get(source.instance, Status.LIVE)
+
+        return [(reader, [SourceKey(name)]) for name in sorted(self.specs)]
 
 
 def fleet_over(index: Any, shown: dict[str, Status]) -> StatusFleet:
@@ -114,6 +125,38 @@ def test_the_answer_follows_membership_and_statuses() -> None:
         )
     finally:
         fleet.close()
+
+
+def test_real_statuses_reach_the_answer() -> None:
+    """live, connecting (a rank that never connects) and down (a publisher gone), as the
+    subscriber tells them: the compiled answer shows what Fleet.status says."""
+    pub = Publisher("tcp://127.0.0.1:*")
+    specs = [
+        InstanceSpec.parse(f"up={pub.endpoint}"),
+        InstanceSpec.parse(f"half={pub.endpoint},dp=2"),  # rank 1 never connects
+        InstanceSpec.parse("never=tcp://127.0.0.1:9"),
+    ]
+    fleet = Fleet(specs, ingest_workers=1)
+    try:
+
+        def shown() -> dict[str, str]:
+            rows = json.loads(fleet.lookup_json([1, 2, 3, 4])[0])["instances"]
+            return {row["name"]: row["status"] for row in rows}
+
+        def step_until(wanted: dict[str, str]) -> None:
+            deadline = time.monotonic() + 10
+            while shown() != wanted:
+                assert time.monotonic() < deadline, shown()
+                fleet.step()
+                time.sleep(0.01)
+
+        step_until({"up": "live", "half": "connecting", "never": "connecting"})
+        pub.close()
+        step_until({"up": "down", "half": "down", "never": "connecting"})
+        assert shown() == {name: str(fleet.status(name)) for name in ("up", "half", "never")}
+    finally:
+        fleet.close()
+        pub.close()
 
 
 # -- the request --------------------------------------------------------------------------

@@ -18,7 +18,9 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import socket
+import sys
 from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -151,8 +153,12 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
 
     from kvindex.runtime import Fleet
     from kvindex.service.app import create_app
+    from kvindex.service.fastpath import lookup_protocol
     from kvindex.store import SharedStore
 
+    # Ingest threads and the HTTP loop share the GIL: a lookup waiting for it would wait up
+    # to a whole switch interval (5 ms by default) behind an ingest thread's Python work.
+    sys.setswitchinterval(float(os.environ.get("KVINDEX_SWITCH_INTERVAL", "0.0005")))
     store, index, loaded = _open_store(settings.store)
     sock = listen(host, port)
     instances = _with_runtime_instances(settings.instances, loaded.instances)
@@ -181,9 +187,11 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     store.start()
     app = create_app(fleet, guard=http.guard, max_body_bytes=http.max_body_bytes)
     app.state.metrics.watch_store(store.stats)  # kvindex_store_* on /metrics
+    protocol = lookup_protocol(app.state.lookup_answerer, http.guard, http.max_body_bytes)
     config = uvicorn.Config(
         app,
         **http.uvicorn_kwargs(),
+        http=protocol,  # plain lookups answered in the protocol (see service.fastpath)
         loop="asyncio",
         log_level="warning",
         access_log=False,

@@ -191,8 +191,8 @@ class CompiledIndex(IndexBase[_Pub]):
         slots: list[AnswerSlot],
         statuses: list[bytes],
     ) -> tuple[bytes, bool]:
-        """The runtime's whole answer to a lookup as JSON, made in C with the GIL released,
-        and whether it is a hit: exactly what encoding `Fleet.lookup`'s answer gives
+        """The runtime's whole answer to a lookup as JSON, made in C, and whether it is a
+        hit: exactly what encoding `Fleet.lookup`'s answer gives
         (`slots`: the followed instances by name; `statuses`: each one's status as JSON).
         `token_ids` may be `parse_lookup_body`'s bytes."""
         return self._core.lookup_json(token_ids, lora_name, cache_salt, slots, statuses)

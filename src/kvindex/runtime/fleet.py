@@ -64,6 +64,8 @@ RemoveHook = Callable[[str], None]
 
 
 _STATUS_JSON = {status: msgspec.json.encode(status) for status in Status}
+# How a lookup answer reads an instance's status: its subscriber's method, and its ranks.
+StatusReader = tuple[Callable[[SourceKey], Status], list[SourceKey]]
 
 
 class DuplicateInstance(ValueError):
@@ -187,6 +189,7 @@ class Fleet:
         self._specs_version = 0
         self._slots: tuple[object, int, list[AnswerSlot]] | None = None
         self._statuses: tuple[int, object, list[bytes]] | None = None
+        self._status_readers: tuple[object, list[StatusReader]] | None = None
         for spec in instances:
             self.add_instance(spec)
 
@@ -430,14 +433,32 @@ class Fleet:
         return slots
 
     def _statuses_json(self, slots: list[AnswerSlot]) -> list[bytes]:
-        """Each slot's status as JSON, recomputed only when a worker may have changed one."""
+        """Each slot's status as JSON, recomputed only when a worker may have changed one
+        (then straight from each rank's subscriber: a busy fleet recomputes per lookup)."""
         changes = sum(worker.changes for worker in self._workers)
         cached = self._statuses
         if cached is not None and cached[0] == changes and cached[1] is slots:
             return cached[2]
-        statuses = [_STATUS_JSON[self.status(name)] for name in sorted(self._specs)]
+        statuses = []
+        for status_of, sources in self._status_sources(slots):
+            if len(sources) == 1:
+                statuses.append(_STATUS_JSON[status_of(sources[0])])
+            else:
+                statuses.append(_STATUS_JSON[worst_status(map(status_of, sources))])
         self._statuses = (changes, slots, statuses)
         return statuses
+
+    def _status_sources(self, slots: list[AnswerSlot]) -> list[StatusReader]:
+        """Per slot (by name), the subscriber method that tells a rank's status, and the
+        instance's ranks: kept with the slots."""
+        cached = self._status_readers
+        if cached is not None and cached[0] is slots:
+            return cached[1]
+        readers: list[StatusReader] = [
+            (self._owner[name].subscriber.status, self._ranks[name]) for name in sorted(self._specs)
+        ]
+        self._status_readers = (slots, readers)
+        return readers
 
     def _answer(self, rows: list[LookupRow], by_tokens: bool) -> LookupAnswer:
         """One row per followed instance (0 where it holds nothing yet), best first; `best`

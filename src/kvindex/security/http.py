@@ -75,6 +75,17 @@ def _cookie_token(header: bytes) -> bytes | None:
     return None
 
 
+def _tokens_for(path: str, token: bytes | None, metrics_token: bytes | None) -> list[bytes]:
+    """The tokens any one of which opens `path` (empty: open to all)."""
+    if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
+        return []
+    if path == METRICS_PATH:
+        if metrics_token is None:
+            return []
+        return [t for t in (metrics_token, token) if t is not None]
+    return [token] if token is not None else []
+
+
 def _matches(given: bytes, tokens: list[bytes]) -> bool:
     # Every token is compared (no early exit), each in constant time.
     found = False
@@ -91,21 +102,11 @@ class BearerAuth:
         self.token = token.encode() if token else None
         self.metrics_token = metrics_token.encode() if metrics_token else None
 
-    def _tokens_for(self, path: str) -> list[bytes]:
-        """The tokens any one of which opens `path` (empty: open to all)."""
-        if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
-            return []
-        if path == METRICS_PATH:
-            if self.metrics_token is None:
-                return []
-            return [t for t in (self.metrics_token, self.token) if t is not None]
-        return [self.token] if self.token is not None else []
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        tokens = self._tokens_for(scope.get("path", ""))
+        tokens = _tokens_for(scope.get("path", ""), self.token, self.metrics_token)
         if tokens:
             given = _bearer(scope)
             if given is None or not _matches(given, tokens):
@@ -172,6 +173,19 @@ class HttpGuard:
     metrics_token: str | None = None
     max_lookup_items: int = 1_000_000  # token ids (or block hashes) in one lookup
     request_timeout: float = 30.0  # for a request's body to arrive
+
+    def admits(self, path: str, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether a request passes every rule that needs no body (its bearer token), as
+        the middleware would judge it. A path that answers outside the ASGI stack
+        (kvindex.service.fastpath) asks this, and leaves a request it refuses to the stack,
+        which words the refusal: a rule added to the middleware belongs here too."""
+        token = self.token.encode() if self.token else None
+        metrics_token = self.metrics_token.encode() if self.metrics_token else None
+        tokens = _tokens_for(path, token, metrics_token)
+        if not tokens:
+            return True
+        given = _bearer({"headers": headers})
+        return given is not None and _matches(given, tokens)
 
     def install(self, app: Any) -> None:
         """Add the middleware to a Starlette/FastAPI app (outermost: auth, then the body

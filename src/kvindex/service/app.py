@@ -38,7 +38,7 @@ from kvindex.runtime import (
 from kvindex.security.http import HttpGuard
 from kvindex.service.dashboard import install_dashboard
 from kvindex.service.docs import install_docs
-from kvindex.service.fastpath import LookupFastPath
+from kvindex.service.fastpath import LookupAnswerer, LookupFastPath
 from kvindex.service.metrics import ServiceMetrics
 from kvindex.subscriber import InstanceSpec, SpecError, Status
 from kvindex.wire import parse_hash, render_hash
@@ -447,9 +447,9 @@ def create_app(
     install_dashboard(app, fleet)  # GET /, its assets and /v1/dashboard/*
     install_docs(app)  # GET /docs and its assets
     # innermost: plain lookups are answered here, past the guards, ahead of the routing
-    app.add_middleware(
-        LookupFastPath, fleet=fleet, metrics=metrics, max_items=guard.max_lookup_items
-    )
+    answerer = LookupAnswerer(fleet, metrics, guard.max_lookup_items)
+    app.state.lookup_answerer = answerer  # for `serve`'s protocol (fastpath.lookup_protocol)
+    app.add_middleware(LookupFastPath, answerer=answerer)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     guard.install(app)  # refuse bad tokens before reading any body
     app.add_middleware(LookupPriority, fleet=fleet)  # outermost: counts from the start

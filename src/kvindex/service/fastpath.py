@@ -1,44 +1,71 @@
-"""`POST /v1/lookup` answered in plain ASGI, ahead of FastAPI's routing.
+"""`POST /v1/lookup`, the one path paid at a router's request rate, answered short.
 
-A router asks for a lookup per request it places, so this is the one path whose cost is
-paid at the request rate. The FastAPI route costs ~40 us of routing and request/response
-objects, and decoding 8,192 token ids into Python ints costs ~200 us; here the body is read
-straight into uint32 token ids in C (`parse_lookup_body`) and the whole answer is written
-as JSON in C from the walk (`Fleet.lookup_json`), so a 512-block prompt over 64 instances
-costs ~80 us in the process instead of ~430.
+Through FastAPI a 512-block lookup over 64 instances cost ~430 us in the process:
+~200 us to decode 8,192 token ids into Python ints, ~170 us to build the answer's rows and
+statuses in Python, ~40 us of routing and request objects. Here the body is read straight
+into uint32 token ids in C (`parse_lookup_body`) and the whole answer is written as JSON
+in C from the walk (`Fleet.lookup_json`): ~80 us. Two ways in:
 
-This middleware sits innermost, inside the guards (bearer token, request deadline, body
-limit): it sees a request only after they have passed it, reads the body through them,
-and answers only a body of the plain shape. Anything else (not JSON, an unknown field, a
-token id past 32 bits, `1.0`, a string with an escape...) goes on to the FastAPI route
-with the same body, which decides: every refusal keeps its one wording and status.
+- `LookupFastPath`, an ASGI middleware innermost in the app (inside the guards: it sees a
+  request only once they passed it, and reads the body through them). Any ASGI server.
+- `lookup_protocol`, for `kvindex serve`: uvicorn's own HTTP protocol, which answers a
+  plain lookup as soon as its body is in, with no ASGI task, middleware or second write
+  (uvicorn's ASGI machinery costs ~45 us a request here, FastAPI's stack ~80 more: more
+  than the lookup itself). It asks the guard (`HttpGuard.admits`), checks the body limit
+  and deadline itself, and hands anything else to the ASGI app as uvicorn would.
+
+Both answer only a body of the plain shape; anything else (not JSON, an unknown field, a
+token id past 32 bits, `1.0`, an escaped string, a refused token...) goes to the FastAPI
+route with the same body, which decides: every refusal keeps its one wording and status.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from kvindex.index import parse_lookup_body
 from kvindex.runtime import Fleet
-from kvindex.security.http import ASGIApp, Message, Receive, Scope, Send, error_response
+from kvindex.security.http import ASGIApp, HttpGuard, Message, Receive, Scope, Send, error_response
 from kvindex.service.metrics import ServiceMetrics
 
-__all__ = ["LookupFastPath"]
+__all__ = ["LookupAnswerer", "LookupFastPath", "lookup_protocol"]
 
 PATH = "/v1/lookup"
-_HEADERS = [(b"content-type", b"application/json")]
+_JSON = b"content-type: application/json\r\n"
+
+
+class LookupAnswerer:
+    """A plain lookup body's answer (JSON), or None for the route to decide."""
+
+    def __init__(self, fleet: Fleet, metrics: ServiceMetrics, max_items: int) -> None:
+        self.fleet = fleet
+        self.metrics = metrics
+        self.max_items = max_items
+
+    def answer(self, body: bytes) -> bytes | None:
+        parsed = parse_lookup_body(body, self.max_items)
+        if parsed is None:
+            return None
+        tokens, lora_name, cache_salt = parsed
+        start = time.perf_counter()
+        answer, hit = self.fleet.lookup_json(tokens, lora_name, cache_salt)
+        self.metrics.lookups.observe("tokens", time.perf_counter() - start, hit, compiled=True)
+        return answer
+
+
+# -- in the ASGI app ----------------------------------------------------------------------
 
 
 class LookupFastPath:
     """Answers plain `POST /v1/lookup` bodies itself; hands every other request on."""
 
-    def __init__(self, app: ASGIApp, fleet: Fleet, metrics: ServiceMetrics, max_items: int) -> None:
+    def __init__(self, app: ASGIApp, answerer: LookupAnswerer) -> None:
         self.app = app
-        self.fleet = fleet
-        self.metrics = metrics
-        self.max_items = max_items
+        self.answerer = answerer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != PATH or scope["method"] != "POST":
@@ -49,22 +76,13 @@ class LookupFastPath:
         except HTTPException as exc:  # over the body limit, while it arrived
             await error_response(send, exc.status_code, str(exc.detail))
             return
-        body = b"".join(m.get("body", b"") for m in messages)
-        parsed = parse_lookup_body(body, self.max_items)
-        if parsed is None:  # not the plain shape: the route decides
+        answer = self.answerer.answer(b"".join(m.get("body", b"") for m in messages))
+        if answer is None:  # not the plain shape: the route decides
             await self.app(scope, _replay(messages, receive), send)
             return
-        tokens, lora_name, cache_salt = parsed
-        start = time.perf_counter()
-        answer, hit = self.fleet.lookup_json(tokens, lora_name, cache_salt)
-        self.metrics.lookups.observe("tokens", time.perf_counter() - start, hit)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [*_HEADERS, (b"content-length", str(len(answer)).encode())],
-            }
-        )
+        headers = [(b"content-type", b"application/json")]
+        headers.append((b"content-length", str(len(answer)).encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": answer})
 
 
@@ -88,3 +106,124 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
         return await receive()
 
     return replayed
+
+
+# -- in uvicorn's protocol ---------------------------------------------------------------
+
+
+class _Collecting:
+    """Stands in for uvicorn's RequestResponseCycle while a lookup body arrives: what
+    HttpToolsProtocol's callbacks read and write of a cycle (body, message_event, ...)."""
+
+    def __init__(self) -> None:
+        self.body = bytearray()
+        self.more_body = True
+        self.response_complete = False
+        self.disconnected = False
+        self.keep_alive = True
+        self.message_event = asyncio.Event()
+        self.deadline: asyncio.TimerHandle | None = None
+
+
+def lookup_protocol(
+    answerer: LookupAnswerer, guard: HttpGuard, max_body_bytes: int
+) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol (`uvicorn.Config(http=...)`) with plain lookups
+    answered in it (see the module docstring)."""
+
+    class LookupProtocol(HttpToolsProtocol):
+        def on_headers_complete(self) -> None:
+            if not self._takes_lookup():
+                super().on_headers_complete()
+                return
+            cycle = _Collecting()
+            cycle.deadline = self.loop.call_later(guard.request_timeout, self._too_slow, cycle)
+            self.scope["method"] = "POST"
+            self.cycle = cycle  # type: ignore[assignment]
+
+        def _takes_lookup(self) -> bool:
+            """A plain lookup: nothing of it the ASGI stack would answer otherwise."""
+            parser = self.parser
+            if self.url != PATH.encode() or parser.get_method() != b"POST":
+                return False
+            if parser.get_http_version() != "1.1" or not parser.should_keep_alive():
+                return False
+            if self.expect_100_continue or self.root_path or self.limit_concurrency is not None:
+                return False
+            previous = self.cycle
+            if previous is not None and not previous.response_complete:
+                return False  # pipelined behind an answer in progress: uvicorn queues it
+            return _length_within(self.headers, max_body_bytes) and guard.admits(PATH, self.headers)
+
+        def on_body(self, body: bytes) -> None:
+            cycle = self.cycle
+            if not isinstance(cycle, _Collecting):
+                super().on_body(body)
+            elif not cycle.response_complete:  # bounded by the Content-Length checked
+                cycle.body += body
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            cycle = self.cycle
+            if isinstance(cycle, _Collecting) and cycle.deadline is not None:
+                cycle.deadline.cancel()
+            super().connection_lost(exc)
+
+        def on_message_complete(self) -> None:
+            cycle = self.cycle
+            if not isinstance(cycle, _Collecting):
+                super().on_message_complete()
+                return
+            if cycle.response_complete:
+                return
+            if cycle.deadline is not None:
+                cycle.deadline.cancel()
+            body = bytes(cycle.body)
+            answer = answerer.answer(body)
+            if answer is None:  # the route decides, as if uvicorn had read it itself
+                self._to_the_app(body)
+                return
+            self._respond(cycle, 200, answer, close=False)
+
+        def _to_the_app(self, body: bytes) -> None:
+            self.cycle = None  # type: ignore[assignment]
+            super().on_headers_complete()
+            super().on_body(body)
+            super().on_message_complete()
+
+        def _too_slow(self, cycle: _Collecting) -> None:
+            """The body did not arrive in time: 408, as the ASGI stack's deadline says it,
+            and the connection closed (the rest of the body would read as a request)."""
+            current: object = self.cycle
+            if current is cycle and not cycle.response_complete:
+                if self.transport.is_closing():
+                    return
+                message = f"request body not received in {guard.request_timeout} s"
+                body = b'{"error":"' + message.encode() + b'"}'
+                self._respond(cycle, 408, body, close=True)
+
+        def _respond(self, cycle: _Collecting, status: int, body: bytes, close: bool) -> None:
+            head = [STATUS_LINE[status]]
+            for name, value in self.server_state.default_headers:
+                head += [name, b": ", value, b"\r\n"]
+            head += [_JSON, b"content-length: ", str(len(body)).encode(), b"\r\n"]
+            close = close or not cycle.keep_alive  # a graceful shutdown is under way
+            if close:
+                head.append(b"connection: close\r\n")
+            head += [b"\r\n", body]
+            self.transport.write(b"".join(head))  # one write: one segment, one wakeup
+            cycle.response_complete = True
+            if close:
+                self.transport.close()
+                return
+            self.on_response_complete()
+
+    return LookupProtocol
+
+
+def _length_within(headers: list[tuple[bytes, bytes]], limit: int) -> bool:
+    """One declared Content-Length, within the limit; anything else (a chunked body, two
+    lengths) is the stack's to judge."""
+    lengths = [value for name, value in headers if name == b"content-length"]
+    if len(lengths) != 1 or any(name == b"transfer-encoding" for name, _ in headers):
+        return False
+    return lengths[0].isdigit() and int(lengths[0]) <= limit

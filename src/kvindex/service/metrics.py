@@ -86,16 +86,32 @@ class LookupMetrics:
             ["kind"],
             registry=registry,
         )
+        self.compiled = Counter(
+            "kvindex_lookup_compiled_requests",
+            "Lookups by tokens whose body was read and answer written in C; the others went "
+            "through the Python route (a body with floats, escaped strings or token ids past "
+            "32 bits, a refused one...).",
+            registry=registry,
+        )
         self._requests = 0
         self._hits = 0
+        # A labelled child is looked up under a lock each time: these are made once.
+        self._children: dict[str, tuple[Any, ...]] = {}
 
-    def observe(self, kind: str, seconds: float, hit: bool) -> None:
-        self.latency.labels(kind).observe(seconds)
-        self.requests.labels(kind).inc()
+    def observe(self, kind: str, seconds: float, hit: bool, compiled: bool = False) -> None:
+        children = self._children.get(kind)
+        if children is None:
+            children = tuple(m.labels(kind) for m in (self.latency, self.requests, self.hits))
+            self._children[kind] = children
+        latency, requests, hits = children
+        latency.observe(seconds)
+        requests.inc()
         self._requests += 1
         if hit:
-            self.hits.labels(kind).inc()
+            hits.inc()
             self._hits += 1
+        if compiled:
+            self.compiled.inc()
 
     @property
     def totals(self) -> tuple[int, int]:

@@ -973,13 +973,13 @@ static PyObject *Core_lookup_json(CoreObject *self, PyObject *args) {
     walked_t w;
     jbuf_t out = {0};
     int hit = 0;
-    Py_BEGIN_ALLOW_THREADS /* nothing below touches Python objects */
+    /* The GIL is kept, as for every question (see the top of this file): given away for
+     * these ~30 us, it could take a busy ingest thread's whole switch interval to get back. */
     pthread_rwlock_rdlock(&self->lock);
     walk_prompt(&self->core, &prompt, lora_id, salt_id, unknown, &w);
     if (!w.oom)
         hit = answer_json(&self->core, w.answers, w.nbits, slots, (uint32_t)n, 1, &out);
     pthread_rwlock_unlock(&self->lock);
-    Py_END_ALLOW_THREADS
     PyObject *result = NULL;
     if (w.oom || out.oom)
         PyErr_NoMemory();

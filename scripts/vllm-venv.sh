@@ -38,7 +38,7 @@ DEPS=(
 )
 # Bump when the package set or the import check changes, so existing venvs are
 # completed again (pip skips what is already there).
-STAMP="v2 $TORCH_SPEC $VLLM_SPEC ${DEPS[*]}"
+STAMP="v3 $TORCH_SPEC $VLLM_SPEC ${DEPS[*]}"
 
 log() { printf 'vllm-venv: %s\n' "$*" >&2; }
 die() { printf 'vllm-venv: ERROR: %s\n' "$*" >&2; exit 1; }
@@ -115,6 +115,13 @@ EOF
 
 log "installing dependencies: ${REQS[*]}"
 pip_install "${REQS[@]}" || die "pip install of vllm's dependencies failed"
+
+# torchvision / torchaudio / torchcodec are built against one torch release
+# each; a copy from PyPI (pulled in by anything, e.g. a `pip install vllm` with
+# its dependencies) is for torch 2.14 and breaks `import transformers` here
+# ("operator torchvision::nms does not exist"). vLLM's KV-cache code needs none
+# of them and transformers imports them only when present, so they go.
+"$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
 # Torch must still be the CPU build (nothing above may replace it).
 "$PY" -W ignore -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' \

@@ -369,3 +369,13 @@ def test_a_failed_build_warns_and_installs_pure(tmp_path: Any) -> None:
     warnings = [line for line in proc.stderr.splitlines() if "kvindex: WARNING" in line]
     assert len(warnings) == 1 and "pure-Python implementation will be used" in warnings[0]
     assert not list((tmp_path / "lib").rglob("*.so"))
+
+
+def test_many_indexes_live_at_once() -> None:
+    """Every index works however many are alive (a per-index thread key ran out at 1024:
+    a long test run, or a library user with many indexes, hit it)."""
+    indexes = [CompiledIndex() for _ in range(1500)]
+    payload = encode_batch([BlockStored([1, 2], None, list(range(2 * BS)), BS)])
+    for index in indexes[::100] + indexes[-3:]:
+        index.apply_payload(SourceKey("a"), payload)
+        assert index.block_count("a") == 2

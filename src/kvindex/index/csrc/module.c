@@ -26,7 +26,6 @@ typedef struct {
     core_t core;
     PyObject **shared; /* tier dicts, group-0 dicts, rank dicts: see shared_dict */
     pthread_rwlock_t lock;
-    pthread_key_t scratch_key; /* one parse scratch per ingest thread */
     int ready;
 } CoreObject;
 
@@ -37,11 +36,17 @@ static void scratch_destroy(void *p) {
     }
 }
 
-static scratch_t *thread_scratch(CoreObject *self) {
-    scratch_t *sc = pthread_getspecific(self->scratch_key);
+/* One parse scratch per thread, shared by every index: a batch is parsed and applied in
+ * one call, so a thread never needs two at once. One key for the module (made at import):
+ * a key per index would run out (a process has PTHREAD_KEYS_MAX, 1024 here) when many
+ * indexes live, as in a long test run. */
+static pthread_key_t SCRATCH_KEY;
+
+static scratch_t *thread_scratch(void) {
+    scratch_t *sc = pthread_getspecific(SCRATCH_KEY);
     if (sc == NULL) {
         sc = calloc(1, sizeof(scratch_t));
-        if (sc == NULL || pthread_setspecific(self->scratch_key, sc) != 0) {
+        if (sc == NULL || pthread_setspecific(SCRATCH_KEY, sc) != 0) {
             free(sc);
             return NULL;
         }
@@ -77,8 +82,7 @@ static int Core_init(CoreObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_NoMemory();
         return -1;
     }
-    if (pthread_rwlock_init(&self->lock, NULL) != 0 ||
-        pthread_key_create(&self->scratch_key, scratch_destroy) != 0) {
+    if (pthread_rwlock_init(&self->lock, NULL) != 0) {
         core_free(&self->core);
         PyErr_SetString(PyExc_OSError, "could not make the index's lock");
         return -1;
@@ -95,9 +99,6 @@ static void Core_dealloc(CoreObject *self) {
         self->shared = NULL;
     }
     if (self->ready) {
-        scratch_destroy(pthread_getspecific(self->scratch_key));
-        pthread_setspecific(self->scratch_key, NULL);
-        pthread_key_delete(self->scratch_key);
         pthread_rwlock_destroy(&self->lock);
         core_free(&self->core);
         self->ready = 0;
@@ -142,7 +143,7 @@ static PyObject *Core_apply_payload(CoreObject *self, PyObject *args) {
     Py_buffer view;
     if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    scratch_t *sc = thread_scratch(self);
+    scratch_t *sc = thread_scratch();
     if (sc == NULL) {
         PyBuffer_Release(&view);
         return PyErr_NoMemory();
@@ -1524,6 +1525,10 @@ static struct PyModuleDef core_module = {
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&CoreType) < 0)
         return NULL;
+    if (pthread_key_create(&SCRATCH_KEY, scratch_destroy) != 0) {
+        PyErr_SetString(PyExc_OSError, "could not make the parse scratch's thread key");
+        return NULL;
+    }
     for (int t = 0; t < TIER_COUNT; t++)
         if ((TIER_STR[t] = PyUnicode_InternFromString(TIER_NAMES[t])) == NULL)
             return NULL;

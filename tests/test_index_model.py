@@ -279,3 +279,16 @@ def test_lookup_by_hashes_counts_gpu_then_lower_tiers() -> None:
     apply(index, stored(0, 2), BlockStored([h("h2")], h("h1"), [], BS, medium="CPU"))  # type: ignore[arg-type]
     (row,) = index.lookup_hashes([h("h0"), h("h1"), h("h2"), h("h3")])
     assert (row.matched_blocks, row.by_tier) == (3, {"gpu": 2, "cpu": 1})
+
+
+def test_a_hash_only_pool_given_a_place_counts_there() -> None:
+    """A GPU pool that has only seen hash-only events (no block size yet) takes a keyed
+    CPU chain's place for its block: from then on it is a pool of that block size, and a
+    lookup counts its block there after the CPU copy left (a restart from the store's
+    snapshot gives the same answer: tests/test_store_placement.py)."""
+    index = FleetIndex()
+    apply(index, BlockStored([h("s0")], None, [], 0, lora_name="x", group_idx=0))
+    apply(index, stored(0, 4, "s", medium="CPU", lora_name="x", extra_keys=[["x"]] * 4))
+    apply(index, removed("s0", medium="CPU"))
+    (row,) = index.lookup(TOKENS[:16], lora_name="x")
+    assert (row.matched_blocks, row.by_tier) == (4, {"gpu": 1, "cpu": 3})

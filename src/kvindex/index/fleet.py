@@ -416,6 +416,8 @@ class FleetIndex(IndexBase[_Source]):
                 continue
             if old is not _LOOSE and info.tier == TIER_GPU:
                 continue  # a GPU group's own placement stands
+            if not info.size:
+                info.size = size  # a pool of hash-only events learns its block size here
             pool[h] = node
             self._hold(src, info.index, node)
             self._release(src, info.index, old)

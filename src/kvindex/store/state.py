@@ -25,6 +25,7 @@ from typing import TypeAlias
 import msgspec
 
 from kvindex.index.fleet import DEFAULT_MEDIUM
+from kvindex.index.namespaces import lora_key
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import (
     AllBlocksCleared,
@@ -35,6 +36,7 @@ from kvindex.wire import (
     EventBatch,
     WireError,
 )
+from kvindex.wire.tiers import TIER_GPU, tier_of
 
 __all__ = ["HASH_ONLY", "PLACED", "UNPLACED", "Changes", "Mirror", "Pool", "Run", "SourceState"]
 
@@ -252,6 +254,8 @@ class Mirror:
             before = len(blocks)
             blocks.update(zip(hashes, repeat(run)))
             if len(blocks) - before == len(hashes):
+                if run.rank == PLACED and len(src.pools) > 1 and _keyed(pool_key, event):
+                    self._take_over(src, pool_key, run)
                 return
             for h in dict.fromkeys(hashes):
                 del blocks[h]  # undone: the one-by-one way below counts the copies
@@ -271,6 +275,9 @@ class Mirror:
         if not joined:  # only more copies: no run of its own
             del src.runs[run.id]
             dirty.discard(run)
+            return
+        if run.rank == PLACED and len(src.pools) > 1 and _keyed(pool_key, event):
+            self._take_over(src, pool_key, run)
 
     def _new_run(
         self, src: SourceState, pool: PoolKey, event: BlockStored, ts: float, rank: int
@@ -288,7 +295,6 @@ class Mirror:
     def _remove(self, src: SourceState, pool: Pool, hashes: list[BlockHash]) -> None:
         """Removals when the pool holds blocks more than once, or is one of several."""
         blocks, extra, dirty = pool.blocks, pool.extra, src.dirty
-        several = len(src.pools) > 1
         for h in hashes:
             if extra and h in extra:  # one of several copies goes
                 n = extra[h]
@@ -302,28 +308,28 @@ class Mirror:
             if run is None:
                 continue  # not known to be held: nothing to drop (as the index does)
             dirty.add(run)
-            if several and run.rank == PLACED:
-                self._hand_over(src, pool, h, run)
 
-    def _hand_over(self, src: SourceState, pool: Pool, h: BlockHash, run: Run) -> None:
-        """The block left `pool`, where it had a place in the prefix tree: another pool that
-        holds it without one takes the place over (as FleetIndex._kept_elsewhere does), so
-        it moves to a run of its own with the tokens and parent it had here."""
+    def _take_over(self, src: SourceState, pool_key: PoolKey, run: Run) -> None:
+        """A GPU or LoRA-keyed chain was placed: the publisher's other pools that hold one
+        of its blocks without a place, or on a lower tier in another namespace, now hold
+        it at this place (as FleetIndex._take_over does), kept past this chain's own
+        copies: each moves to a run of its own with the tokens and parent it has here."""
         for key, other in src.pools.items():
-            held = other.blocks.get(h) if other is not pool else None
-            if held is None:
+            if key == pool_key:
                 continue
-            if held.rank == PLACED:
-                return  # placed there too: the place stays
-            i = run.hashes.index(h)
-            flat = run.flat_tokens()
-            size = run.size
-            own = None if flat is None else flat[i * size : (i + 1) * size]
-            parent = run.hashes[i - 1] if i else run.parent
-            took = self._new_run_of(src, key, parent, [h], run, own)
-            other.blocks[h] = took
-            src.dirty.add(held)
-            return
+            gpu = tier_of(key[1]) == TIER_GPU
+            for i, h in enumerate(run.hashes):
+                held = other.blocks.get(h)
+                if held is None or held is run or (held.size and held.size != run.size):
+                    continue
+                if held.rank == PLACED and (gpu or held.lora == run.lora):
+                    continue  # a GPU group's own place stands; the same namespace: same node
+                flat = run.flat_tokens()
+                size = run.size
+                own = None if flat is None else flat[i * size : (i + 1) * size]
+                parent = run.hashes[i - 1] if i else run.parent
+                other.blocks[h] = self._new_run_of(src, key, parent, [h], run, own)
+                src.dirty.add(held)
 
     def _new_run_of(
         self,
@@ -393,6 +399,13 @@ def only_lora(extra_keys: list[object], lora_name: str | None) -> bool:
         or (lora_name is not None and isinstance(k, list | tuple) and list(k) == [lora_name])
         for k in extra_keys
     )
+
+
+def _keyed(pool_key: PoolKey, event: BlockStored) -> bool:
+    """A store whose place decides its blocks' namespace on every tier (FleetIndex's
+    `keyed`): a GPU store, or one naming a LoRA adapter (salted and other keyed runs are
+    saved hash-only for now, see only_lora)."""
+    return tier_of(pool_key[1]) == TIER_GPU or lora_key(event) is not None
 
 
 def _rank(src: SourceState, pool: Pool, event: BlockStored) -> int:

@@ -758,6 +758,8 @@ static void take_over(core_t *c, source_t *s, pool_t *placed_in, hkey h, uint32_
         uint32_t old = pmap_value(e);
         if (old != NODE_LOOSE && p->tier == TIER_GPU)
             continue;
+        if (!p->size)
+            p->size = size; /* a pool of hash-only events learns its block size here */
         pmap_set(e, n);
         src_hold(c, s, p->index, n);
         src_release(c, s, p->index, old);

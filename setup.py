@@ -49,7 +49,7 @@ setup(
             sources=[f"{CORE}/core.c", f"{CORE}/parse.c", f"{CORE}/module.c"],
             depends=[
                 f"{CORE}/{name}"
-                for name in ("core.h", "map.h", "maptmpl.h", "msgpack.h", "intern.h")
+                for name in ("core.h", "map.h", "maptmpl.h", "msgpack.h", "intern.h", "alloc.h")
             ],
             extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
             extra_link_args=["-pthread"],

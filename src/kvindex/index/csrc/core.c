@@ -11,6 +11,8 @@
 
 #include "intern.h"
 
+size_t kv_alloc_bytes, kv_alloc_blocks; /* alloc.h */
+
 /* -- the key digest ------------------------------------------------------------------ */
 
 static inline uint64_t wymix(uint64_t a, uint64_t b) {

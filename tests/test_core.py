@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import random
-from collections import Counter
 from typing import Any
 
+import differential
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -177,37 +177,29 @@ def feed(stream: list[tuple[SourceKey, str, Any]]) -> tuple[PureFleetIndex, Any]
     return pure, fast
 
 
+LOOKUP_NAMES: list[dict[str, Any]] = [
+    {},
+    {"lora_name": "ad-1"},
+    {"cache_salt": "t1"},
+    {"cache_salt": "t2"},
+    {"lora_name": "ad-1", "cache_salt": "t1"},
+]
+PROMPTS = [
+    (prompt_of(p, variant), names)
+    for p in range(len(BASE))
+    for variant in range(3)
+    for names in LOOKUP_NAMES
+]
+HASH_RUNS = [
+    [block_hash(prompt_of(p, variant), n, ns, False) for n in range(len(BASE[p]) // BS)]
+    for p in range(len(BASE))
+    for variant in range(3)
+    for ns in range(len(NAMESPACES))
+]
+
+
 def assert_same(pure: PureFleetIndex, fast: Any) -> None:
-    assert fast.instances() == pure.instances()
-    assert fast.entries() == pure.entries()
-    assert fast.tree_nodes() == pure.tree_nodes()
-    for src in pure.sources():
-        assert fast.copies(src) == pure.copies(src), src
-        assert fast.source_state(src) == pure.source_state(src)
-    for name in pure.instances():
-        assert fast.cache_stats(name) == pure.cache_stats(name), name
-        assert fast.blocks_by_medium(name) == pure.blocks_by_medium(name)
-        for medium in (None, "GPU", "cpu", "CPU_PINNED", "disk"):
-            assert fast.block_hashes(name, medium) == pure.block_hashes(name, medium)
-    for p in range(len(BASE)):
-        for variant in range(3):
-            tokens = prompt_of(p, variant)
-            for names in (
-                {},
-                {"lora_name": "ad-1"},
-                {"cache_salt": "t1"},
-                {"cache_salt": "t2"},
-                {"lora_name": "ad-1", "cache_salt": "t1"},
-            ):
-                assert fast.lookup(tokens, **names) == pure.lookup(tokens, **names), (
-                    tokens,
-                    names,
-                )
-            for ns in range(len(NAMESPACES)):
-                hashes = [block_hash(tokens, n, ns, False) for n in range(len(tokens) // BS)]
-                assert fast.lookup_hashes(hashes) == pure.lookup_hashes(hashes)
-    tree = Counter((ns, depth, mask) for ns, depth, _, mask in pure.walk_tree())
-    assert Counter((ns, depth, mask) for ns, depth, _, mask in fast.walk_tree()) == tree
+    differential.assert_same(pure, fast, PROMPTS, HASH_RUNS)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

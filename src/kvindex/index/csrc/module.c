@@ -25,27 +25,36 @@ typedef struct {
     core_t core;
     PyObject **shared; /* tier dicts, group-0 dicts, rank dicts: see shared_dict */
     pthread_rwlock_t lock;
-    pthread_key_t scratch_key; /* one parse scratch per ingest thread */
+    /* Parse scratches not in use: one per ingest thread parsing at once, kept for the
+     * next batch (they grow to the largest batch). A pool owned by the Core rather than
+     * thread-local storage: a thread-local scratch of a thread that outlives the Core is
+     * never freed (deleting the key runs no destructors). */
+    pthread_mutex_t spares_lock;
+    struct spare *spares;
     int ready;
 } CoreObject;
 
-static void scratch_destroy(void *p) {
-    if (p != NULL) {
-        scratch_free((scratch_t *)p);
-        free(p);
-    }
+typedef struct spare {
+    scratch_t sc; /* first: a scratch_t * is its spare */
+    struct spare *next;
+} spare_t;
+
+/* A scratch for one batch: a spare, or a new one. NULL: out of memory. */
+static scratch_t *scratch_take(CoreObject *self) {
+    pthread_mutex_lock(&self->spares_lock);
+    spare_t *s = self->spares;
+    if (s != NULL)
+        self->spares = s->next;
+    pthread_mutex_unlock(&self->spares_lock);
+    return s != NULL ? &s->sc : calloc(1, sizeof(spare_t));
 }
 
-static scratch_t *thread_scratch(CoreObject *self) {
-    scratch_t *sc = pthread_getspecific(self->scratch_key);
-    if (sc == NULL) {
-        sc = calloc(1, sizeof(scratch_t));
-        if (sc == NULL || pthread_setspecific(self->scratch_key, sc) != 0) {
-            free(sc);
-            return NULL;
-        }
-    }
-    return sc;
+static void scratch_give_back(CoreObject *self, scratch_t *sc) {
+    spare_t *s = (spare_t *)sc;
+    pthread_mutex_lock(&self->spares_lock);
+    s->next = self->spares;
+    self->spares = s;
+    pthread_mutex_unlock(&self->spares_lock);
 }
 
 static int Core_init(CoreObject *self, PyObject *args, PyObject *kwargs) {
@@ -76,12 +85,13 @@ static int Core_init(CoreObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_NoMemory();
         return -1;
     }
-    if (pthread_rwlock_init(&self->lock, NULL) != 0 ||
-        pthread_key_create(&self->scratch_key, scratch_destroy) != 0) {
+    if (pthread_rwlock_init(&self->lock, NULL) != 0) {
         core_free(&self->core);
         PyErr_SetString(PyExc_OSError, "could not make the index's lock");
         return -1;
     }
+    pthread_mutex_init(&self->spares_lock, NULL); /* a default mutex: can't fail on Linux */
+    self->spares = NULL;
     self->ready = 1;
     return 0;
 }
@@ -94,9 +104,14 @@ static void Core_dealloc(CoreObject *self) {
         self->shared = NULL;
     }
     if (self->ready) {
-        scratch_destroy(pthread_getspecific(self->scratch_key));
-        pthread_setspecific(self->scratch_key, NULL);
-        pthread_key_delete(self->scratch_key);
+        /* No batch is being applied: each holds a reference to the Core. */
+        while (self->spares != NULL) {
+            spare_t *s = self->spares;
+            self->spares = s->next;
+            scratch_free(&s->sc);
+            free(s);
+        }
+        pthread_mutex_destroy(&self->spares_lock);
         pthread_rwlock_destroy(&self->lock);
         core_free(&self->core);
         self->ready = 0;
@@ -141,7 +156,7 @@ static PyObject *Core_apply_payload(CoreObject *self, PyObject *args) {
     Py_buffer view;
     if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    scratch_t *sc = thread_scratch(self);
+    scratch_t *sc = scratch_take(self);
     if (sc == NULL) {
         PyBuffer_Release(&view);
         return PyErr_NoMemory();
@@ -166,14 +181,18 @@ static PyObject *Core_apply_payload(CoreObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
+    double ts = sc->ts;
+    int has_rank = sc->has_rank;
+    long long dp_rank = sc->dp_rank;
+    scratch_give_back(self, sc);
     if (res == PARSE_NOMEM || failed)
         return PyErr_NoMemory();
     if (res != PARSE_OK)
         return Py_BuildValue("(OOOO)", Py_False, Py_None, Py_None, Py_None);
-    PyObject *rank = sc->has_rank ? PyLong_FromLongLong(sc->dp_rank) : (Py_INCREF(Py_None), Py_None);
+    PyObject *rank = has_rank ? PyLong_FromLongLong(dp_rank) : (Py_INCREF(Py_None), Py_None);
     if (rank == NULL)
         return NULL;
-    return Py_BuildValue("(OdN(LLL))", Py_True, sc->ts, rank, counts[0], counts[1], counts[2]);
+    return Py_BuildValue("(OdN(LLL))", Py_True, ts, rank, counts[0], counts[1], counts[2]);
 }
 
 /* A block hash from Python: an int in [-2^63, 2^64) or bytes (kept alive by the caller). */

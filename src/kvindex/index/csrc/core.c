@@ -120,6 +120,7 @@ int core_init(core_t *c, uint64_t seed) {
     map_init(&c->ns_by_key);
     interner_init(&c->strings, seed ^ 0x5bd1e995u);
     interner_init(&c->bytes, seed ^ 0x27d4eb2fu);
+    interner_init(&c->names, seed ^ 0x165667b1u);
     c->nnodes = 1; /* index 0: NODE_NONE */
     c->set_words = 1;
     c->keep_tokens = 1;
@@ -149,6 +150,7 @@ void core_free(core_t *c) {
     map_free(&c->tokens);
     interner_free(&c->strings);
     interner_free(&c->bytes);
+    interner_free(&c->names);
     memset(c, 0, sizeof *c);
 }
 
@@ -298,6 +300,22 @@ static void size_count(core_t *c, uint32_t size, int delta) {
     }
 }
 
+/* A namespace no longer uses name `id` (`held`: it was counted in refs): the name goes
+ * when no namespace does. Also how a name interned for a root that was never made goes. */
+static void name_release(core_t *c, uint32_t id, int held) {
+    blob_t *b = &c->names.items[id];
+    if (id == 0 || b->data == NULL) /* none, or already gone (adapter and salt alike) */
+        return;
+    b->refs -= (uint32_t)held;
+    if (b->refs != 0)
+        return;
+    if (c->last_lora == id) /* intern_cached compares against the last id's bytes */
+        c->last_lora = 0;
+    if (c->last_salt == id)
+        c->last_salt = 0;
+    intern_drop(&c->names, id);
+}
+
 /* The root of namespace (lora, salt, size); made if `make`. NODE_NONE if absent (or out of
  * memory, or past 16 distinct block sizes: the event is then held without a place). */
 static uint32_t root_of(core_t *c, uint32_t lora, uint32_t salt, uint32_t size, int make) {
@@ -337,6 +355,10 @@ static uint32_t root_of(core_t *c, uint32_t lora, uint32_t salt, uint32_t size, 
     }
     uint32_t index = c->nns++;
     c->ns[index] = (namespace_t){lora, salt, size, root};
+    if (lora)
+        c->names.items[lora].refs++;
+    if (salt)
+        c->names.items[salt].refs++;
     e = map_find(&c->ns_by_key, k, size);
     e->value = index;
     r->value = index;
@@ -352,6 +374,8 @@ static void root_drop(core_t *c, uint32_t root) {
         return;
     namespace_t ns = c->ns[index];
     map_remove(&c->ns_by_key, ((uint64_t)ns.lora << 32) | ns.salt, ns.size, NULL);
+    name_release(c, ns.lora, 1);
+    name_release(c, ns.salt, 1);
     size_count(c, ns.size, -1);
     uint32_t last = --c->nns;
     if (index != last) { /* keep the array dense: the last namespace takes its index */
@@ -787,15 +811,41 @@ typedef struct {
     const hkey *hashes;
     hkey parent;
     uint8_t parent_known; /* a bytes parent never interned is held by nobody */
-    uint32_t medium, lora, salt, spec_kind;
+    uint32_t medium, spec_kind;
 } rop_t;
+
+static uint32_t intern_cached(core_t *c, interner *t, span_t sp, uint32_t *last);
+
+/* The root of a chain-starting event's namespace, made if new. Its names -- the adapter
+ * (its name, or "\xff" + the lora_id of vLLM < 0.14) and the salt -- are interned here
+ * only, and held by the namespaces using them: a fleet whose requests bring new salts
+ * keeps only the salts of namespaces it still has. NODE_NONE: no place (see root_of). */
+static uint32_t root_for(core_t *c, const op_t *op, uint32_t size) {
+    uint32_t lora = 0, salt = 0;
+    int named = op->lora.p != NULL || op->has_lora_id;
+    if (op->lora.p != NULL) {
+        lora = intern_cached(c, &c->names, op->lora, &c->last_lora);
+    } else if (op->has_lora_id) {
+        char text[32];
+        int n = snprintf(text, sizeof text, "\xff%lld", (long long)op->lora_id);
+        lora = intern(&c->names, (const uint8_t *)text, (uint32_t)n);
+    }
+    if (op->salt.p != NULL)
+        salt = intern_cached(c, &c->names, op->salt, &c->last_salt);
+    uint32_t root = NODE_NONE;
+    if ((!named || lora) && (op->salt.p == NULL || salt)) /* else out of memory */
+        root = root_of(c, lora, salt, size, 1);
+    name_release(c, lora, 0); /* names no namespace took (none made, or no memory) */
+    name_release(c, salt, 0);
+    return root;
+}
 
 /* `_anchor`: the node the event's first block hangs from, or NODE_NONE. */
 static uint32_t anchor(core_t *c, source_t *s, const rop_t *r, pool_t *p) {
     const op_t *op = r->op;
     uint32_t size = (uint32_t)op->block_size;
     if (!op->has_parent)
-        return root_of(c, r->lora, r->salt, size, 1);
+        return root_for(c, op, size);
     if (!r->parent_known)
         return NODE_NONE;
     pmap_entry *e = POOL_FIND(p, r->parent);
@@ -937,10 +987,6 @@ void source_remove(core_t *c, uint32_t bit) {
     c->sources[bit] = NULL;
 }
 
-static uint32_t intern_span(core_t *c, span_t sp) {
-    return sp.p == NULL ? 0 : intern(&c->strings, sp.p, sp.len);
-}
-
 /* The interned id of a hash; bytes are interned only if `make` (a store), else a hash
  * never interned is reported unknown (returns 0). */
 static int hash_of(core_t *c, const phash *ph, int make, hkey *out) {
@@ -955,19 +1001,20 @@ static int hash_of(core_t *c, const phash *ph, int make, hkey *out) {
 
 /* A string's id, remembering the last one of its kind (a stream repeats its medium, spec
  * kind and adapter in every event: a compare instead of hashing each time). */
-static uint32_t intern_cached(core_t *c, span_t sp, uint32_t *last) {
+static uint32_t intern_cached(core_t *c, interner *t, span_t sp, uint32_t *last) {
+    (void)c;
     if (*last) {
-        const blob_t *b = &c->strings.items[*last];
+        const blob_t *b = &t->items[*last];
         if (b->len == sp.len && memcmp(sp.p, b->data, sp.len) == 0)
             return *last;
     }
-    uint32_t id = intern_span(c, sp);
+    uint32_t id = sp.p == NULL ? 0 : intern(t, sp.p, sp.len);
     *last = id;
     return id;
 }
 
 static uint32_t medium_of(core_t *c, span_t sp) {
-    return sp.p == NULL ? c->gpu_medium : intern_cached(c, sp, &c->last_medium);
+    return sp.p == NULL ? c->gpu_medium : intern_cached(c, &c->strings, sp, &c->last_medium);
 }
 
 static int resolve(core_t *c, scratch_t *sc, const op_t *op, rop_t *r) {
@@ -996,15 +1043,8 @@ static int resolve(core_t *c, scratch_t *sc, const op_t *op, rop_t *r) {
             return -1;
     if (op->has_parent)
         r->parent_known = (uint8_t)hash_of(c, &op->parent, 0, &r->parent);
-    if (op->lora.p != NULL) {
-        r->lora = intern_cached(c, op->lora, &c->last_lora);
-    } else if (op->has_lora_id) {
-        char text[32];
-        int n = snprintf(text, sizeof text, "\xff%lld", (long long)op->lora_id);
-        r->lora = intern(&c->strings, (const uint8_t *)text, (uint32_t)n);
-    }
-    r->salt = op->salt.p == NULL ? 0 : intern_cached(c, op->salt, &c->last_salt);
-    r->spec_kind = op->spec_kind.p == NULL ? 0 : intern_cached(c, op->spec_kind, &c->last_kind);
+    r->spec_kind =
+        op->spec_kind.p == NULL ? 0 : intern_cached(c, &c->strings, op->spec_kind, &c->last_kind);
     return (int)op->nhashes;
 }
 
@@ -1259,6 +1299,10 @@ uint32_t intern_str(core_t *c, const uint8_t *p, uint32_t len) {
 
 uint32_t find_str(const core_t *c, const uint8_t *p, uint32_t len) {
     return intern_find(&c->strings, p, len);
+}
+
+uint32_t find_name(const core_t *c, const uint8_t *p, uint32_t len) {
+    return intern_find(&c->names, p, len);
 }
 
 uint32_t find_bytes(const core_t *c, const uint8_t *p, uint32_t len) {

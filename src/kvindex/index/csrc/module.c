@@ -621,8 +621,8 @@ static int lookup_names(CoreObject *self, PyObject *lora, PyObject *salt, uint32
     span_t l, s;
     if (!opt_str(lora, &l) || !opt_str(salt, &s))
         return 0;
-    *lora_id = l.p ? find_str(&self->core, l.p, l.len) : 0;
-    *salt_id = s.p ? find_str(&self->core, s.p, s.len) : 0;
+    *lora_id = l.p ? find_name(&self->core, l.p, l.len) : 0;
+    *salt_id = s.p ? find_name(&self->core, s.p, s.len) : 0;
     *unknown = (l.p && !*lora_id) || (s.p && !*salt_id);
     return 1;
 }
@@ -968,10 +968,12 @@ static PyObject *hash_object(const core_t *c, uint64_t v, uint32_t kind) {
     return PyLong_FromUnsignedLongLong(v);
 }
 
-static PyObject *str_object(const core_t *c, uint32_t sid) {
-    const blob_t *b = &c->strings.items[sid];
+static PyObject *blob_object(const interner *t, uint32_t sid) {
+    const blob_t *b = &t->items[sid];
     return PyUnicode_DecodeUTF8((const char *)b->data, b->len, "replace");
 }
+
+static PyObject *str_object(const core_t *c, uint32_t sid) { return blob_object(&c->strings, sid); }
 
 /* pools(bit) -> [(group, medium, {hash: copies}), ...] */
 static PyObject *Core_pools(CoreObject *self, PyObject *bit_obj) {
@@ -1244,16 +1246,16 @@ static PyObject *Core_walk_tree(CoreObject *self, PyObject *Py_UNUSED(unused)) {
         PyObject *lora, *salt;
         if (ns.lora == 0) {
             lora = Py_None, Py_INCREF(lora);
-        } else if (c->strings.items[ns.lora].len && c->strings.items[ns.lora].data[0] == 0xff) {
+        } else if (c->names.items[ns.lora].len && c->names.items[ns.lora].data[0] == 0xff) {
             /* "\xff" + the lora_id's digits (see resolve): the int again */
             char digits[32] = {0};
-            const blob_t *b = &c->strings.items[ns.lora];
+            const blob_t *b = &c->names.items[ns.lora];
             memcpy(digits, b->data + 1, b->len - 1 < sizeof digits - 1 ? b->len - 1 : sizeof digits - 1);
             lora = PyLong_FromString(digits, NULL, 10);
         } else {
-            lora = str_object(c, ns.lora);
+            lora = blob_object(&c->names, ns.lora);
         }
-        salt = ns.salt ? str_object(c, ns.salt) : (Py_INCREF(Py_None), Py_None);
+        salt = ns.salt ? blob_object(&c->names, ns.salt) : (Py_INCREF(Py_None), Py_None);
         uint32_t top = 0;
         for (uint32_t ch = first[ns.root]; ch; ch = next[ch]) {
             stack[top++] = ch;

@@ -273,6 +273,28 @@ def test_parser_agrees_with_msgspec_on_broken_payloads(seed: int) -> None:
         assert_same(pure, fast)
 
 
+def test_the_limits_of_the_core_are_the_reference_s() -> None:
+    """More pools than a publisher may have, more block sizes than may have roots: both
+    implementations hold the same (a hostile publisher made the core raise MemoryError
+    and hold unplaced what the reference placed)."""
+    from kvindex.index.fleet import MAX_POOLS, MAX_ROOT_SIZES
+
+    events = [
+        BlockStored([g, bytes([g]) * 32], None, list(range(8)), BS, group_idx=g)
+        for g in range(MAX_POOLS + 4)
+    ]
+    events += [BlockStored([1000 + n], None, [n] * n, n) for n in range(1, MAX_ROOT_SIZES + 4)]
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=2)
+    for arrays in (False, True):
+        payload = payload_of(EventBatch(1.0, events), arrays)  # type: ignore[arg-type]
+        pure.apply(SOURCES[0], BatchDecoder().decode(payload), 1)
+        fast.apply_payload(SOURCES[0], payload, 1)
+        fast.apply(SOURCES[1], EventBatch(1.0, events), 1)  # the ops path
+        pure.apply(SOURCES[1], EventBatch(1.0, events), 1)
+    prompts = [([n] * n, {}) for n in range(1, MAX_ROOT_SIZES + 4)]
+    differential.assert_same(pure, fast, prompts, [[g, bytes([g]) * 32] for g in range(40)])
+
+
 def test_decoded_and_payload_paths_agree() -> None:
     """`apply` (a decoded batch, as a store's warm load feeds it) and `apply_payload` give
     the same state."""

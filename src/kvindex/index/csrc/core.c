@@ -895,8 +895,8 @@ static void insert_chain(core_t *c, source_t *s, pool_t *p, uint32_t node, const
 static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r) {
     const op_t *op = r->op;
     pool_t *p = pool_get(c, s, op->has_group ? op->group : 0, r->medium);
-    if (p == NULL)
-        return -1;
+    if (p == NULL) /* past MAX_POOLS (fleet.py's too): not held; else out of memory */
+        return s->npools == MAX_POOLS ? 0 : -1;
     uint32_t size = op->block_size > 0 && op->block_size < (1LL << 31) ? (uint32_t)op->block_size : 0;
     if (size > p->size)
         p->size = size;
@@ -1048,6 +1048,17 @@ static int resolve(core_t *c, scratch_t *sc, const op_t *op, rop_t *r) {
     return (int)op->nhashes;
 }
 
+/* Bytes hashes a store interned (resolve) that no pool entry took -- a pool past
+ * MAX_POOLS, or out of memory -- go again: nothing else would ever free them. */
+static void drop_unheld(core_t *c, const rop_t *r) {
+    for (uint32_t i = 0; i < r->op->nhashes; i++) {
+        hkey h = r->hashes[i];
+        if (h.kind == HK_BYTES && h.v != 0 && c->bytes.items[h.v].data != NULL &&
+            c->bytes.items[h.v].refs == 0)
+            intern_drop(&c->bytes, (uint32_t)h.v);
+    }
+}
+
 /* Apply a parsed batch to one publisher: `apply` in fleet.py. -1: out of memory. */
 int apply_ops(core_t *c, source_t *s, scratch_t *sc) {
     int64_t stored = 0, removed = 0, clears = 0;
@@ -1063,7 +1074,11 @@ int apply_ops(core_t *c, source_t *s, scratch_t *sc) {
                           (uint32_t)known);
         } else if (op->type == OP_STORED) {
             stored += op->nhashes;
-            if (resolve(c, sc, op, &r) < 0 || store(c, s, sc, &r) < 0)
+            if (resolve(c, sc, op, &r) < 0)
+                return -1;
+            int res = store(c, s, sc, &r);
+            drop_unheld(c, &r);
+            if (res < 0)
                 return -1;
         } else if (op->type == OP_CLEARED) {
             clears++;

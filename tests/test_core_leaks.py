@@ -151,13 +151,13 @@ def test_a_core_deleted_while_an_ingest_thread_lives_frees_its_scratch() -> None
     """Each ingest thread parses into its own scratch: the Core frees every thread's when
     it goes, not only the deleting thread's (a worker may outlive the index it fed)."""
     before = allocated()
-    index = CompiledIndex(seed=3)
+    indexes = [CompiledIndex(seed=3)]  # the one reference: cleared below
     applied, done = threading.Event(), threading.Event()
     events = [BlockStored(list(range(1, 65)), None, list(range(256)), BS)]
     payload = encode_batch(events, 1.0, 0)  # type: ignore[arg-type]
 
     def worker() -> None:
-        index.apply_payload(SourceKey("w"), payload, 1)
+        indexes[0].apply_payload(SourceKey("w"), payload, 1)
         applied.set()
         done.wait(10)
 
@@ -165,7 +165,7 @@ def test_a_core_deleted_while_an_ingest_thread_lives_frees_its_scratch() -> None
     thread.start()
     try:
         assert applied.wait(10)
-        del index
+        indexes.clear()
         assert allocated() == before
     finally:
         done.set()

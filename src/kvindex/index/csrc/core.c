@@ -640,7 +640,7 @@ static pool_t *pool_get(core_t *c, source_t *s, int64_t group, uint32_t medium) 
     if (s->npools == MAX_POOLS)
         return NULL;
     pool_t *p = &s->pools[s->npools];
-    p->group = (int32_t)group;
+    p->group = group;
     p->medium = medium;
     p->tier = core_tier_of(c, medium);
     p->index = (uint8_t)s->npools;

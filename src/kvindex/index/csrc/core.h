@@ -50,7 +50,9 @@ typedef struct {
 } node_t;
 
 typedef struct {
-    int32_t group;
+    /* group_idx as the wire says it: any int64 (was int32, which folded 2^32 onto 0 and
+     * made a new pool per event; found by fuzz/). Past int64: see module.c's opt_int. */
+    int64_t group;
     uint32_t medium; /* interned string id */
     uint8_t tier;
     uint8_t index; /* its bit in `where` */
@@ -201,7 +203,7 @@ typedef struct {
     uint8_t several; /* by_tier/groups computed (else: one pool, all from it) */
     uint32_t by_tier[TIER_COUNT];
     uint32_t ngroups;
-    int32_t groups[MAX_POOLS];
+    int64_t groups[MAX_POOLS];
     uint32_t group_blocks[MAX_POOLS];
 } reuse_t;
 

@@ -633,10 +633,10 @@ typedef struct {
     const reuse_t *detail; /* NULL: one pool, all of it from there */
 } answer_t;
 
-static PyObject *int_dict(const int32_t *keys, const uint32_t *values, uint32_t n) {
+static PyObject *int_dict(const int64_t *keys, const uint32_t *values, uint32_t n) {
     PyObject *d = PyDict_New();
     for (uint32_t i = 0; d && i < n; i++) {
-        PyObject *k = PyLong_FromLong(keys[i]), *v = PyLong_FromUnsignedLong(values[i]);
+        PyObject *k = PyLong_FromLongLong(keys[i]), *v = PyLong_FromUnsignedLong(values[i]);
         if (!k || !v || PyDict_SetItem(d, k, v) < 0)
             Py_CLEAR(d);
         Py_XDECREF(k);
@@ -688,7 +688,7 @@ static PyObject *make_row(CoreObject *self, PyObject *row_type, PyObject *name, 
         groups = int_dict(a->detail->groups, a->detail->group_blocks, a->detail->ngroups);
     } else { /* one pool: everything it reuses is that pool's tier and group */
         const source_t *s = c->sources[bit];
-        int32_t group = s && s->npools ? s->pools[0].group : 0;
+        int64_t group = s && s->npools ? s->pools[0].group : 0;
         uint8_t tier = s && s->npools ? s->pools[0].tier : TIER_GPU;
         tiers = shared_dict(self, tier, a->blocks);
         groups = group == 0 ? shared_dict(self, TIER_COUNT, a->blocks)
@@ -1001,7 +1001,7 @@ static PyObject *Core_pools(CoreObject *self, PyObject *bit_obj) {
             Py_XDECREF(v);
         }
         PyObject *medium = d ? str_object(c, p->medium) : NULL;
-        PyObject *row = medium ? Py_BuildValue("(iNN)", p->group, medium, d) : NULL;
+        PyObject *row = medium ? Py_BuildValue("(LNN)", (long long)p->group, medium, d) : NULL;
         if (row == NULL) {
             Py_XDECREF(d);
             Py_CLEAR(out);
@@ -1027,7 +1027,7 @@ static PyObject *Core_pool_keys(CoreObject *self, PyObject *bit_obj) {
     source_t *s = source_get(c, bit, 0);
     for (uint32_t i = 0; out && s && i < s->npools; i++) {
         PyObject *medium = str_object(c, s->pools[i].medium);
-        PyObject *row = medium ? Py_BuildValue("(iN)", s->pools[i].group, medium) : NULL;
+        PyObject *row = medium ? Py_BuildValue("(LN)", (long long)s->pools[i].group, medium) : NULL;
         if (row == NULL || PyList_Append(out, row) < 0)
             Py_CLEAR(out);
         Py_XDECREF(row);

@@ -26,6 +26,12 @@ static inline uint64_t read64(const uint8_t *p) {
     return v;
 }
 
+static inline uint32_t read32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 /* A 64-bit digest of a tree key's bytes, keyed by the index's random seed (wyhash's
  * construction: 128-bit multiply-fold of each 16 bytes with the running state). Two
  * different keys under one parent get the same digest with probability about 2^-64 per
@@ -39,7 +45,9 @@ uint64_t key_digest(const core_t *c, const uint8_t *p, size_t len) {
     size_t i = len;
     if (len <= 16) {
         if (len >= 4) {
-            a = ((uint64_t)(uint32_t)read64(p) << 32) | (uint32_t)read64(p + ((len >> 3) << 2));
+            /* 4 bytes each (the low half of an 8-byte read, as it was: the same digest),
+             * never past the key: a 1-token block ends the token buffer (ASan found it) */
+            a = ((uint64_t)read32(p) << 32) | read32(p + ((len >> 3) << 2));
             uint32_t x, y;
             memcpy(&x, p + len - 4, 4);
             memcpy(&y, p + len - 4 - ((len >> 3) << 2), 4);

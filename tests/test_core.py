@@ -295,6 +295,42 @@ def test_the_limits_of_the_core_are_the_reference_s() -> None:
     differential.assert_same(pure, fast, prompts, [[g, bytes([g]) * 32] for g in range(40)])
 
 
+HOSTILE_COUNTS = r"""
+import struct, sys
+from kvindex.index.compiled import CompiledIndex
+from kvindex.subscriber import SourceKey
+from kvindex.wire import WireError
+
+def removal(n, items):  # ["BlockRemoved", <array32 header claiming n hashes>, items...]
+    return b"\x92\xacBlockRemoved\xdd" + struct.pack(">I", n) + b"\x01" * items
+
+for events in (
+    [removal(0x80000001, 200)],  # the scratch's capacity doubled to 0 forever: a hang
+    [b"\x92\xacBlockRemoved\x91\x01", removal(0xFFFFFFFF, 300)],  # 1 + n wrapped: overflow
+):
+    payload = b"\x93\xcb" + struct.pack(">d", 1.0) + bytes([0x90 + len(events)])
+    payload += b"".join(events) + b"\x00"
+    try:
+        CompiledIndex(seed=1).apply_payload(SourceKey("a"), payload, 1)
+    except WireError:
+        print("refused")
+"""
+
+
+def test_array_counts_from_the_wire_neither_hang_nor_overflow() -> None:
+    """An array header claiming 2^31 or 2^32-1 items (in a payload of a few hundred
+    bytes): the fast parser hung, or wrote past its scratch; now the batch goes to the
+    decoder, which refuses it. In a subprocess: the old behaviour hangs the interpreter."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", HOSTILE_COUNTS], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["refused", "refused"]
+
+
 def test_decoded_and_payload_paths_agree() -> None:
     """`apply` (a decoded batch, as a store's warm load feeds it) and `apply_payload` give
     the same state."""

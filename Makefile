@@ -54,15 +54,25 @@ bench-readme: $(STAMP)
 	$(BIN)/python -m kvindex.bench.report --readme README.md --results bench/results.json
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples bench
-	$(BIN)/ruff format --check src tests examples
+	$(BIN)/ruff check src tests examples bench fuzz
+	$(BIN)/ruff format --check src tests examples fuzz
 	$(BIN)/mypy
 
-# Coverage-guided fuzzing of the decoder + index apply (atheris); hypothesis runs a short
-# version in `make test`.
-fuzz: $(STAMP)
+# Coverage-guided fuzzing of the compiled core against the pure-Python reference (atheris;
+# fuzz/README.md): payload programs on both, every verdict, count, pool, lookup and tree
+# compared. With clang (Debian's clang-14) the C is instrumented too, in a copy of the
+# package under build/fuzz-native. A finding is saved as fuzz/crash-*; fuzz/reduce.py
+# shrinks it. `make test` replays fuzz/corpus and a short seeded run (test_core_fuzz.py).
+FUZZ_CC ?= $(shell command -v clang-14 || command -v clang)
+FUZZ_COVERAGE := -fsanitize-coverage=inline-8bit-counters,pc-table,trace-cmp -g
+fuzz: $(CORE_STAMP)
 	$(BIN)/pip install -q -e '.[fuzz]'
-	$(BIN)/python fuzz/fuzz_wire.py -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 .fuzz-corpus
+	mkdir -p build/fuzz-work
+	$(if $(FUZZ_CC),fuzz/build.sh build/fuzz-native $(FUZZ_CC) "$(FUZZ_COVERAGE)",\
+		@echo "fuzz: no clang here, the C is not instrumented (apt-get install clang-14)")
+	PYTHONPATH=$(if $(FUZZ_CC),$(CURDIR)/build/fuzz-native) $(BIN)/python fuzz/fuzz_core.py \
+		-max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 -timeout=60 \
+		-artifact_prefix=fuzz/ build/fuzz-work fuzz/corpus
 
 # 5 minutes at a steady rate with random faults; reports exactness and memory (not in CI).
 soak: $(STAMP)

@@ -1,0 +1,110 @@
+"""The differential check behind the compiled core's fuzzing: one input, two indexes.
+
+An input is a program (fuzz/program.py): payloads and restarts over four publishers. Every
+step goes to the pure-Python reference (`PureFleetIndex`, which decodes the payload with
+kvindex.wire) and to the compiled index (`CompiledIndex`, whose C parser takes what it can
+and hands the rest to the same decoder). They must agree on everything a caller can see:
+
+- each payload's verdict: both refuse it (`WireError`) or both apply it, with the same
+  time, DP rank, malformed and unknown event counts; any other exception is a crash;
+- after the program: everything tests/differential.py compares (publishers, pools and
+  copies, stats, hashes by medium, the tree, and the rows of lookups by tokens along
+  every chain the payloads stored, in every namespace they named, and by hashes);
+- then, every publisher dropped: nothing left in either tree or pool.
+
+A divergence known and reported to the lead rather than fixed (see `_known`) is counted in
+`KNOWN` and the input not compared further, so a long run can go on.
+
+Used by fuzz/fuzz_core.py (atheris, `make fuzz`) and tests/test_core_fuzz.py.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import differential
+from program import CONTROL, SOURCES, steps
+
+from kvindex.index import PureFleetIndex
+from kvindex.index.compiled import CompiledIndex
+from kvindex.subscriber import SourceKey
+from kvindex.wire import BatchDecoder, EventBatch, WireError
+
+__all__ = ["KNOWN", "Mismatch", "check"]
+
+PUBLISHERS = [SourceKey(instance, rank) for instance, rank in SOURCES]
+MEDIA = (None, "GPU", "cpu", "CPU_PINNED", "disk", "external")
+KNOWN: Counter[str] = Counter()  # inputs that hit a known divergence, by which
+
+
+class Mismatch(AssertionError):
+    """The two implementations disagreed (or one crashed): a bug in one of them."""
+
+
+def _outcome(index: Any, source: SourceKey, payload: bytes, seq: int) -> Any:
+    try:
+        r = index.apply_payload(source, payload, seq)
+    except WireError:
+        return "refused"
+    except Exception as exc:  # anything else is a crash of that implementation
+        raise Mismatch(f"{type(index).__name__} raised {type(exc).__name__}: {exc}") from exc
+    return (r.ts, r.dp_rank, r.malformed_events, r.unknown_events)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return bool(a == b)
+    nan = isinstance(a[0], float) and isinstance(b[0], float) and math.isnan(a[0])
+    return ((nan and math.isnan(b[0])) or a[0] == b[0]) and a[1:] == b[1:]
+
+
+def _known(pure: PureFleetIndex) -> str | None:
+    """A state the compiled core can't hold the same way, by design (for the lead): a
+    group_idx in [2^63, 2^64) (a uint64 on the wire), which the core keeps as int64
+    (module.c's opt_int clamps it), so two such groups share a pool."""
+    for source in pure.sources():
+        if any(group >= 2**63 for group, _ in pure.copies(source)):
+            return "group_idx past int64"
+    return None
+
+
+def check(data: bytes) -> None:
+    """Run one input on both indexes; raise `Mismatch` where they differ."""
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=11)
+    decoder = BatchDecoder()
+    batches: list[EventBatch] = []
+    for seq, (control, payload) in enumerate(steps(data)):
+        source = PUBLISHERS[control & 3]
+        if control >= CONTROL:
+            if control & 4:
+                pure.remove_instance(source.instance)
+                fast.remove_instance(source.instance)
+            else:
+                pure.drop_source(source)
+                fast.drop_source(source)
+            continue
+        a, b = _outcome(pure, source, payload, seq), _outcome(fast, source, payload, seq)
+        known = _known(pure)
+        if known is not None:
+            KNOWN[known] += 1
+            return
+        if not _same(a, b):
+            raise Mismatch(f"step {seq}: pure {a!r}, compiled {b!r}")
+        if a != "refused":
+            batches.append(decoder.decode(payload))
+    prompts, hash_runs = differential.prompts_of(batches)
+    try:
+        differential.assert_same(pure, fast, prompts, hash_runs, MEDIA)
+    except AssertionError as exc:
+        raise Mismatch(f"state differs: {exc}") from exc
+    for source in pure.sources():
+        pure.drop_source(source)
+        fast.drop_source(source)
+    if (fast.tree_nodes(), fast.entries()) != (0, 0) or pure.tree_nodes() or pure.entries():
+        raise Mismatch("state left after every publisher was dropped")

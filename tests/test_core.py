@@ -295,6 +295,23 @@ def test_the_limits_of_the_core_are_the_reference_s() -> None:
     differential.assert_same(pure, fast, prompts, [[g, bytes([g]) * 32] for g in range(40)])
 
 
+@pytest.mark.parametrize("window", [2**63 - 1, 2**63 - 2, -(2**63), 1, 5])
+def test_extreme_sliding_windows_agree(window: int) -> None:
+    """A window group's needed blocks, ceil((window - 1) / size), for any int64 window
+    (the core's sum overflowed near 2^63: undefined behaviour, and another answer)."""
+    tokens = prompt_of(0, 0)
+    full = BlockStored([1, 2, 3, 4, 5], None, tokens, BS, group_idx=0)
+    spec = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": window}
+    windowed = BlockStored([11, 12, 13, 14, 15], None, tokens, BS, group_idx=1, **spec)
+    removal = BlockRemoved([12], group_idx=1)  # a gap in the window group
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=4)
+    for seq, events in enumerate([[full, windowed], [removal]]):
+        payload = payload_of(EventBatch(1.0, events), False)  # type: ignore[arg-type]
+        pure.apply(SOURCES[0], BatchDecoder().decode(payload), seq)
+        fast.apply_payload(SOURCES[0], payload, seq)
+    differential.assert_same(pure, fast, [(tokens, {})], [[1, 2, 3, 4, 5]])
+
+
 HOSTILE_COUNTS = r"""
 import struct, sys
 from kvindex.index.compiled import CompiledIndex

@@ -1150,9 +1150,9 @@ static uint32_t group_hit(const core_t *c, const source_t *s, const pool_t *p, c
         return 0;
     }
     if (klass == KIND_WINDOW) {
-        int64_t needed = (window - 1 + p->size - 1) / p->size; /* ceil((window - 1) / size) */
-        if (needed < 1)
-            needed = 1;
+        /* max(1, ceil((window - 1) / size)), for any int64 window from the wire: as
+         * (window - 2) / size + 1 from 2 on (the plain sum overflowed near 2^63). */
+        int64_t needed = window <= 1 ? 1 : (int64_t)(((uint64_t)window - 2) / p->size + 1);
         uint32_t run = 0;
         for (uint32_t i = limit; i-- > 0;) {
             if (held_at(c, s, p, w, i)) {

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
+import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -101,8 +102,9 @@ def check(data: bytes) -> None:
     prompts, hash_runs = differential.prompts_of(batches)
     try:
         differential.assert_same(pure, fast, prompts, hash_runs, MEDIA)
-    except AssertionError as exc:
-        raise Mismatch(f"state differs: {exc}") from exc
+    except AssertionError as exc:  # say which comparison: differential's asserts are bare
+        where = traceback.extract_tb(exc.__traceback__)[-1].line
+        raise Mismatch(f"state differs: {where} {exc}") from exc
     for source in pure.sources():
         pure.drop_source(source)
         fast.drop_source(source)

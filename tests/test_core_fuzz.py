@@ -99,6 +99,21 @@ def test_a_group_past_32_bits_is_its_own_pool(group: int) -> None:
     assert fast.copies(SourceKey("a")) == {(group, "GPU"): {7: 2}}
 
 
+@pytest.mark.parametrize("generation", ["maps", "arrays"])
+def test_an_empty_medium_is_the_gpu(generation: str) -> None:
+    """A medium of "" is the GPU, as no medium is (fleet.py: `event.medium or GPU`): the
+    core made a pool of its own for it, so a removal naming "" missed the GPU copy."""
+    h = b"\x82" * 32
+    stored = encode_batch([BlockStored([h], None, [], 4, medium="")], 1.0, 0, generation)
+    removed = encode_batch([BlockRemoved([h], medium="")], 2.0, 0, generation)
+    corediff.check(program([(0, stored), (1, stored), (1, removed)]))
+    fast = CompiledIndex(seed=1)
+    fast.apply_payload(SourceKey("a"), stored)
+    assert fast.copies(SourceKey("a")) == {(0, "GPU"): {h: 1}}
+    fast.apply_payload(SourceKey("a"), removed)
+    assert fast.entries() == 0
+
+
 # -- divergences by design, reported to the lead ------------------------------------------
 
 

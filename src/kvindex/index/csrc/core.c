@@ -1021,8 +1021,11 @@ static uint32_t intern_cached(core_t *c, interner *t, span_t sp, uint32_t *last)
     return id;
 }
 
+/* An event's medium: none, or an empty name, is the GPU (fleet.py's `event.medium or
+ * DEFAULT_MEDIUM`; "" made a pool of its own here, found by fuzz/). */
 static uint32_t medium_of(core_t *c, span_t sp) {
-    return sp.p == NULL ? c->gpu_medium : intern_cached(c, &c->strings, sp, &c->last_medium);
+    return sp.p == NULL || sp.len == 0 ? c->gpu_medium
+                                       : intern_cached(c, &c->strings, sp, &c->last_medium);
 }
 
 static int resolve(core_t *c, scratch_t *sc, const op_t *op, rop_t *r) {

@@ -312,6 +312,52 @@ def test_extreme_sliding_windows_agree(window: int) -> None:
     differential.assert_same(pure, fast, [(tokens, {})], [[1, 2, 3, 4, 5]])
 
 
+WRITER_DURING_LOOKUP = r"""
+import sys, threading, time
+from kvindex.index._core import Core
+from kvindex.index.base import LookupRow
+
+core = Core(1)
+writers = {
+    "clear": lambda: core.clear(0, True),
+    "remove": lambda: core.remove(0),
+    "apply_ops": lambda: core.apply_ops(0, [("C",)]),
+    "keep_tokens": lambda: core.keep_tokens(True),
+    "tier_of": lambda: core.tier_of("CPU"),
+}
+for name, write in writers.items():
+    inside = threading.Event()
+
+    def empty_rows(size):
+        inside.set()
+        time.sleep(0.2)  # gives the GIL away while the lookup holds the read lock
+        return []
+
+    args = ([1, 2, 3, 4], None, None, [], empty_rows, LookupRow)
+    reader = threading.Thread(target=core.lookup, args=args)
+    reader.start()
+    inside.wait()
+    write()
+    reader.join()
+    print(name)
+"""
+
+
+def test_writers_wait_for_a_lookup_without_the_gil() -> None:
+    """A lookup gives the GIL away while it holds the read lock (its Python callback);
+    each writer waited for the write lock with the GIL held, so neither could go on: a
+    deadlock of ingest (a restart, a slow batch) and the HTTP lookups. In a subprocess:
+    the old behaviour hangs the interpreter."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", WRITER_DURING_LOOKUP], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["clear", "remove", "apply_ops", "keep_tokens", "tier_of"]
+
+
 HOSTILE_COUNTS = r"""
 import struct, sys
 from kvindex.index.compiled import CompiledIndex

@@ -5,8 +5,9 @@
  * without the GIL, so HTTP lookups run on the other core meanwhile. Questions (lookups,
  * counts, walks) take the read lock and keep the GIL: they are short, and giving the GIL
  * away mid-request would let an ingest thread keep it for a whole switch interval. No code
- * needs the GIL while holding the write lock, so the two never wait on each other in a
- * circle. Readers never see half a batch: a batch is applied under one write lock.
+ * holds the GIL while it waits for or holds the write lock (every writer: WRITE_LOCKED),
+ * so the two never wait on each other in a circle. Readers never see half a batch: a
+ * batch is applied under one write lock.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -118,6 +119,21 @@ static void Core_dealloc(CoreObject *self) {
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
+
+/* Run `body` (C only: no Python object) under the write lock, waited for and held without
+ * the GIL, as apply_payload does. A lookup holds the read lock while it builds its rows,
+ * with the GIL, and may give the GIL away meanwhile (its empty-rows callback is Python,
+ * and any allocation may run a garbage collection's finalizers): a writer waiting for the
+ * lock with the GIL held would wait for it forever, and the lookup for the GIL. Nor may
+ * a writer take the GIL back while it holds the lock: readers wait for it with the GIL. */
+#define WRITE_LOCKED(self, body)                                                           \
+    do {                                                                                   \
+        Py_BEGIN_ALLOW_THREADS                                                             \
+        pthread_rwlock_wrlock(&(self)->lock);                                              \
+        body;                                                                              \
+        pthread_rwlock_unlock(&(self)->lock);                                              \
+        Py_END_ALLOW_THREADS                                                               \
+    } while (0)
 
 #define READY(self)                                                                        \
     do {                                                                                   \
@@ -441,12 +457,15 @@ static PyObject *Core_apply_ops(CoreObject *self, PyObject *args) {
             Py_DECREF(fast);
             return NULL;
         }
-    /* The spans point into the tuples' objects: `fast` keeps them alive until here. */
+    /* The spans point into the tuples' objects: `fast` keeps them alive until here (the
+     * list is batch_ops' own: nothing else changes it while the GIL is away). */
     int failed;
+    Py_BEGIN_ALLOW_THREADS /* see WRITE_LOCKED */
     pthread_rwlock_wrlock(&self->lock);
     source_t *s = source_get(&self->core, bit, 1);
     failed = s == NULL || apply_ops(&self->core, s, &sc) < 0;
     pthread_rwlock_unlock(&self->lock);
+    Py_END_ALLOW_THREADS
     scratch_free(&sc);
     Py_DECREF(fast);
     if (failed)
@@ -464,13 +483,13 @@ static PyObject *Core_clear(CoreObject *self, PyObject *args) {
     uint32_t bit;
     if (!bit_arg(bit_obj, &bit))
         return NULL;
-    pthread_rwlock_wrlock(&self->lock);
-    source_t *s = source_get(&self->core, bit, 0);
-    if (s != NULL) {
-        source_clear(&self->core, s);
-        s->stats.restarts += restart;
-    }
-    pthread_rwlock_unlock(&self->lock);
+    WRITE_LOCKED(self, {
+        source_t *s = source_get(&self->core, bit, 0);
+        if (s != NULL) {
+            source_clear(&self->core, s);
+            s->stats.restarts += restart;
+        }
+    });
     Py_RETURN_NONE;
 }
 
@@ -479,9 +498,7 @@ static PyObject *Core_remove(CoreObject *self, PyObject *bit_obj) {
     uint32_t bit;
     if (!bit_arg(bit_obj, &bit))
         return NULL;
-    pthread_rwlock_wrlock(&self->lock);
-    source_remove(&self->core, bit);
-    pthread_rwlock_unlock(&self->lock);
+    WRITE_LOCKED(self, source_remove(&self->core, bit));
     Py_RETURN_NONE;
 }
 
@@ -1302,9 +1319,7 @@ static PyObject *Core_keep_tokens(CoreObject *self, PyObject *on) {
     int keep = PyObject_IsTrue(on);
     if (keep < 0)
         return NULL;
-    pthread_rwlock_wrlock(&self->lock);
-    self->core.keep_tokens = (uint8_t)keep;
-    pthread_rwlock_unlock(&self->lock);
+    WRITE_LOCKED(self, self->core.keep_tokens = (uint8_t)keep);
     Py_RETURN_NONE;
 }
 
@@ -1324,10 +1339,11 @@ static PyObject *Core_tier_of(CoreObject *self, PyObject *medium) {
     const char *s = PyUnicode_AsUTF8AndSize(medium, &n);
     if (s == NULL)
         return NULL;
-    pthread_rwlock_wrlock(&self->lock);
-    uint32_t id = intern_str(&self->core, (const uint8_t *)s, (uint32_t)n);
-    uint8_t tier = id ? core_tier_of(&self->core, id) : TIER_EXTERNAL;
-    pthread_rwlock_unlock(&self->lock);
+    uint8_t tier;
+    WRITE_LOCKED(self, {
+        uint32_t id = intern_str(&self->core, (const uint8_t *)s, (uint32_t)n);
+        tier = id ? core_tier_of(&self->core, id) : TIER_EXTERNAL;
+    });
     return PyUnicode_FromString(TIER_NAMES[tier]);
 }
 

@@ -312,6 +312,19 @@ def test_extreme_sliding_windows_agree(window: int) -> None:
     differential.assert_same(pure, fast, [(tokens, {})], [[1, 2, 3, 4, 5]])
 
 
+def test_names_of_16_mib_and_more_agree() -> None:
+    """A medium or a salt of 16 MiB or more (a payload may be 64): the core refused to
+    intern it (MemoryError for the medium, no place for the salt's chain)."""
+    long = "x" * (17 << 20)
+    event = BlockStored([1, 2], None, list(range(8)), BS, medium=long, cache_salt=long + "s")
+    payload = payload_of(EventBatch(1.0, [event]), False)  # type: ignore[arg-type]
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=6)
+    pure.apply(SOURCES[0], BatchDecoder().decode(payload), 1)
+    fast.apply_payload(SOURCES[0], payload, 1)
+    prompts = [(list(range(8)), {"cache_salt": long + "s"})]
+    differential.assert_same(pure, fast, prompts, [[1, 2]], media=[None, long, "external"])
+
+
 WRITER_DURING_LOOKUP = r"""
 import sys, threading, time
 from kvindex.index._core import Core

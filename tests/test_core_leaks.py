@@ -171,3 +171,19 @@ def test_a_core_deleted_while_an_ingest_thread_lives_frees_its_scratch() -> None
         done.set()
         thread.join(10)
     assert allocated() == before
+
+
+def test_a_huge_batch_leaves_no_huge_scratch_behind() -> None:
+    """The parse scratch grows to the largest batch; one of millions of tokens is not
+    kept for the index's life."""
+    index = CompiledIndex(seed=4)
+    small = [BlockStored([1], None, [1, 2, 3, 4], BS)]
+    index.apply_payload(SourceKey("a"), encode_batch(small, 1.0, 0), 1)  # type: ignore[arg-type]
+    index.drop_source(SourceKey("a"))
+    kept = allocated()
+    tokens = [7] * (BS * 300_000)
+    huge = [BlockStored(list(range(1, 300_001)), None, tokens, BS)]
+    index.apply_payload(SourceKey("a"), encode_batch(huge, 2.0, 0), 2)  # type: ignore[arg-type]
+    index.drop_source(SourceKey("a"))
+    nodes = index.memory()["nodes"]  # the node array keeps its peak (a free list)
+    assert allocated()[1] <= kept[1] and allocated()[0] - nodes < kept[0] + (1 << 20)

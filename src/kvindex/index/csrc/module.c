@@ -50,7 +50,16 @@ static scratch_t *scratch_take(CoreObject *self) {
     return s != NULL ? &s->sc : calloc(1, sizeof(spare_t));
 }
 
+/* A scratch past this is emptied when given back: it grows to the largest batch, and one
+ * odd batch of millions of events should not stay in memory for the Core's life. */
+#define SCRATCH_KEEP ((size_t)4 << 20)
+
 static void scratch_give_back(CoreObject *self, scratch_t *sc) {
+    size_t bytes = (size_t)sc->ops_cap * sizeof(op_t) + (size_t)sc->hashes_cap * sizeof(phash) +
+                   (size_t)sc->keys_cap * sizeof(uint64_t) +
+                   (size_t)sc->tokens_cap * sizeof(uint32_t) + (size_t)sc->hk_cap * sizeof(hkey);
+    if (bytes > SCRATCH_KEEP)
+        scratch_free(sc);
     spare_t *s = (spare_t *)sc;
     pthread_mutex_lock(&self->spares_lock);
     s->next = self->spares;

@@ -60,19 +60,29 @@ lint: $(STAMP)
 
 # Coverage-guided fuzzing of the compiled core against the pure-Python reference (atheris;
 # fuzz/README.md): payload programs on both, every verdict, count, pool, lookup and tree
-# compared. With clang (Debian's clang-14) the C is instrumented too, in a copy of the
-# package under build/fuzz-native. A finding is saved as fuzz/crash-*; fuzz/reduce.py
-# shrinks it. `make test` replays fuzz/corpus and a short seeded run (test_core_fuzz.py).
+# compared, no C byte left behind. With clang (Debian's clang-14 and libclang-rt-14-dev)
+# the C runs instrumented, in a copy of the package under build/fuzz-native: its coverage
+# guides the fuzzer and ASan + UBSan stop it at the first memory error. A finding is saved
+# as fuzz/crash-*, fuzz/reduce.py shrinks it. `make test` replays fuzz/corpus and a short
+# seeded run (tests/test_core_fuzz.py).
 FUZZ_CC ?= $(shell command -v clang-14 || command -v clang)
-FUZZ_COVERAGE := -fsanitize-coverage=inline-8bit-counters,pc-table,trace-cmp -g
+FUZZ_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+	-fsanitize-coverage=inline-8bit-counters,pc-table,trace-cmp -g -fno-omit-frame-pointer
 fuzz: $(CORE_STAMP)
 	$(BIN)/pip install -q -e '.[fuzz]'
 	mkdir -p build/fuzz-work
-	$(if $(FUZZ_CC),fuzz/build.sh build/fuzz-native $(FUZZ_CC) "$(FUZZ_COVERAGE)",\
-		@echo "fuzz: no clang here, the C is not instrumented (apt-get install clang-14)")
-	PYTHONPATH=$(if $(FUZZ_CC),$(CURDIR)/build/fuzz-native) $(BIN)/python fuzz/fuzz_core.py \
+ifeq ($(FUZZ_CC),)
+	@echo "fuzz: no clang here: only the Python guides the fuzzer (apt-get install clang-14)"
+	$(BIN)/python fuzz/fuzz_core.py -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 \
+		-timeout=60 -artifact_prefix=fuzz/ build/fuzz-work fuzz/corpus
+else
+	fuzz/build.sh build/fuzz-native $(FUZZ_CC) "$(FUZZ_FLAGS)"
+	fuzz/asan_libfuzzer.sh build/asan_with_fuzzer.so $(FUZZ_CC)
+	LD_PRELOAD=$(CURDIR)/build/asan_with_fuzzer.so ASAN_OPTIONS=detect_leaks=0 \
+		PYTHONPATH=$(CURDIR)/build/fuzz-native $(BIN)/python fuzz/fuzz_core.py \
 		-max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 -timeout=60 \
 		-artifact_prefix=fuzz/ build/fuzz-work fuzz/corpus
+endif
 
 # 5 minutes at a steady rate with random faults; reports exactness and memory (not in CI).
 soak: $(STAMP)

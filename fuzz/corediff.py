@@ -10,7 +10,8 @@ and hands the rest to the same decoder). They must agree on everything a caller 
 - after the program: everything tests/differential.py compares (publishers, pools and
   copies, stats, hashes by medium, the tree, and the rows of lookups by tokens along
   every chain the payloads stored, in every namespace they named, and by hashes);
-- then, every publisher dropped: nothing left in either tree or pool.
+- then, every publisher dropped: nothing left in either tree or pool; and once the
+  compiled index is gone, every byte its C allocated is freed (`_core.allocated()`).
 
 A divergence known and reported to the lead rather than fixed (see `_known`) is counted in
 `KNOWN` and the input not compared further, so a long run can go on.
@@ -20,6 +21,7 @@ Used by fuzz/fuzz_core.py (atheris, `make fuzz`) and tests/test_core_fuzz.py.
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
 import traceback
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import differential
 from program import CONTROL, SOURCES, steps
 
-from kvindex.index import PureFleetIndex
+from kvindex.index import PureFleetIndex, _core
 from kvindex.index.compiled import CompiledIndex
 from kvindex.subscriber import SourceKey
 from kvindex.wire import BatchDecoder, EventBatch, WireError
@@ -76,7 +78,19 @@ def _known(pure: PureFleetIndex) -> str | None:
 
 
 def check(data: bytes) -> None:
-    """Run one input on both indexes; raise `Mismatch` where they differ."""
+    """Run one input on both indexes; raise `Mismatch` where they differ, or where the
+    compiled one leaves C memory behind."""
+    before = _core.allocated()
+    _compare(data)
+    after = _core.allocated()
+    if after != before:
+        gc.collect()  # an index kept alive by a cycle (a traceback's frames) goes now
+        after = _core.allocated()
+    if after != before:
+        raise Mismatch(f"C memory leaked: {before} (bytes, blocks) before, {after} after")
+
+
+def _compare(data: bytes) -> None:
     pure, fast = PureFleetIndex(), CompiledIndex(seed=11)
     decoder = BatchDecoder()
     batches: list[EventBatch] = []

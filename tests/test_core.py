@@ -312,6 +312,17 @@ def test_extreme_sliding_windows_agree(window: int) -> None:
     differential.assert_same(pure, fast, [(tokens, {})], [[1, 2, 3, 4, 5]])
 
 
+def test_hashes_no_wire_can_say_are_held_by_nobody() -> None:
+    """Asking about an int hash outside [-2^63, 2^64): no match, as the reference says
+    (the core raised OverflowError)."""
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=8)
+    for index in (pure, fast):
+        index.apply(SOURCES[0], EventBatch(1.0, [BlockStored([1, 2], None, list(range(8)), BS)]))
+    for hashes in ([2**70], [1, 2**64], [1, 2, -(2**63) - 1]):
+        assert fast.lookup_hashes(hashes) == pure.lookup_hashes(hashes)
+    assert fast.count(SOURCES[0], 0, "GPU", 2**80) == pure.count(SOURCES[0], 0, "GPU", 2**80) == 0
+
+
 def test_names_of_16_mib_and_more_agree() -> None:
     """A medium or a salt of 16 MiB or more (a payload may be 64): the core refused to
     intern it (MemoryError for the medium, no place for the salt's chain)."""

@@ -255,6 +255,19 @@ static int hash_arg(PyObject *obj, phash *h) {
     return 1;
 }
 
+/* A hash asked about (lookup_hashes, count): an int outside [-2^63, 2^64) can't be one
+ * any pool holds (no wire can say it): `*known` 0, as fleet.py answers, not an error. */
+static int query_hash_arg(PyObject *obj, phash *h, uint8_t *known) {
+    *known = 1;
+    if (hash_arg(obj, h))
+        return 1;
+    if (!PyLong_Check(obj) || !PyErr_ExceptionMatches(PyExc_OverflowError))
+        return 0;
+    PyErr_Clear();
+    *known = 0;
+    return 1;
+}
+
 static int opt_str(PyObject *obj, span_t *out) {
     if (obj == Py_None) {
         out->p = NULL;
@@ -925,7 +938,7 @@ static PyObject *Core_lookup_hashes(CoreObject *self, PyObject *hashes_obj) {
         return PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < n; i++)
-        if (!hash_arg(PySequence_Fast_GET_ITEM(fast, i), &ph[i])) {
+        if (!query_hash_arg(PySequence_Fast_GET_ITEM(fast, i), &ph[i], &known[i])) {
             free(ph), free(hk), free(known);
             Py_DECREF(fast);
             return NULL;
@@ -934,6 +947,8 @@ static PyObject *Core_lookup_hashes(CoreObject *self, PyObject *hashes_obj) {
     PyObject *rows = PyList_New(0);
     pthread_rwlock_rdlock(&self->lock);
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (!known[i])
+            continue;
         if (ph[i].kind == HK_BYTES) {
             uint32_t id = find_bytes(c, ph[i].p, ph[i].len);
             hk[i] = (hkey){id, HK_BYTES};
@@ -1149,8 +1164,12 @@ static PyObject *Core_count(CoreObject *self, PyObject *args) {
     uint32_t bit;
     span_t medium;
     phash ph;
-    if (!bit_arg(bit_obj, &bit) || !opt_str(medium_obj, &medium) || !hash_arg(hash_obj, &ph))
+    uint8_t known;
+    if (!bit_arg(bit_obj, &bit) || !opt_str(medium_obj, &medium) ||
+        !query_hash_arg(hash_obj, &ph, &known))
         return NULL;
+    if (!known)
+        return PyLong_FromLong(0);
     core_t *c = &self->core;
     unsigned long copies = 0;
     pthread_rwlock_rdlock(&self->lock);

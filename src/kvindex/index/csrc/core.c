@@ -267,8 +267,9 @@ static uint32_t child_make(core_t *c, uint32_t parent, uint64_t key) {
 /* Take a node out of the children table (it is being freed). */
 static void child_forget(core_t *c, uint32_t n) {
     uint64_t prefix = node_key(&c->nodes[n]);
-    for (uint32_t probe = 0;; probe++) {
-        pmap_entry *e = pmap_find(&c->children, prefix, probe);
+    uint32_t hole = 0;
+    for (;; hole++) {
+        pmap_entry *e = pmap_find(&c->children, prefix, hole);
         if (e == NULL)
             return;
         if (pmap_value(e) == n) {
@@ -276,8 +277,9 @@ static void child_forget(core_t *c, uint32_t n) {
             break;
         }
     }
-    /* Later probes of this digest move down one, so no search stops at the hole. */
-    for (uint32_t probe = 1; probe <= PMAP_MAX_B; probe++) {
+    /* Later probes of this digest move down one, so no search stops at the hole (from
+     * the hole on: starting at probe 1 left those after a hole at 1 or more unfound). */
+    for (uint32_t probe = hole + 1; probe <= PMAP_MAX_B; probe++) {
         uint32_t moved;
         if (pmap_find(&c->children, prefix, probe - 1) != NULL ||
             !pmap_remove(&c->children, prefix, probe, &moved))

@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import differential
-from program import CONTROL, SOURCES, steps
+from program import CONTROL, FILLERS, SOURCES, steps, wide
 
 from kvindex.index import PureFleetIndex, _core
 from kvindex.index.compiled import CompiledIndex
@@ -44,6 +44,7 @@ __all__ = ["KNOWN", "Mismatch", "check"]
 PUBLISHERS = [SourceKey(instance, rank) for instance, rank in SOURCES]
 MEDIA = (None, "GPU", "cpu", "CPU_PINNED", "disk", "external")
 KNOWN: Counter[str] = Counter()  # inputs that hit a known divergence, by which
+EMPTY_BATCH = b"\x92\xcb\x00\x00\x00\x00\x00\x00\x00\x00\x90"  # [0.0, []]
 
 
 class Mismatch(AssertionError):
@@ -65,6 +66,16 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
     nan = isinstance(a[0], float) and isinstance(b[0], float) and math.isnan(a[0])
     return ((nan and math.isnan(b[0])) or a[0] == b[0]) and a[1:] == b[1:]
+
+
+def _same_counts(pure: PureFleetIndex, fast: CompiledIndex) -> None:
+    """`count` of a few held hashes per pool (and of one no pool holds), as each says."""
+    for source in pure.sources():
+        for (group, medium), held in pure.copies(source).items():
+            for h in [*list(held)[:6], 0xDEAD]:
+                assert fast.count(source, group, medium, h) == pure.count(
+                    source, group, medium, h
+                ), (source, group, medium, h)
 
 
 def _known(pure: PureFleetIndex) -> str | None:
@@ -92,6 +103,10 @@ def check(data: bytes) -> None:
 
 def _compare(data: bytes) -> None:
     pure, fast = PureFleetIndex(), CompiledIndex(seed=11)
+    if wide(data):  # 62 publishers first: the program's own get bits 62 to 65
+        for i in range(FILLERS):
+            for index in (pure, fast):
+                index.apply_payload(SourceKey(f"filler-{i:02}", 0), EMPTY_BATCH)
     decoder = BatchDecoder()
     batches: list[EventBatch] = []
     for seq, (control, payload) in enumerate(steps(data)):
@@ -116,6 +131,7 @@ def _compare(data: bytes) -> None:
     prompts, hash_runs = differential.prompts_of(batches)
     try:
         differential.assert_same(pure, fast, prompts, hash_runs, MEDIA)
+        _same_counts(pure, fast)
     except AssertionError as exc:  # say which comparison: differential's asserts are bare
         where = traceback.extract_tb(exc.__traceback__)[-1].line
         raise Mismatch(f"state differs: {where} {exc}") from exc

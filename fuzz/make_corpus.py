@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "fuzz"))
 
-from program import CONTROL, program  # noqa: E402
+from program import CONTROL, WIDE, program  # noqa: E402
 
 from kvindex.recording.format import BatchRec  # noqa: E402
 from kvindex.recording.reader import records  # noqa: E402
@@ -141,6 +141,29 @@ def shaped_seeds() -> Iterator[list[Step]]:
         (3, batch([BlockStored([b"\x07" * 32], None, [1, 2, 3, 4], 4)])),
         (3, batch([BlockStored([b"\x08" * 32], b"\x07" * 32, [5, 6, 7], 4)])),
         (REMOVE | 3, b""),
+    ]
+    # hybrid models: a mamba group, two sliding windows of different sizes, a CPU tier
+    spec = {"kv_cache_spec_kind": "full_attention"}
+    window = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
+    window16 = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 16}
+    yield [
+        (0, batch([stored(0, 4, group_idx=0, **spec), stored(0, 4, group_idx=1, **window)])),
+        (0, batch([stored(0, 4, group_idx=2, **window16)])),
+        (0, batch([stored(0, 4, group_idx=3, kv_cache_spec_kind="mamba")])),
+        (0, batch([stored(0, 4, group_idx=0, medium="CPU", **spec)])),
+        (0, batch([BlockRemoved([1001], group_idx=1)])),
+        (1, batch([stored(0, 2, group_idx=0, **spec), stored(0, 2, group_idx=5, **window)])),
+    ]
+    # token ids past 32 bits (the Python path), and a lookup of them
+    yield [(0, batch([stored(0, 2, token_ids=[2**40, 1, 2, 3, 4, 5, 6, 2**33])]))]
+    # a wide fleet: 62 publishers before these, so a shared block's holders take two words
+    yield [
+        (WIDE | 0, batch([stored(0, 3)])),
+        (1, batch([stored(0, 3)])),
+        (2, batch([stored(0, 2)])),
+        (3, batch([stored(0, 3), BlockRemoved([1002])])),
+        (RESTART | 1, b""),
+        (REMOVE | 2, b""),
     ]
 
 

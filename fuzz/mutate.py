@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from program import CONTROL, program, steps
+from program import CONTROL, WIDE, program, steps
 
 __all__ = ["mutate"]
 
@@ -141,6 +141,9 @@ def _program(chunks: list[Step], rng: random.Random) -> list[Step]:
     elif kind == 2:
         j = rng.randrange(len(chunks))
         chunks[i], chunks[j] = chunks[j], chunks[i]
+    elif kind == 3 and i == 0 and chunks[0][0] < CONTROL:  # into or out of a wide fleet
+        control, payload = chunks[0]
+        chunks[0] = (control ^ WIDE, payload)
     elif kind == 3:
         control, payload = chunks[i]
         # another publisher for an apply; a restart or removal becomes an apply

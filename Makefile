@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-quick bench-readme lint venv clean fuzz soak sglang-record
+.PHONY: demo test bench bench-quick bench-readme lint venv clean fuzz sanitize soak sglang-record
 FUZZ_SECONDS ?= 120
 SOAK_SECONDS ?= 300
 
@@ -54,8 +54,8 @@ bench-readme: $(STAMP)
 	$(BIN)/python -m kvindex.bench.report --readme README.md --results bench/results.json
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples bench fuzz
-	$(BIN)/ruff format --check src tests examples fuzz
+	$(BIN)/ruff check src tests examples bench fuzz sanitize
+	$(BIN)/ruff format --check src tests examples fuzz sanitize
 	$(BIN)/mypy
 
 # Coverage-guided fuzzing of the compiled core against the pure-Python reference (atheris;
@@ -83,6 +83,11 @@ else
 		-max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 -timeout=60 \
 		-artifact_prefix=fuzz/ build/fuzz-work fuzz/corpus
 endif
+
+# The C extensions under ASan + UBSan (gcc) with LeakSanitizer, built apart in
+# build/sanitize: the tests that drive the C, then a churn under valgrind (sanitize/run.sh).
+sanitize: $(CORE_STAMP)
+	bash sanitize/run.sh
 
 # 5 minutes at a steady rate with random faults; reports exactness and memory (not in CI).
 soak: $(STAMP)

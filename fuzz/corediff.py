@@ -1,4 +1,4 @@
-"""The differential check behind the compiled core's fuzzing: one input, two indexes.
+"""The differential check behind the compiled core's fuzzing: one input, three indexes.
 
 An input is a program (fuzz/program.py): payloads and restarts over four publishers. Every
 step goes to the pure-Python reference (`PureFleetIndex`, which decodes the payload with
@@ -9,7 +9,9 @@ and hands the rest to the same decoder). They must agree on everything a caller 
   time, DP rank, malformed and unknown event counts; any other exception is a crash;
 - after the program: everything tests/differential.py compares (publishers, pools and
   copies, stats, hashes by medium, the tree, and the rows of lookups by tokens along
-  every chain the payloads stored, in every namespace they named, and by hashes);
+  every chain the payloads stored, in every namespace they named, and by hashes), and
+  `count` per pool; the same of a second compiled index fed the decoded batches instead
+  (`apply`: the path of a store's feed and the simulator);
 - then, every publisher dropped: nothing left in either tree or pool; and once the
   compiled index is gone, every byte its C allocated is freed (`_core.allocated()`).
 
@@ -102,22 +104,24 @@ def check(data: bytes) -> None:
 
 
 def _compare(data: bytes) -> None:
-    pure, fast = PureFleetIndex(), CompiledIndex(seed=11)
+    # `fast` takes the payloads (the C parser, or its Python fallback); `decoded` takes the
+    # batches the Python decoder made of them (`apply`: a store's feed, the simulator).
+    pure, fast, decoded = PureFleetIndex(), CompiledIndex(seed=11), CompiledIndex(seed=12)
+    indexes = (pure, fast, decoded)
     if wide(data):  # 62 publishers first: the program's own get bits 62 to 65
         for i in range(FILLERS):
-            for index in (pure, fast):
+            for index in indexes:
                 index.apply_payload(SourceKey(f"filler-{i:02}", 0), EMPTY_BATCH)
     decoder = BatchDecoder()
     batches: list[EventBatch] = []
     for seq, (control, payload) in enumerate(steps(data)):
         source = PUBLISHERS[control & 3]
         if control >= CONTROL:
-            if control & 4:
-                pure.remove_instance(source.instance)
-                fast.remove_instance(source.instance)
-            else:
-                pure.drop_source(source)
-                fast.drop_source(source)
+            for index in indexes:
+                if control & 4:
+                    index.remove_instance(source.instance)
+                else:
+                    index.drop_source(source)
             continue
         a, b = _outcome(pure, source, payload, seq), _outcome(fast, source, payload, seq)
         known = _known(pure)
@@ -128,15 +132,17 @@ def _compare(data: bytes) -> None:
             raise Mismatch(f"step {seq}: pure {a!r}, compiled {b!r}")
         if a != "refused":
             batches.append(decoder.decode(payload))
+            decoded.apply(source, batches[-1], seq)
     prompts, hash_runs = differential.prompts_of(batches)
-    try:
-        differential.assert_same(pure, fast, prompts, hash_runs, MEDIA)
-        _same_counts(pure, fast)
-    except AssertionError as exc:  # say which comparison: differential's asserts are bare
-        where = traceback.extract_tb(exc.__traceback__)[-1].line
-        raise Mismatch(f"state differs: {where} {exc}") from exc
+    for name, index in (("compiled", fast), ("compiled from decoded batches", decoded)):
+        try:
+            differential.assert_same(pure, index, prompts, hash_runs, MEDIA)
+            _same_counts(pure, index)
+        except AssertionError as exc:  # say which comparison: differential's are bare
+            where = traceback.extract_tb(exc.__traceback__)[-1].line
+            raise Mismatch(f"{name}: state differs: {where} {exc}") from exc
     for source in pure.sources():
-        pure.drop_source(source)
-        fast.drop_source(source)
-    if (fast.tree_nodes(), fast.entries()) != (0, 0) or pure.tree_nodes() or pure.entries():
+        for index in indexes:
+            index.drop_source(source)
+    if any(index.tree_nodes() or index.entries() for index in indexes):
         raise Mismatch("state left after every publisher was dropped")

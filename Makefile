@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-quick bench-readme lint venv clean fuzz soak sglang-record
+.PHONY: demo test bench bench-quick bench-readme lint venv clean fuzz sanitize soak sglang-record
 FUZZ_SECONDS ?= 120
 SOAK_SECONDS ?= 300
 
@@ -54,15 +54,40 @@ bench-readme: $(STAMP)
 	$(BIN)/python -m kvindex.bench.report --readme README.md --results bench/results.json
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples bench
-	$(BIN)/ruff format --check src tests examples
+	$(BIN)/ruff check src tests examples bench fuzz sanitize
+	$(BIN)/ruff format --check src tests examples fuzz sanitize
 	$(BIN)/mypy
 
-# Coverage-guided fuzzing of the decoder + index apply (atheris); hypothesis runs a short
-# version in `make test`.
-fuzz: $(STAMP)
+# Coverage-guided fuzzing of the compiled core against the pure-Python reference (atheris;
+# fuzz/README.md): payload programs on both, every verdict, count, pool, lookup and tree
+# compared, no C byte left behind. With clang (Debian's clang-14 and libclang-rt-14-dev)
+# the C runs instrumented, in a copy of the package under build/fuzz-native: its coverage
+# guides the fuzzer and ASan + UBSan stop it at the first memory error. A finding is saved
+# as fuzz/crash-*, fuzz/reduce.py shrinks it. `make test` replays fuzz/corpus and a short
+# seeded run (tests/test_core_fuzz.py).
+FUZZ_CC ?= $(shell command -v clang-14 || command -v clang)
+FUZZ_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+	-fsanitize-coverage=inline-8bit-counters,pc-table,trace-cmp -g -fno-omit-frame-pointer
+fuzz: $(CORE_STAMP)
 	$(BIN)/pip install -q -e '.[fuzz]'
-	$(BIN)/python fuzz/fuzz_wire.py -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 .fuzz-corpus
+	mkdir -p build/fuzz-work
+ifeq ($(FUZZ_CC),)
+	@echo "fuzz: no clang here: only the Python guides the fuzzer (apt-get install clang-14)"
+	$(BIN)/python fuzz/fuzz_core.py -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 \
+		-timeout=60 -artifact_prefix=fuzz/ build/fuzz-work fuzz/corpus
+else
+	fuzz/build.sh build/fuzz-native $(FUZZ_CC) "$(FUZZ_FLAGS)"
+	fuzz/asan_libfuzzer.sh build/asan_with_fuzzer.so $(FUZZ_CC)
+	LD_PRELOAD=$(CURDIR)/build/asan_with_fuzzer.so ASAN_OPTIONS=detect_leaks=0 \
+		PYTHONPATH=$(CURDIR)/build/fuzz-native $(BIN)/python fuzz/fuzz_core.py \
+		-max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 -timeout=60 \
+		-artifact_prefix=fuzz/ build/fuzz-work fuzz/corpus
+endif
+
+# The C extensions under ASan + UBSan (gcc) with LeakSanitizer, built apart in
+# build/sanitize: the tests that drive the C, then a churn under valgrind (sanitize/run.sh).
+sanitize: $(CORE_STAMP)
+	bash sanitize/run.sh
 
 # 5 minutes at a steady rate with random faults; reports exactness and memory (not in CI).
 soak: $(STAMP)

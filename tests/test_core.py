@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import random
-from collections import Counter
 from typing import Any
 
+import differential
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -177,37 +177,29 @@ def feed(stream: list[tuple[SourceKey, str, Any]]) -> tuple[PureFleetIndex, Any]
     return pure, fast
 
 
+LOOKUP_NAMES: list[dict[str, Any]] = [
+    {},
+    {"lora_name": "ad-1"},
+    {"cache_salt": "t1"},
+    {"cache_salt": "t2"},
+    {"lora_name": "ad-1", "cache_salt": "t1"},
+]
+PROMPTS = [
+    (prompt_of(p, variant), names)
+    for p in range(len(BASE))
+    for variant in range(3)
+    for names in LOOKUP_NAMES
+]
+HASH_RUNS = [
+    [block_hash(prompt_of(p, variant), n, ns, False) for n in range(len(BASE[p]) // BS)]
+    for p in range(len(BASE))
+    for variant in range(3)
+    for ns in range(len(NAMESPACES))
+]
+
+
 def assert_same(pure: PureFleetIndex, fast: Any) -> None:
-    assert fast.instances() == pure.instances()
-    assert fast.entries() == pure.entries()
-    assert fast.tree_nodes() == pure.tree_nodes()
-    for src in pure.sources():
-        assert fast.copies(src) == pure.copies(src), src
-        assert fast.source_state(src) == pure.source_state(src)
-    for name in pure.instances():
-        assert fast.cache_stats(name) == pure.cache_stats(name), name
-        assert fast.blocks_by_medium(name) == pure.blocks_by_medium(name)
-        for medium in (None, "GPU", "cpu", "CPU_PINNED", "disk"):
-            assert fast.block_hashes(name, medium) == pure.block_hashes(name, medium)
-    for p in range(len(BASE)):
-        for variant in range(3):
-            tokens = prompt_of(p, variant)
-            for names in (
-                {},
-                {"lora_name": "ad-1"},
-                {"cache_salt": "t1"},
-                {"cache_salt": "t2"},
-                {"lora_name": "ad-1", "cache_salt": "t1"},
-            ):
-                assert fast.lookup(tokens, **names) == pure.lookup(tokens, **names), (
-                    tokens,
-                    names,
-                )
-            for ns in range(len(NAMESPACES)):
-                hashes = [block_hash(tokens, n, ns, False) for n in range(len(tokens) // BS)]
-                assert fast.lookup_hashes(hashes) == pure.lookup_hashes(hashes)
-    tree = Counter((ns, depth, mask) for ns, depth, _, mask in pure.walk_tree())
-    assert Counter((ns, depth, mask) for ns, depth, _, mask in fast.walk_tree()) == tree
+    differential.assert_same(pure, fast, PROMPTS, HASH_RUNS)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -279,6 +271,151 @@ def test_parser_agrees_with_msgspec_on_broken_payloads(seed: int) -> None:
                 fast_error = True
             assert fast_error == pure_error, data
         assert_same(pure, fast)
+
+
+def test_the_limits_of_the_core_are_the_reference_s() -> None:
+    """More pools than a publisher may have, more block sizes than may have roots: both
+    implementations hold the same (a hostile publisher made the core raise MemoryError
+    and hold unplaced what the reference placed)."""
+    from kvindex.index.fleet import MAX_POOLS, MAX_ROOT_SIZES
+
+    events = [
+        BlockStored([g, bytes([g]) * 32], None, list(range(8)), BS, group_idx=g)
+        for g in range(MAX_POOLS + 4)
+    ]
+    events += [BlockStored([1000 + n], None, [n] * n, n) for n in range(1, MAX_ROOT_SIZES + 4)]
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=2)
+    for arrays in (False, True):
+        payload = payload_of(EventBatch(1.0, events), arrays)  # type: ignore[arg-type]
+        pure.apply(SOURCES[0], BatchDecoder().decode(payload), 1)
+        fast.apply_payload(SOURCES[0], payload, 1)
+        fast.apply(SOURCES[1], EventBatch(1.0, events), 1)  # the ops path
+        pure.apply(SOURCES[1], EventBatch(1.0, events), 1)
+    prompts = [([n] * n, {}) for n in range(1, MAX_ROOT_SIZES + 4)]
+    differential.assert_same(pure, fast, prompts, [[g, bytes([g]) * 32] for g in range(40)])
+
+
+@pytest.mark.parametrize("window", [2**63 - 1, 2**63 - 2, -(2**63), 1, 5])
+def test_extreme_sliding_windows_agree(window: int) -> None:
+    """A window group's needed blocks, ceil((window - 1) / size), for any int64 window
+    (the core's sum overflowed near 2^63: undefined behaviour, and another answer)."""
+    tokens = prompt_of(0, 0)
+    full = BlockStored([1, 2, 3, 4, 5], None, tokens, BS, group_idx=0)
+    spec = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": window}
+    windowed = BlockStored([11, 12, 13, 14, 15], None, tokens, BS, group_idx=1, **spec)
+    removal = BlockRemoved([12], group_idx=1)  # a gap in the window group
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=4)
+    for seq, events in enumerate([[full, windowed], [removal]]):
+        payload = payload_of(EventBatch(1.0, events), False)  # type: ignore[arg-type]
+        pure.apply(SOURCES[0], BatchDecoder().decode(payload), seq)
+        fast.apply_payload(SOURCES[0], payload, seq)
+    differential.assert_same(pure, fast, [(tokens, {})], [[1, 2, 3, 4, 5]])
+
+
+def test_hashes_no_wire_can_say_are_held_by_nobody() -> None:
+    """Asking about an int hash outside [-2^63, 2^64): no match, as the reference says
+    (the core raised OverflowError)."""
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=8)
+    for index in (pure, fast):
+        index.apply(SOURCES[0], EventBatch(1.0, [BlockStored([1, 2], None, list(range(8)), BS)]))
+    for hashes in ([2**70], [1, 2**64], [1, 2, -(2**63) - 1]):
+        assert fast.lookup_hashes(hashes) == pure.lookup_hashes(hashes)
+    assert fast.count(SOURCES[0], 0, "GPU", 2**80) == pure.count(SOURCES[0], 0, "GPU", 2**80) == 0
+
+
+def test_names_of_16_mib_and_more_agree() -> None:
+    """A medium or a salt of 16 MiB or more (a payload may be 64): the core refused to
+    intern it (MemoryError for the medium, no place for the salt's chain)."""
+    long = "x" * (17 << 20)
+    event = BlockStored([1, 2], None, list(range(8)), BS, medium=long, cache_salt=long + "s")
+    payload = payload_of(EventBatch(1.0, [event]), False)  # type: ignore[arg-type]
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=6)
+    pure.apply(SOURCES[0], BatchDecoder().decode(payload), 1)
+    fast.apply_payload(SOURCES[0], payload, 1)
+    prompts = [(list(range(8)), {"cache_salt": long + "s"})]
+    differential.assert_same(pure, fast, prompts, [[1, 2]], media=[None, long, "external"])
+
+
+WRITER_DURING_LOOKUP = r"""
+import sys, threading, time
+from kvindex.index._core import Core
+from kvindex.index.base import LookupRow
+
+core = Core(1)
+writers = {
+    "clear": lambda: core.clear(0, True),
+    "remove": lambda: core.remove(0),
+    "apply_ops": lambda: core.apply_ops(0, [("C",)]),
+    "keep_tokens": lambda: core.keep_tokens(True),
+    "tier_of": lambda: core.tier_of("CPU"),
+}
+for name, write in writers.items():
+    inside = threading.Event()
+
+    def empty_rows(size):
+        inside.set()
+        time.sleep(0.2)  # gives the GIL away while the lookup holds the read lock
+        return []
+
+    args = ([1, 2, 3, 4], None, None, [], empty_rows, LookupRow)
+    reader = threading.Thread(target=core.lookup, args=args)
+    reader.start()
+    inside.wait()
+    write()
+    reader.join()
+    print(name)
+"""
+
+
+def test_writers_wait_for_a_lookup_without_the_gil() -> None:
+    """A lookup gives the GIL away while it holds the read lock (its Python callback);
+    each writer waited for the write lock with the GIL held, so neither could go on: a
+    deadlock of ingest (a restart, a slow batch) and the HTTP lookups. In a subprocess:
+    the old behaviour hangs the interpreter."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", WRITER_DURING_LOOKUP], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["clear", "remove", "apply_ops", "keep_tokens", "tier_of"]
+
+
+HOSTILE_COUNTS = r"""
+import struct, sys
+from kvindex.index.compiled import CompiledIndex
+from kvindex.subscriber import SourceKey
+from kvindex.wire import WireError
+
+def removal(n, items):  # ["BlockRemoved", <array32 header claiming n hashes>, items...]
+    return b"\x92\xacBlockRemoved\xdd" + struct.pack(">I", n) + b"\x01" * items
+
+for events in (
+    [removal(0x80000001, 200)],  # the scratch's capacity doubled to 0 forever: a hang
+    [b"\x92\xacBlockRemoved\x91\x01", removal(0xFFFFFFFF, 300)],  # 1 + n wrapped: overflow
+):
+    payload = b"\x93\xcb" + struct.pack(">d", 1.0) + bytes([0x90 + len(events)])
+    payload += b"".join(events) + b"\x00"
+    try:
+        CompiledIndex(seed=1).apply_payload(SourceKey("a"), payload, 1)
+    except WireError:
+        print("refused")
+"""
+
+
+def test_array_counts_from_the_wire_neither_hang_nor_overflow() -> None:
+    """An array header claiming 2^31 or 2^32-1 items (in a payload of a few hundred
+    bytes): the fast parser hung, or wrote past its scratch; now the batch goes to the
+    decoder, which refuses it. In a subprocess: the old behaviour hangs the interpreter."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", HOSTILE_COUNTS], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["refused", "refused"]
 
 
 def test_decoded_and_payload_paths_agree() -> None:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from kvindex.index import FleetIndex
 from kvindex.subscriber import Delivery, Restarted, SourceKey
 from kvindex.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvindex.wire.publisher import encode_batch
 
 BS = 4  # block size
 PROMPTS = [
@@ -277,3 +278,39 @@ def test_churn_keeps_memory_bounded(seed: int) -> None:
         if len(live) > 50:
             index.apply(a, batch(BlockRemoved(live.pop(0))))
     assert index.tree_nodes() <= 2 * 50 + 2
+
+
+def test_a_publisher_holds_at_most_max_pools_pools() -> None:
+    """A hostile publisher naming ever new KV cache groups: the first MAX_POOLS (group,
+    medium) pools are held, stores to others are counted but not held, nothing raises."""
+    from kvindex.index.fleet import MAX_POOLS
+
+    index, a = FleetIndex(), SourceKey("a")
+    events = [BlockStored([g], None, [g, 1, 2, 3], BS, group_idx=g) for g in range(MAX_POOLS + 8)]
+    index.apply_payload(a, encode_batch(events, 1.0, 0))
+    pools = index.copies(a)
+    assert sorted(group for group, _ in pools) == list(range(MAX_POOLS))
+    assert index.entries() == MAX_POOLS and index.cache_stats("a").stored == MAX_POOLS + 8
+    index.apply(a, batch(BlockRemoved([0], group_idx=0)))  # a pool held before still works
+    assert index.entries() == MAX_POOLS - 1
+    index.drop_source(a)
+    assert index.tree_nodes() == 0 and index.entries() == 0
+
+
+def test_block_sizes_past_max_root_sizes_are_held_without_a_place() -> None:
+    """Chains of more distinct block sizes than MAX_ROOT_SIZES at once: the later sizes'
+    blocks are held, counted unplaced, and found by hash, not by tokens, until a size
+    goes."""
+    from kvindex.index.fleet import MAX_ROOT_SIZES
+
+    index, a = FleetIndex(), SourceKey("a")
+    sizes = range(1, MAX_ROOT_SIZES + 3)
+    index.apply(a, batch(*(BlockStored([size], None, [size] * size, size) for size in sizes)))
+    assert index.cache_stats("a").unplaced == 2
+    assert index.lookup([1] * 1)[0].matched_blocks == 1
+    last = MAX_ROOT_SIZES + 2
+    assert index.lookup([last] * last)[0].matched_blocks == 0
+    assert index.lookup_hashes([last])[0].matched_blocks == 1
+    index.apply(a, batch(BlockRemoved([1])))  # size 1's root goes: room for another size
+    index.apply(a, batch(BlockStored([100], None, [last] * last, last)))
+    assert index.lookup([last] * last)[0].matched_blocks == 1

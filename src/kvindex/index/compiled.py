@@ -38,6 +38,7 @@ from kvindex.wire import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    WireError,
 )
 
 __all__ = ["CompiledIndex", "batch_ops", "parse_lookup_body"]
@@ -89,6 +90,7 @@ class CompiledIndex(IndexBase[_Pub]):
     ) -> PayloadResult:
         """Parse and apply one batch as the publisher sent it. Raises `WireError` (from
         the Python decoder) for a payload that is not an event batch at all."""
+        new = source not in self._sources
         pub = self._pub(source)
         applied, ts, rank, counts = self._core.apply_payload(pub.bit, payload)
         if applied and ts is not None and counts is not None:
@@ -96,7 +98,15 @@ class CompiledIndex(IndexBase[_Pub]):
             self.rates.add(*counts)
             return PayloadResult(ts, rank, fast=True)
         self.slow_batches += 1
-        return super().apply_payload(source, payload, seq)
+        try:
+            return super().apply_payload(source, payload, seq)
+        except WireError:
+            # Not a batch at all: a publisher first heard of here is not one yet (the
+            # reference registers it only once a batch decodes; found by fuzz/).
+            if new:
+                self._core.remove(pub.bit)
+                self._forget(pub)
+            raise
 
     def drop_source(self, source: SourceKey) -> None:
         """Forget what `source` holds (its engine restarted): its cache is empty now."""

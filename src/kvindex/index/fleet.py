@@ -240,10 +240,13 @@ class FleetIndex(IndexBase[_Source]):
         self._all_mask |= src.flag
         return src
 
-    def _pool(self, src: _Source, pool_key: PoolKey) -> tuple[Pool, _PoolInfo]:
+    def _pool(self, src: _Source, pool_key: PoolKey) -> tuple[Pool, _PoolInfo] | None:
+        """The publisher's pool of (group, medium), made if new; None past MAX_POOLS."""
         pool = src.pools.get(pool_key)
         if pool is not None:
             return pool, src.info[pool_key]
+        if len(src.pools) >= MAX_POOLS:
+            return None
         pool = src.pools[pool_key] = {}
         info = src.info[pool_key] = _PoolInfo(
             len(src.info), pool_key[0], pool_key[1], tier_of(pool_key[1])
@@ -257,7 +260,10 @@ class FleetIndex(IndexBase[_Source]):
 
     def _store(self, src: _Source, event: BlockStored) -> None:
         pool_key = (event.group_idx or 0, event.medium or DEFAULT_MEDIUM)
-        pool, info = self._pool(src, pool_key)
+        found = self._pool(src, pool_key)
+        if found is None:
+            return  # a pool past MAX_POOLS: its blocks are not held
+        pool, info = found
         hashes = event.block_hashes
         size = event.block_size if 0 < event.block_size < MAX_BLOCK_SIZE else 0
         if size > info.size:
@@ -472,6 +478,8 @@ class FleetIndex(IndexBase[_Source]):
             namespace = (lora_key(event), keys.salt, event.block_size)
             root = self._roots.get(namespace)
             if root is None:
+                if namespace[2] not in self._sizes and len(self._sizes) >= MAX_ROOT_SIZES:
+                    return None  # a block size past MAX_ROOT_SIZES: held without a place
                 root = self._roots[namespace] = _Node(None, b"")
                 self._root_ns[id(root)] = namespace
                 self._sizes[namespace[2]] = self._sizes.get(namespace[2], 0) + 1
@@ -738,6 +746,11 @@ class _Walk:
 
 
 MAX_BLOCK_SIZE = 1 << 31  # a size from 2**31 on can't be a block's: such events have no place
+# Limits a real engine never nears (a few KV cache groups and media, one or two block
+# sizes), which the compiled core's layout needs (which pools hold a node: 32 bits; a
+# lookup walks one tree per size), kept here too so both implementations hold the same:
+MAX_POOLS = 32  # (group, medium) pools of one publisher: a store to another is not held
+MAX_ROOT_SIZES = 16  # block sizes with a root at once: a chain of another has no place
 
 
 def is_keyed(event: BlockStored, keys: ChainKeys) -> bool:

@@ -11,6 +11,8 @@
 
 #include "intern.h"
 
+size_t kv_alloc_bytes, kv_alloc_blocks; /* alloc.h */
+
 /* -- the key digest ------------------------------------------------------------------ */
 
 static inline uint64_t wymix(uint64_t a, uint64_t b) {
@@ -21,6 +23,12 @@ static inline uint64_t wymix(uint64_t a, uint64_t b) {
 static inline uint64_t read64(const uint8_t *p) {
     uint64_t v;
     memcpy(&v, p, 8);
+    return v;
+}
+
+static inline uint32_t read32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
     return v;
 }
 
@@ -37,7 +45,9 @@ uint64_t key_digest(const core_t *c, const uint8_t *p, size_t len) {
     size_t i = len;
     if (len <= 16) {
         if (len >= 4) {
-            a = ((uint64_t)(uint32_t)read64(p) << 32) | (uint32_t)read64(p + ((len >> 3) << 2));
+            /* 4 bytes each (the low half of an 8-byte read, as it was: the same digest),
+             * never past the key: a 1-token block ends the token buffer (ASan found it) */
+            a = ((uint64_t)read32(p) << 32) | read32(p + ((len >> 3) << 2));
             uint32_t x, y;
             memcpy(&x, p + len - 4, 4);
             memcpy(&y, p + len - 4 - ((len >> 3) << 2), 4);
@@ -118,6 +128,7 @@ int core_init(core_t *c, uint64_t seed) {
     map_init(&c->ns_by_key);
     interner_init(&c->strings, seed ^ 0x5bd1e995u);
     interner_init(&c->bytes, seed ^ 0x27d4eb2fu);
+    interner_init(&c->names, seed ^ 0x165667b1u);
     c->nnodes = 1; /* index 0: NODE_NONE */
     c->set_words = 1;
     c->keep_tokens = 1;
@@ -147,6 +158,7 @@ void core_free(core_t *c) {
     map_free(&c->tokens);
     interner_free(&c->strings);
     interner_free(&c->bytes);
+    interner_free(&c->names);
     memset(c, 0, sizeof *c);
 }
 
@@ -255,8 +267,9 @@ static uint32_t child_make(core_t *c, uint32_t parent, uint64_t key) {
 /* Take a node out of the children table (it is being freed). */
 static void child_forget(core_t *c, uint32_t n) {
     uint64_t prefix = node_key(&c->nodes[n]);
-    for (uint32_t probe = 0;; probe++) {
-        pmap_entry *e = pmap_find(&c->children, prefix, probe);
+    uint32_t hole = 0;
+    for (;; hole++) {
+        pmap_entry *e = pmap_find(&c->children, prefix, hole);
         if (e == NULL)
             return;
         if (pmap_value(e) == n) {
@@ -264,8 +277,9 @@ static void child_forget(core_t *c, uint32_t n) {
             break;
         }
     }
-    /* Later probes of this digest move down one, so no search stops at the hole. */
-    for (uint32_t probe = 1; probe <= PMAP_MAX_B; probe++) {
+    /* Later probes of this digest move down one, so no search stops at the hole (from
+     * the hole on: starting at probe 1 left those after a hole at 1 or more unfound). */
+    for (uint32_t probe = hole + 1; probe <= PMAP_MAX_B; probe++) {
         uint32_t moved;
         if (pmap_find(&c->children, prefix, probe - 1) != NULL ||
             !pmap_remove(&c->children, prefix, probe, &moved))
@@ -294,6 +308,22 @@ static void size_count(core_t *c, uint32_t size, int delta) {
         c->sizes[c->nsizes] = size;
         c->size_roots[c->nsizes++] = (uint32_t)delta;
     }
+}
+
+/* A namespace no longer uses name `id` (`held`: it was counted in refs): the name goes
+ * when no namespace does. Also how a name interned for a root that was never made goes. */
+static void name_release(core_t *c, uint32_t id, int held) {
+    blob_t *b = &c->names.items[id];
+    if (id == 0 || b->data == NULL) /* none, or already gone (adapter and salt alike) */
+        return;
+    b->refs -= (uint32_t)held;
+    if (b->refs != 0)
+        return;
+    if (c->last_lora == id) /* intern_cached compares against the last id's bytes */
+        c->last_lora = 0;
+    if (c->last_salt == id)
+        c->last_salt = 0;
+    intern_drop(&c->names, id);
 }
 
 /* The root of namespace (lora, salt, size); made if `make`. NODE_NONE if absent (or out of
@@ -335,6 +365,10 @@ static uint32_t root_of(core_t *c, uint32_t lora, uint32_t salt, uint32_t size, 
     }
     uint32_t index = c->nns++;
     c->ns[index] = (namespace_t){lora, salt, size, root};
+    if (lora)
+        c->names.items[lora].refs++;
+    if (salt)
+        c->names.items[salt].refs++;
     e = map_find(&c->ns_by_key, k, size);
     e->value = index;
     r->value = index;
@@ -350,6 +384,8 @@ static void root_drop(core_t *c, uint32_t root) {
         return;
     namespace_t ns = c->ns[index];
     map_remove(&c->ns_by_key, ((uint64_t)ns.lora << 32) | ns.salt, ns.size, NULL);
+    name_release(c, ns.lora, 1);
+    name_release(c, ns.salt, 1);
     size_count(c, ns.size, -1);
     uint32_t last = --c->nns;
     if (index != last) { /* keep the array dense: the last namespace takes its index */
@@ -614,7 +650,7 @@ static pool_t *pool_get(core_t *c, source_t *s, int64_t group, uint32_t medium) 
     if (s->npools == MAX_POOLS)
         return NULL;
     pool_t *p = &s->pools[s->npools];
-    p->group = (int32_t)group;
+    p->group = group;
     p->medium = medium;
     p->tier = core_tier_of(c, medium);
     p->index = (uint8_t)s->npools;
@@ -787,15 +823,41 @@ typedef struct {
     const hkey *hashes;
     hkey parent;
     uint8_t parent_known; /* a bytes parent never interned is held by nobody */
-    uint32_t medium, lora, salt, spec_kind;
+    uint32_t medium, spec_kind;
 } rop_t;
+
+static uint32_t intern_cached(core_t *c, interner *t, span_t sp, uint32_t *last);
+
+/* The root of a chain-starting event's namespace, made if new. Its names -- the adapter
+ * (its name, or "\xff" + the lora_id of vLLM < 0.14) and the salt -- are interned here
+ * only, and held by the namespaces using them: a fleet whose requests bring new salts
+ * keeps only the salts of namespaces it still has. NODE_NONE: no place (see root_of). */
+static uint32_t root_for(core_t *c, const op_t *op, uint32_t size) {
+    uint32_t lora = 0, salt = 0;
+    int named = op->lora.p != NULL || op->has_lora_id;
+    if (op->lora.p != NULL) {
+        lora = intern_cached(c, &c->names, op->lora, &c->last_lora);
+    } else if (op->has_lora_id) {
+        char text[32];
+        int n = snprintf(text, sizeof text, "\xff%lld", (long long)op->lora_id);
+        lora = intern(&c->names, (const uint8_t *)text, (uint32_t)n);
+    }
+    if (op->salt.p != NULL)
+        salt = intern_cached(c, &c->names, op->salt, &c->last_salt);
+    uint32_t root = NODE_NONE;
+    if ((!named || lora) && (op->salt.p == NULL || salt)) /* else out of memory */
+        root = root_of(c, lora, salt, size, 1);
+    name_release(c, lora, 0); /* names no namespace took (none made, or no memory) */
+    name_release(c, salt, 0);
+    return root;
+}
 
 /* `_anchor`: the node the event's first block hangs from, or NODE_NONE. */
 static uint32_t anchor(core_t *c, source_t *s, const rop_t *r, pool_t *p) {
     const op_t *op = r->op;
     uint32_t size = (uint32_t)op->block_size;
     if (!op->has_parent)
-        return root_of(c, r->lora, r->salt, size, 1);
+        return root_for(c, op, size);
     if (!r->parent_known)
         return NODE_NONE;
     pmap_entry *e = POOL_FIND(p, r->parent);
@@ -845,8 +907,8 @@ static void insert_chain(core_t *c, source_t *s, pool_t *p, uint32_t node, const
 static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r) {
     const op_t *op = r->op;
     pool_t *p = pool_get(c, s, op->has_group ? op->group : 0, r->medium);
-    if (p == NULL)
-        return -1;
+    if (p == NULL) /* past MAX_POOLS (fleet.py's too): not held; else out of memory */
+        return s->npools == MAX_POOLS ? 0 : -1;
     uint32_t size = op->block_size > 0 && op->block_size < (1LL << 31) ? (uint32_t)op->block_size : 0;
     if (size > p->size)
         p->size = size;
@@ -937,10 +999,6 @@ void source_remove(core_t *c, uint32_t bit) {
     c->sources[bit] = NULL;
 }
 
-static uint32_t intern_span(core_t *c, span_t sp) {
-    return sp.p == NULL ? 0 : intern(&c->strings, sp.p, sp.len);
-}
-
 /* The interned id of a hash; bytes are interned only if `make` (a store), else a hash
  * never interned is reported unknown (returns 0). */
 static int hash_of(core_t *c, const phash *ph, int make, hkey *out) {
@@ -955,19 +1013,23 @@ static int hash_of(core_t *c, const phash *ph, int make, hkey *out) {
 
 /* A string's id, remembering the last one of its kind (a stream repeats its medium, spec
  * kind and adapter in every event: a compare instead of hashing each time). */
-static uint32_t intern_cached(core_t *c, span_t sp, uint32_t *last) {
+static uint32_t intern_cached(core_t *c, interner *t, span_t sp, uint32_t *last) {
+    (void)c;
     if (*last) {
-        const blob_t *b = &c->strings.items[*last];
+        const blob_t *b = &t->items[*last];
         if (b->len == sp.len && memcmp(sp.p, b->data, sp.len) == 0)
             return *last;
     }
-    uint32_t id = intern_span(c, sp);
+    uint32_t id = sp.p == NULL ? 0 : intern(t, sp.p, sp.len);
     *last = id;
     return id;
 }
 
+/* An event's medium: none, or an empty name, is the GPU (fleet.py's `event.medium or
+ * DEFAULT_MEDIUM`; "" made a pool of its own here, found by fuzz/). */
 static uint32_t medium_of(core_t *c, span_t sp) {
-    return sp.p == NULL ? c->gpu_medium : intern_cached(c, sp, &c->last_medium);
+    return sp.p == NULL || sp.len == 0 ? c->gpu_medium
+                                       : intern_cached(c, &c->strings, sp, &c->last_medium);
 }
 
 static int resolve(core_t *c, scratch_t *sc, const op_t *op, rop_t *r) {
@@ -996,16 +1058,20 @@ static int resolve(core_t *c, scratch_t *sc, const op_t *op, rop_t *r) {
             return -1;
     if (op->has_parent)
         r->parent_known = (uint8_t)hash_of(c, &op->parent, 0, &r->parent);
-    if (op->lora.p != NULL) {
-        r->lora = intern_cached(c, op->lora, &c->last_lora);
-    } else if (op->has_lora_id) {
-        char text[32];
-        int n = snprintf(text, sizeof text, "\xff%lld", (long long)op->lora_id);
-        r->lora = intern(&c->strings, (const uint8_t *)text, (uint32_t)n);
-    }
-    r->salt = op->salt.p == NULL ? 0 : intern_cached(c, op->salt, &c->last_salt);
-    r->spec_kind = op->spec_kind.p == NULL ? 0 : intern_cached(c, op->spec_kind, &c->last_kind);
+    r->spec_kind =
+        op->spec_kind.p == NULL ? 0 : intern_cached(c, &c->strings, op->spec_kind, &c->last_kind);
     return (int)op->nhashes;
+}
+
+/* Bytes hashes a store interned (resolve) that no pool entry took -- a pool past
+ * MAX_POOLS, or out of memory -- go again: nothing else would ever free them. */
+static void drop_unheld(core_t *c, const rop_t *r) {
+    for (uint32_t i = 0; i < r->op->nhashes; i++) {
+        hkey h = r->hashes[i];
+        if (h.kind == HK_BYTES && h.v != 0 && c->bytes.items[h.v].data != NULL &&
+            c->bytes.items[h.v].refs == 0)
+            intern_drop(&c->bytes, (uint32_t)h.v);
+    }
 }
 
 /* Apply a parsed batch to one publisher: `apply` in fleet.py. -1: out of memory. */
@@ -1023,7 +1089,11 @@ int apply_ops(core_t *c, source_t *s, scratch_t *sc) {
                           (uint32_t)known);
         } else if (op->type == OP_STORED) {
             stored += op->nhashes;
-            if (resolve(c, sc, op, &r) < 0 || store(c, s, sc, &r) < 0)
+            if (resolve(c, sc, op, &r) < 0)
+                return -1;
+            int res = store(c, s, sc, &r);
+            drop_unheld(c, &r);
+            if (res < 0)
                 return -1;
         } else if (op->type == OP_CLEARED) {
             clears++;
@@ -1087,9 +1157,9 @@ static uint32_t group_hit(const core_t *c, const source_t *s, const pool_t *p, c
         return 0;
     }
     if (klass == KIND_WINDOW) {
-        int64_t needed = (window - 1 + p->size - 1) / p->size; /* ceil((window - 1) / size) */
-        if (needed < 1)
-            needed = 1;
+        /* max(1, ceil((window - 1) / size)), for any int64 window from the wire: as
+         * (window - 2) / size + 1 from 2 on (the plain sum overflowed near 2^63). */
+        int64_t needed = window <= 1 ? 1 : (int64_t)(((uint64_t)window - 2) / p->size + 1);
         uint32_t run = 0;
         for (uint32_t i = limit; i-- > 0;) {
             if (held_at(c, s, p, w, i)) {
@@ -1259,6 +1329,10 @@ uint32_t intern_str(core_t *c, const uint8_t *p, uint32_t len) {
 
 uint32_t find_str(const core_t *c, const uint8_t *p, uint32_t len) {
     return intern_find(&c->strings, p, len);
+}
+
+uint32_t find_name(const core_t *c, const uint8_t *p, uint32_t len) {
+    return intern_find(&c->names, p, len);
 }
 
 uint32_t find_bytes(const core_t *c, const uint8_t *p, uint32_t len) {

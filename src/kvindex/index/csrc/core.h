@@ -50,7 +50,9 @@ typedef struct {
 } node_t;
 
 typedef struct {
-    int32_t group;
+    /* group_idx as the wire says it: any int64 (was int32, which folded 2^32 onto 0 and
+     * made a new pool per event; found by fuzz/). Past int64: see module.c's opt_int. */
+    int64_t group;
     uint32_t medium; /* interned string id */
     uint8_t tier;
     uint8_t index; /* its bit in `where` */
@@ -85,7 +87,7 @@ typedef struct {
 typedef struct {
     const uint8_t *data;
     uint32_t len;
-    uint32_t refs; /* interned bytes: pool entries using it; strings: never freed */
+    uint32_t refs; /* bytes: pool entries using it; names: namespaces; strings: unused */
     uint64_t fp;
 } blob_t;
 
@@ -181,7 +183,8 @@ typedef struct {
     source_t **sources; /* by bit */
     uint32_t nsources_cap;
     uint32_t max_bit;   /* bits in use are < max_bit */
-    interner strings;
+    interner strings;   /* media and spec kinds: a few, kept for the index's life */
+    interner names;     /* namespaces' adapters and salts (freed with their last one) */
     interner bytes;     /* bytes hashes (freed when no pool holds them) */
     uint64_t seed;      /* of the key digest */
     uint32_t **token_store;
@@ -200,7 +203,7 @@ typedef struct {
     uint8_t several; /* by_tier/groups computed (else: one pool, all from it) */
     uint32_t by_tier[TIER_COUNT];
     uint32_t ngroups;
-    int32_t groups[MAX_POOLS];
+    int64_t groups[MAX_POOLS];
     uint32_t group_blocks[MAX_POOLS];
 } reuse_t;
 
@@ -222,6 +225,7 @@ void source_remove(core_t *c, uint32_t bit);
 int apply_ops(core_t *c, source_t *s, scratch_t *sc);
 uint32_t intern_str(core_t *c, const uint8_t *p, uint32_t len);
 uint32_t find_str(const core_t *c, const uint8_t *p, uint32_t len);
+uint32_t find_name(const core_t *c, const uint8_t *p, uint32_t len);
 uint32_t find_bytes(const core_t *c, const uint8_t *p, uint32_t len);
 const uint64_t *set_words_of(const core_t *c, uint32_t holders);
 uint32_t root_find(const core_t *c, uint32_t lora, uint32_t salt, uint32_t size);

@@ -52,10 +52,10 @@ static inline uint32_t intern_find(const interner *t, const uint8_t *data, uint3
     }
 }
 
-/* The id of these bytes, interned now if new. 0: out of memory (or too long). */
+/* The id of these bytes, interned now if new. 0: out of memory. Any length: the table's
+ * key holds the low 24 bits of it, contents are always compared (a medium of 16 MiB or
+ * more was refused, and its batch raised MemoryError). */
 static inline uint32_t intern(interner *t, const uint8_t *data, uint32_t len) {
-    if (len >= (1u << 24))
-        return 0;
     uint64_t fp = bytes_fingerprint(t->seed, data, len);
     for (uint32_t probe = 0; probe < 255; probe++) {
         int made;

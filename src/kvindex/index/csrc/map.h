@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h" /* every allocation of the core is counted */
+
 #define MAP_EMPTY 0xFFFFFFFFu /* a free slot's b: no key may use it */
 
 /* A 64-bit mixer (the finaliser of MurmurHash3 / splitmix64): every input bit reaches

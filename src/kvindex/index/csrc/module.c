@@ -5,8 +5,9 @@
  * without the GIL, so HTTP lookups run on the other core meanwhile. Questions (lookups,
  * counts, walks) take the read lock and keep the GIL: they are short, and giving the GIL
  * away mid-request would let an ingest thread keep it for a whole switch interval. No code
- * needs the GIL while holding the write lock, so the two never wait on each other in a
- * circle. Readers never see half a batch: a batch is applied under one write lock.
+ * holds the GIL while it waits for or holds the write lock (every writer: WRITE_LOCKED),
+ * so the two never wait on each other in a circle. Readers never see half a batch: a
+ * batch is applied under one write lock.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,32 +27,45 @@ typedef struct {
     core_t core;
     PyObject **shared; /* tier dicts, group-0 dicts, rank dicts: see shared_dict */
     pthread_rwlock_t lock;
+    /* Parse scratches not in use: one per ingest thread parsing at once, kept for the
+     * next batch (they grow to the largest batch). A pool owned by the Core rather than
+     * thread-local storage: a thread-local scratch of a thread that outlives the Core is
+     * never freed (deleting the key runs no destructors). */
+    pthread_mutex_t spares_lock;
+    struct spare *spares;
     int ready;
 } CoreObject;
 
-static void scratch_destroy(void *p) {
-    if (p != NULL) {
-        scratch_free((scratch_t *)p);
-        free(p);
-    }
+typedef struct spare {
+    scratch_t sc; /* first: a scratch_t * is its spare */
+    struct spare *next;
+} spare_t;
+
+/* A scratch for one batch: a spare, or a new one. NULL: out of memory. */
+static scratch_t *scratch_take(CoreObject *self) {
+    pthread_mutex_lock(&self->spares_lock);
+    spare_t *s = self->spares;
+    if (s != NULL)
+        self->spares = s->next;
+    pthread_mutex_unlock(&self->spares_lock);
+    return s != NULL ? &s->sc : calloc(1, sizeof(spare_t));
 }
 
-/* One parse scratch per thread, shared by every index: a batch is parsed and applied in
- * one call, so a thread never needs two at once. One key for the module (made at import):
- * a key per index would run out (a process has PTHREAD_KEYS_MAX, 1024 here) when many
- * indexes live, as in a long test run. */
-static pthread_key_t SCRATCH_KEY;
+/* A scratch past this is emptied when given back: it grows to the largest batch, and one
+ * odd batch of millions of events should not stay in memory for the Core's life. */
+#define SCRATCH_KEEP ((size_t)4 << 20)
 
-static scratch_t *thread_scratch(void) {
-    scratch_t *sc = pthread_getspecific(SCRATCH_KEY);
-    if (sc == NULL) {
-        sc = calloc(1, sizeof(scratch_t));
-        if (sc == NULL || pthread_setspecific(SCRATCH_KEY, sc) != 0) {
-            free(sc);
-            return NULL;
-        }
-    }
-    return sc;
+static void scratch_give_back(CoreObject *self, scratch_t *sc) {
+    size_t bytes = (size_t)sc->ops_cap * sizeof(op_t) + (size_t)sc->hashes_cap * sizeof(phash) +
+                   (size_t)sc->keys_cap * sizeof(uint64_t) +
+                   (size_t)sc->tokens_cap * sizeof(uint32_t) + (size_t)sc->hk_cap * sizeof(hkey);
+    if (bytes > SCRATCH_KEEP)
+        scratch_free(sc);
+    spare_t *s = (spare_t *)sc;
+    pthread_mutex_lock(&self->spares_lock);
+    s->next = self->spares;
+    self->spares = s;
+    pthread_mutex_unlock(&self->spares_lock);
 }
 
 static int Core_init(CoreObject *self, PyObject *args, PyObject *kwargs) {
@@ -87,6 +101,8 @@ static int Core_init(CoreObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_OSError, "could not make the index's lock");
         return -1;
     }
+    pthread_mutex_init(&self->spares_lock, NULL); /* a default mutex: can't fail on Linux */
+    self->spares = NULL;
     self->ready = 1;
     return 0;
 }
@@ -99,12 +115,35 @@ static void Core_dealloc(CoreObject *self) {
         self->shared = NULL;
     }
     if (self->ready) {
+        /* No batch is being applied: each holds a reference to the Core. */
+        while (self->spares != NULL) {
+            spare_t *s = self->spares;
+            self->spares = s->next;
+            scratch_free(&s->sc);
+            free(s);
+        }
+        pthread_mutex_destroy(&self->spares_lock);
         pthread_rwlock_destroy(&self->lock);
         core_free(&self->core);
         self->ready = 0;
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
+
+/* Run `body` (C only: no Python object) under the write lock, waited for and held without
+ * the GIL, as apply_payload does. A lookup holds the read lock while it builds its rows,
+ * with the GIL, and may give the GIL away meanwhile (its empty-rows callback is Python,
+ * and any allocation may run a garbage collection's finalizers): a writer waiting for the
+ * lock with the GIL held would wait for it forever, and the lookup for the GIL. Nor may
+ * a writer take the GIL back while it holds the lock: readers wait for it with the GIL. */
+#define WRITE_LOCKED(self, body)                                                           \
+    do {                                                                                   \
+        Py_BEGIN_ALLOW_THREADS                                                             \
+        pthread_rwlock_wrlock(&(self)->lock);                                              \
+        body;                                                                              \
+        pthread_rwlock_unlock(&(self)->lock);                                              \
+        Py_END_ALLOW_THREADS                                                               \
+    } while (0)
 
 #define READY(self)                                                                        \
     do {                                                                                   \
@@ -143,7 +182,7 @@ static PyObject *Core_apply_payload(CoreObject *self, PyObject *args) {
     Py_buffer view;
     if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    scratch_t *sc = thread_scratch();
+    scratch_t *sc = scratch_take(self);
     if (sc == NULL) {
         PyBuffer_Release(&view);
         return PyErr_NoMemory();
@@ -168,14 +207,18 @@ static PyObject *Core_apply_payload(CoreObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
+    double ts = sc->ts;
+    int has_rank = sc->has_rank;
+    long long dp_rank = sc->dp_rank;
+    scratch_give_back(self, sc);
     if (res == PARSE_NOMEM || failed)
         return PyErr_NoMemory();
     if (res != PARSE_OK)
         return Py_BuildValue("(OOOO)", Py_False, Py_None, Py_None, Py_None);
-    PyObject *rank = sc->has_rank ? PyLong_FromLongLong(sc->dp_rank) : (Py_INCREF(Py_None), Py_None);
+    PyObject *rank = has_rank ? PyLong_FromLongLong(dp_rank) : (Py_INCREF(Py_None), Py_None);
     if (rank == NULL)
         return NULL;
-    return Py_BuildValue("(OdN(LLL))", Py_True, sc->ts, rank, counts[0], counts[1], counts[2]);
+    return Py_BuildValue("(OdN(LLL))", Py_True, ts, rank, counts[0], counts[1], counts[2]);
 }
 
 /* A block hash from Python: an int in [-2^63, 2^64) or bytes (kept alive by the caller). */
@@ -210,6 +253,19 @@ static int hash_arg(PyObject *obj, phash *h) {
     }
     h->p = NULL;
     h->len = 0;
+    return 1;
+}
+
+/* A hash asked about (lookup_hashes, count): an int outside [-2^63, 2^64) can't be one
+ * any pool holds (no wire can say it): `*known` 0, as fleet.py answers, not an error. */
+static int query_hash_arg(PyObject *obj, phash *h, uint8_t *known) {
+    *known = 1;
+    if (hash_arg(obj, h))
+        return 1;
+    if (!PyLong_Check(obj) || !PyErr_ExceptionMatches(PyExc_OverflowError))
+        return 0;
+    PyErr_Clear();
+    *known = 0;
     return 1;
 }
 
@@ -424,12 +480,15 @@ static PyObject *Core_apply_ops(CoreObject *self, PyObject *args) {
             Py_DECREF(fast);
             return NULL;
         }
-    /* The spans point into the tuples' objects: `fast` keeps them alive until here. */
+    /* The spans point into the tuples' objects: `fast` keeps them alive until here (the
+     * list is batch_ops' own: nothing else changes it while the GIL is away). */
     int failed;
+    Py_BEGIN_ALLOW_THREADS /* see WRITE_LOCKED */
     pthread_rwlock_wrlock(&self->lock);
     source_t *s = source_get(&self->core, bit, 1);
     failed = s == NULL || apply_ops(&self->core, s, &sc) < 0;
     pthread_rwlock_unlock(&self->lock);
+    Py_END_ALLOW_THREADS
     scratch_free(&sc);
     Py_DECREF(fast);
     if (failed)
@@ -447,13 +506,13 @@ static PyObject *Core_clear(CoreObject *self, PyObject *args) {
     uint32_t bit;
     if (!bit_arg(bit_obj, &bit))
         return NULL;
-    pthread_rwlock_wrlock(&self->lock);
-    source_t *s = source_get(&self->core, bit, 0);
-    if (s != NULL) {
-        source_clear(&self->core, s);
-        s->stats.restarts += restart;
-    }
-    pthread_rwlock_unlock(&self->lock);
+    WRITE_LOCKED(self, {
+        source_t *s = source_get(&self->core, bit, 0);
+        if (s != NULL) {
+            source_clear(&self->core, s);
+            s->stats.restarts += restart;
+        }
+    });
     Py_RETURN_NONE;
 }
 
@@ -462,9 +521,7 @@ static PyObject *Core_remove(CoreObject *self, PyObject *bit_obj) {
     uint32_t bit;
     if (!bit_arg(bit_obj, &bit))
         return NULL;
-    pthread_rwlock_wrlock(&self->lock);
-    source_remove(&self->core, bit);
-    pthread_rwlock_unlock(&self->lock);
+    WRITE_LOCKED(self, source_remove(&self->core, bit));
     Py_RETURN_NONE;
 }
 
@@ -615,17 +672,17 @@ static int lookup_names(CoreObject *self, PyObject *lora, PyObject *salt, uint32
     span_t l, s;
     if (!opt_str(lora, &l) || !opt_str(salt, &s))
         return 0;
-    *lora_id = l.p ? find_str(&self->core, l.p, l.len) : 0;
-    *salt_id = s.p ? find_str(&self->core, s.p, s.len) : 0;
+    *lora_id = l.p ? find_name(&self->core, l.p, l.len) : 0;
+    *salt_id = s.p ? find_name(&self->core, s.p, s.len) : 0;
     *unknown = (l.p && !*lora_id) || (s.p && !*salt_id);
     return 1;
 }
 
 
-static PyObject *int_dict(const int32_t *keys, const uint32_t *values, uint32_t n) {
+static PyObject *int_dict(const int64_t *keys, const uint32_t *values, uint32_t n) {
     PyObject *d = PyDict_New();
     for (uint32_t i = 0; d && i < n; i++) {
-        PyObject *k = PyLong_FromLong(keys[i]), *v = PyLong_FromUnsignedLong(values[i]);
+        PyObject *k = PyLong_FromLongLong(keys[i]), *v = PyLong_FromUnsignedLong(values[i]);
         if (!k || !v || PyDict_SetItem(d, k, v) < 0)
             Py_CLEAR(d);
         Py_XDECREF(k);
@@ -677,7 +734,7 @@ static PyObject *make_row(CoreObject *self, PyObject *row_type, PyObject *name, 
         groups = int_dict(a->detail->groups, a->detail->group_blocks, a->detail->ngroups);
     } else { /* one pool: everything it reuses is that pool's tier and group */
         const source_t *s = c->sources[bit];
-        int32_t group = s && s->npools ? s->pools[0].group : 0;
+        int64_t group = s && s->npools ? s->pools[0].group : 0;
         uint8_t tier = s && s->npools ? s->pools[0].tier : TIER_GPU;
         tiers = shared_dict(self, tier, a->blocks);
         groups = group == 0 ? shared_dict(self, TIER_COUNT, a->blocks)
@@ -1044,7 +1101,7 @@ static PyObject *Core_lookup_hashes(CoreObject *self, PyObject *hashes_obj) {
         return PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < n; i++)
-        if (!hash_arg(PySequence_Fast_GET_ITEM(fast, i), &ph[i])) {
+        if (!query_hash_arg(PySequence_Fast_GET_ITEM(fast, i), &ph[i], &known[i])) {
             free(ph), free(hk), free(known);
             Py_DECREF(fast);
             return NULL;
@@ -1053,6 +1110,8 @@ static PyObject *Core_lookup_hashes(CoreObject *self, PyObject *hashes_obj) {
     PyObject *rows = PyList_New(0);
     pthread_rwlock_rdlock(&self->lock);
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (!known[i])
+            continue;
         if (ph[i].kind == HK_BYTES) {
             uint32_t id = find_bytes(c, ph[i].p, ph[i].len);
             hk[i] = (hkey){id, HK_BYTES};
@@ -1113,10 +1172,12 @@ static PyObject *hash_object(const core_t *c, uint64_t v, uint32_t kind) {
     return PyLong_FromUnsignedLongLong(v);
 }
 
-static PyObject *str_object(const core_t *c, uint32_t sid) {
-    const blob_t *b = &c->strings.items[sid];
+static PyObject *blob_object(const interner *t, uint32_t sid) {
+    const blob_t *b = &t->items[sid];
     return PyUnicode_DecodeUTF8((const char *)b->data, b->len, "replace");
 }
+
+static PyObject *str_object(const core_t *c, uint32_t sid) { return blob_object(&c->strings, sid); }
 
 /* pools(bit) -> [(group, medium, {hash: copies}), ...] */
 static PyObject *Core_pools(CoreObject *self, PyObject *bit_obj) {
@@ -1144,7 +1205,7 @@ static PyObject *Core_pools(CoreObject *self, PyObject *bit_obj) {
             Py_XDECREF(v);
         }
         PyObject *medium = d ? str_object(c, p->medium) : NULL;
-        PyObject *row = medium ? Py_BuildValue("(iNN)", p->group, medium, d) : NULL;
+        PyObject *row = medium ? Py_BuildValue("(LNN)", (long long)p->group, medium, d) : NULL;
         if (row == NULL) {
             Py_XDECREF(d);
             Py_CLEAR(out);
@@ -1170,7 +1231,7 @@ static PyObject *Core_pool_keys(CoreObject *self, PyObject *bit_obj) {
     source_t *s = source_get(c, bit, 0);
     for (uint32_t i = 0; out && s && i < s->npools; i++) {
         PyObject *medium = str_object(c, s->pools[i].medium);
-        PyObject *row = medium ? Py_BuildValue("(iN)", s->pools[i].group, medium) : NULL;
+        PyObject *row = medium ? Py_BuildValue("(LN)", (long long)s->pools[i].group, medium) : NULL;
         if (row == NULL || PyList_Append(out, row) < 0)
             Py_CLEAR(out);
         Py_XDECREF(row);
@@ -1266,8 +1327,12 @@ static PyObject *Core_count(CoreObject *self, PyObject *args) {
     uint32_t bit;
     span_t medium;
     phash ph;
-    if (!bit_arg(bit_obj, &bit) || !opt_str(medium_obj, &medium) || !hash_arg(hash_obj, &ph))
+    uint8_t known;
+    if (!bit_arg(bit_obj, &bit) || !opt_str(medium_obj, &medium) ||
+        !query_hash_arg(hash_obj, &ph, &known))
         return NULL;
+    if (!known)
+        return PyLong_FromLong(0);
     core_t *c = &self->core;
     unsigned long copies = 0;
     pthread_rwlock_rdlock(&self->lock);
@@ -1389,16 +1454,16 @@ static PyObject *Core_walk_tree(CoreObject *self, PyObject *Py_UNUSED(unused)) {
         PyObject *lora, *salt;
         if (ns.lora == 0) {
             lora = Py_None, Py_INCREF(lora);
-        } else if (c->strings.items[ns.lora].len && c->strings.items[ns.lora].data[0] == 0xff) {
+        } else if (c->names.items[ns.lora].len && c->names.items[ns.lora].data[0] == 0xff) {
             /* "\xff" + the lora_id's digits (see resolve): the int again */
             char digits[32] = {0};
-            const blob_t *b = &c->strings.items[ns.lora];
+            const blob_t *b = &c->names.items[ns.lora];
             memcpy(digits, b->data + 1, b->len - 1 < sizeof digits - 1 ? b->len - 1 : sizeof digits - 1);
             lora = PyLong_FromString(digits, NULL, 10);
         } else {
-            lora = str_object(c, ns.lora);
+            lora = blob_object(&c->names, ns.lora);
         }
-        salt = ns.salt ? str_object(c, ns.salt) : (Py_INCREF(Py_None), Py_None);
+        salt = ns.salt ? blob_object(&c->names, ns.salt) : (Py_INCREF(Py_None), Py_None);
         uint32_t top = 0;
         for (uint32_t ch = first[ns.root]; ch; ch = next[ch]) {
             stack[top++] = ch;
@@ -1445,9 +1510,7 @@ static PyObject *Core_keep_tokens(CoreObject *self, PyObject *on) {
     int keep = PyObject_IsTrue(on);
     if (keep < 0)
         return NULL;
-    pthread_rwlock_wrlock(&self->lock);
-    self->core.keep_tokens = (uint8_t)keep;
-    pthread_rwlock_unlock(&self->lock);
+    WRITE_LOCKED(self, self->core.keep_tokens = (uint8_t)keep);
     Py_RETURN_NONE;
 }
 
@@ -1467,10 +1530,11 @@ static PyObject *Core_tier_of(CoreObject *self, PyObject *medium) {
     const char *s = PyUnicode_AsUTF8AndSize(medium, &n);
     if (s == NULL)
         return NULL;
-    pthread_rwlock_wrlock(&self->lock);
-    uint32_t id = intern_str(&self->core, (const uint8_t *)s, (uint32_t)n);
-    uint8_t tier = id ? core_tier_of(&self->core, id) : TIER_EXTERNAL;
-    pthread_rwlock_unlock(&self->lock);
+    uint8_t tier;
+    WRITE_LOCKED(self, {
+        uint32_t id = intern_str(&self->core, (const uint8_t *)s, (uint32_t)n);
+        tier = id ? core_tier_of(&self->core, id) : TIER_EXTERNAL;
+    });
     return PyUnicode_FromString(TIER_NAMES[tier]);
 }
 
@@ -1509,7 +1573,16 @@ static PyTypeObject CoreType = {
     .tp_new = PyType_GenericNew,
 };
 
-static PyMethodDef module_functions[] = {
+/* allocated() -> (bytes, blocks) the core's C holds now, over every Core of the process
+   (alloc.h): what tests and the fuzzer check leaks with. */
+static PyObject *core_allocated(PyObject *module, PyObject *Py_UNUSED(unused)) {
+    (void)module;
+    return Py_BuildValue("(nn)", (Py_ssize_t)__atomic_load_n(&kv_alloc_bytes, __ATOMIC_RELAXED),
+                         (Py_ssize_t)__atomic_load_n(&kv_alloc_blocks, __ATOMIC_RELAXED));
+}
+
+static PyMethodDef core_functions[] = {
+    {"allocated", core_allocated, METH_NOARGS, NULL},
     {"parse_lookup", (PyCFunction)parse_lookup, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
@@ -1519,16 +1592,12 @@ static struct PyModuleDef core_module = {
     .m_name = "kvindex.index._core",
     .m_doc = "The compiled index core.",
     .m_size = -1,
-    .m_methods = module_functions,
+    .m_methods = core_functions,
 };
 
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&CoreType) < 0)
         return NULL;
-    if (pthread_key_create(&SCRATCH_KEY, scratch_destroy) != 0) {
-        PyErr_SetString(PyExc_OSError, "could not make the parse scratch's thread key");
-        return NULL;
-    }
     for (int t = 0; t < TIER_COUNT; t++)
         if ((TIER_STR[t] = PyUnicode_InternFromString(TIER_NAMES[t])) == NULL)
             return NULL;

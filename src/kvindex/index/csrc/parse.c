@@ -96,19 +96,33 @@ static enum field field_of(const uint8_t *k, uint32_t n, int stored) {
 
 /* -- scratch ------------------------------------------------------------------------- */
 
+/* Room for `more` items after `count`. In 64 bits: a count from the wire near 2^32
+ * would wrap a 32-bit sum (no room made, then writes past the end) or double the
+ * capacity to 0 forever (a hang); past 2^32 items the batch goes to Python. */
 #define GROW(arr, count, cap, more)                                                        \
     do {                                                                                   \
-        if ((count) + (more) > (cap)) {                                                    \
-            uint32_t c_ = (cap) ? (cap) : 64;                                              \
-            while (c_ < (count) + (more))                                                  \
+        uint64_t need_ = (uint64_t)(count) + (more);                                       \
+        if (need_ > UINT32_MAX)                                                            \
+            return PARSE_SLOW;                                                             \
+        if (need_ > (cap)) {                                                               \
+            uint64_t c_ = (cap) ? (cap) : 64;                                              \
+            while (c_ < need_)                                                             \
                 c_ *= 2;                                                                   \
+            if (c_ > UINT32_MAX)                                                           \
+                c_ = UINT32_MAX;                                                           \
             void *p_ = realloc((arr), (size_t)c_ * sizeof(*(arr)));                        \
             if (p_ == NULL)                                                                \
                 return PARSE_NOMEM;                                                        \
             (arr) = p_;                                                                    \
-            (cap) = c_;                                                                    \
+            (cap) = (uint32_t)c_;                                                          \
         }                                                                                  \
     } while (0)
+
+/* Whether an array header's count can be true: every item takes a byte at least. (Else
+ * a 10-byte payload could make the scratch grow to gigabytes before failing.) */
+static inline int items_fit(const mp_reader *r, uint32_t n) {
+    return (size_t)n <= (size_t)(r->end - r->p);
+}
 
 void scratch_reset(scratch_t *sc) {
     sc->nops = sc->nhashes = sc->nkeys = sc->ntokens = 0;
@@ -150,7 +164,7 @@ static int read_hash(mp_reader *r, phash *h) {
 
 static int read_hashes(mp_reader *r, scratch_t *sc, op_t *op) {
     uint32_t n;
-    if (!mp_array(r, &n))
+    if (!mp_array(r, &n) || !items_fit(r, n))
         return PARSE_SLOW;
     GROW(sc->hashes, sc->nhashes, sc->hashes_cap, n);
     op->hashes_off = sc->nhashes;
@@ -166,7 +180,7 @@ static int read_hashes(mp_reader *r, scratch_t *sc, op_t *op) {
  * (or negative) sends the batch to Python, whose keys take int64. */
 static int read_tokens(mp_reader *r, scratch_t *sc, op_t *op) {
     uint32_t n;
-    if (!mp_array(r, &n))
+    if (!mp_array(r, &n) || !items_fit(r, n))
         return PARSE_SLOW;
     GROW(sc->tokens, sc->ntokens, sc->tokens_cap, n);
     op->tokens_off = sc->ntokens;

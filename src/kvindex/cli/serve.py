@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvindex.cli import config
-from kvindex.cli.common import UsageError
+from kvindex.cli.common import UsageError, positive_int
 from kvindex.cli.config import DEFAULT_HTTP, DEFAULT_STORE, Settings
 from kvindex.cli.httpopts import add_http_arguments, http_options, warn_if_exposed
 from kvindex.cli.signals import Stop, stop_signals
-from kvindex.subscriber import InstanceSpec, Unreachable
+from kvindex.subscriber import CapacityError, InstanceSpec, Unreachable
 
 if TYPE_CHECKING:
     import uvicorn
@@ -61,6 +61,13 @@ def add_parser(subparsers: Any) -> None:
         type=_workers,
         help="threads that read and apply the engines' events, the instances split between "
         "them (default: one per core)",
+    )
+    p.add_argument(
+        "--sub-hwm",
+        metavar="N",
+        type=positive_int,
+        help="live messages queued per publisher before ZMQ drops new ones (then replayed, "
+        "or counted lost); default 100000 (docs/configuration.md)",
     )
     add_http_arguments(p)
     p.set_defaults(run=run)
@@ -165,10 +172,13 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
             subscriber=shared.subscriber if shared else None,
             membership=shared.membership if shared else None,
             ingest_workers=settings.ingest_workers,
+            sub_hwm=settings.sub_hwm,
         )
-    except zmq.ZMQError as exc:
+    except (zmq.ZMQError, CapacityError) as exc:
         sock.close()
         store.close()
+        if isinstance(exc, CapacityError):  # it says what, the limit and how to raise it
+            raise UsageError(str(exc)) from None
         raise UsageError(f"can't follow the instances: {exc}") from None
     fleet.on_item.append(store.record)
     fleet.on_read.append(store.flush)

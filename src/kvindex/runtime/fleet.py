@@ -31,6 +31,7 @@ from kvindex.runtime.views import (
     worst_status,
 )
 from kvindex.subscriber import (
+    DEFAULT_SUB_HWM,
     Checkpoint,
     DecodeFailed,
     Delivery,
@@ -42,6 +43,7 @@ from kvindex.subscriber import (
     SourceStats,
     Status,
     Subscriber,
+    need_of_instances,
 )
 from kvindex.wire import BlockHash
 
@@ -132,10 +134,16 @@ class Fleet:
         subscriber: Subscriber | None = None,
         membership: MembershipFeed | None = None,
         ingest_workers: int | None = None,
+        sub_hwm: int | None = None,
     ) -> None:
         """`ingest_workers`: threads that read and apply (default: one per core with the
-        compiled index). `slice_seconds` and `keep_payload` are no longer needed: ingest
-        has its own threads, and always hands the hooks the payloads as they came."""
+        compiled index). `sub_hwm`: live messages each SUB socket queues before ZMQ drops
+        new ones (default: DEFAULT_SUB_HWM, 100,000). `slice_seconds` and `keep_payload`
+        are no longer needed: ingest has its own threads, and always hands the hooks the
+        payloads as they came.
+
+        Raises `CapacityError` (before opening anything) if `instances` need more sockets
+        or file descriptors than this process may open."""
         del slice_seconds, keep_payload
         # `index` and `resume` come from a store's warm start: the state as persisted, and
         # where each publisher's stream continues. A shared store brings its own
@@ -156,8 +164,10 @@ class Fleet:
             subscribers = [subscriber]
         else:
             count = ingest_workers if ingest_workers is not None else default_workers()
+            hwm = DEFAULT_SUB_HWM if sub_hwm is None else sub_hwm
             subscribers = [
-                Subscriber(policy=policy, resume=resume, decode=False) for _ in range(max(1, count))
+                Subscriber(policy=policy, resume=resume, decode=False, rcvhwm=hwm)
+                for _ in range(max(1, count))
             ]
         self._workers = [
             IngestWorker(
@@ -176,7 +186,11 @@ class Fleet:
         self._ranks: dict[str, list[SourceKey]] = {}
         self._owner: dict[str, IngestWorker] = {}
         self._counts: dict[str, _Counts] = {}  # per instance, valid until it changes
-        for spec in instances:
+        specs = list(instances)
+        # All or none: a fleet that does not fit is refused before its first socket.
+        what = f"instance {specs[0].name!r}" if len(specs) == 1 else f"{len(specs)} instances"
+        self.subscriber.budget.check(need_of_instances(specs), what)
+        for spec in specs:
             self.add_instance(spec)
 
     @property
@@ -200,7 +214,9 @@ class Fleet:
         return name in self._specs
 
     def add_instance(self, spec: InstanceSpec) -> None:
-        """Follow a new instance now; raises DuplicateInstance if the name is taken."""
+        """Follow a new instance now, all its DP ranks or nothing: raises DuplicateInstance
+        if the name is taken, CapacityError if its sockets don't fit (nothing is opened
+        then, and the instances followed go on)."""
         self._add(spec)
         for hook in list(self.on_add):
             self._call_hook(hook, spec)
@@ -261,7 +277,7 @@ class Fleet:
                         self._remove(change.name)
                 elif not self.has_instance(change.name):
                     self._add(change.spec)
-            except (ValueError, KeyError, zmq.ZMQError) as exc:
+            except (ValueError, KeyError, zmq.ZMQError) as exc:  # CapacityError too
                 log.warning("could not follow the fleet change of %s: %s", change.name, exc)
 
     # -- views -------------------------------------------------------------------------

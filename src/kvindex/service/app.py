@@ -39,7 +39,7 @@ from kvindex.security.http import HttpGuard
 from kvindex.service.dashboard import install_dashboard
 from kvindex.service.docs import install_docs
 from kvindex.service.metrics import ServiceMetrics
-from kvindex.subscriber import InstanceSpec, SpecError, Status
+from kvindex.subscriber import CapacityError, InstanceSpec, SpecError, Status
 from kvindex.wire import parse_hash, render_hash
 
 __all__ = ["MAX_BODY_BYTES", "MAX_LOOKUP_ITEMS", "create_app"]
@@ -554,11 +554,13 @@ def _add_instance_routes(app: FastAPI, fleet: Fleet) -> None:
 
     @app.post("/v1/instances", status_code=201, response_model=InstanceOut, responses=_ERRORS)
     async def add_instance(body: AddInstanceRequest) -> Response:
-        """Follow a new instance now (409 if the name exists, 400 for a bad spec)."""
+        """Follow a new instance now, all its DP ranks or nothing (409 if the name exists
+        or its sockets don't fit in the process: the error says the limit; 400 for a bad
+        spec)."""
         try:
             spec = _spec_from(body)
             fleet.add_instance(spec)
-        except DuplicateInstance as exc:
+        except (DuplicateInstance, CapacityError) as exc:
             return _error(409, str(exc))
         except (SpecError, zmq.ZMQError) as exc:
             return _error(400, str(exc))

@@ -1,6 +1,7 @@
 """`kvindex.subscriber`: follow vLLM publishers and get every batch once, in order."""
 
-from kvindex.subscriber.core import Subscriber
+from kvindex.subscriber.capacity import CapacityError, Need, SocketBudget, need_of_instances
+from kvindex.subscriber.core import DEFAULT_SUB_HWM, Subscriber
 from kvindex.subscriber.messages import (
     Connection,
     DecodeFailed,
@@ -24,6 +25,8 @@ from kvindex.subscriber.spec import InstanceSpec, SourceSpec, SpecError, offset_
 from kvindex.subscriber.state import Checkpoint, ReplayPolicy, SourceState, payload_digest
 
 __all__ = [
+    "DEFAULT_SUB_HWM",
+    "CapacityError",
     "Checkpoint",
     "Connection",
     "DecodeFailed",
@@ -34,11 +37,13 @@ __all__ = [
     "Item",
     "Lost",
     "Malformed",
+    "Need",
     "Notice",
     "ReplayPolicy",
     "ReplayRefused",
     "Replayed",
     "Restarted",
+    "SocketBudget",
     "SourceKey",
     "SourceSpec",
     "SourceState",
@@ -48,6 +53,7 @@ __all__ = [
     "Subscriber",
     "Unreachable",
     "Unverified",
+    "need_of_instances",
     "offset_endpoint",
     "payload_digest",
 ]

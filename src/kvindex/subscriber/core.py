@@ -23,6 +23,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvindex.security.curve import client_setup
+from kvindex.subscriber.capacity import SocketBudget, budget_of, need_of, subscriber_context
 from kvindex.subscriber.link import LINK_EVENTS, LinkWatch
 from kvindex.subscriber.messages import (
     Connection,
@@ -48,7 +49,9 @@ from kvindex.subscriber.state import (
 )
 from kvindex.wire import END_SEQ, BatchDecoder, EventBatch, WireError, parse_replay
 
-__all__ = ["Subscriber"]
+__all__ = ["DEFAULT_SUB_HWM", "Subscriber"]
+
+DEFAULT_SUB_HWM = 100_000  # live messages queued per SUB socket before ZMQ drops new ones
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +121,7 @@ class _Source:
 @dataclass(slots=True)
 class _Options:
     policy: ReplayPolicy = field(default_factory=ReplayPolicy)
-    rcvhwm: int = 100_000
+    rcvhwm: int = DEFAULT_SUB_HWM
     max_payload: int = 64 * 1024 * 1024
     decode: bool = True
 
@@ -144,7 +147,7 @@ class Subscriber:
         instances: Iterable[InstanceSpec] = (),
         resume: Mapping[SourceKey, Checkpoint] | None = None,
         policy: ReplayPolicy | None = None,
-        rcvhwm: int = 100_000,
+        rcvhwm: int = DEFAULT_SUB_HWM,
         max_payload: int = 64 * 1024 * 1024,
         keep_payload: bool = False,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
@@ -157,8 +160,12 @@ class Subscriber:
         batch instead of with its replay buffer (`kvindex record --from now`).
 
         `rcvhwm` bounds the live messages queued on each SUB socket: past it, ZMQ drops
-        new ones (a gap, then filled by a replay)."""
-        self._ctx = context or zmq.Context.instance()
+        new ones (a gap, then filled by a replay). Sockets are made on `context`, by
+        default one shared by the process's subscribers whose socket limit is raised
+        (`kvindex.subscriber.capacity`; an `inproc://` publisher needs its own context
+        passed here)."""
+        self._ctx = context or subscriber_context()
+        self._budget = budget_of(self._ctx)
         self._opts = _Options(policy or ReplayPolicy(), rcvhwm, max_payload, decode)
         self._keep_payload = keep_payload  # for recorders and stores that persist raw batches
         self._catch_up = catch_up
@@ -181,14 +188,28 @@ class Subscriber:
     # -- fleet membership --------------------------------------------------------------
 
     def add_instance(self, spec: InstanceSpec) -> list[Item]:
-        """Follow an instance (all its DP ranks). Raises ValueError if the name is taken."""
+        """Follow an instance (all its DP ranks), or nothing: raises ValueError if the name
+        is taken, `CapacityError` if its sockets don't fit in this process (see
+        `kvindex.subscriber.capacity`), zmq.ZMQError if one can't be opened anyway; then
+        nothing of it is left open."""
         if spec.name in self._instances:
             raise ValueError(f"instance {spec.name!r} is already followed")
+        sources = spec.sources()
+        need = need_of(len(sources), spec.replay_endpoint is not None)
+        self._budget.reserve(id(self), spec.name, need)
+        opened: list[_Source] = []
+        try:
+            for source_spec in sources:
+                opened.append(self._open_source(source_spec))
+        except BaseException:
+            for src in opened:
+                self._close_source(self._sources.pop(src.spec.source))
+            self._budget.release(id(self), spec.name)
+            raise
         self._instances[spec.name] = spec
         items: list[Item] = []
         now = time.monotonic()
-        for source_spec in spec.sources():
-            src = self._open_source(source_spec)
+        for src in opened:
             self._handle(src, src.state.start(now), items)
         return items
 
@@ -196,6 +217,12 @@ class Subscriber:
         spec = self._instances.pop(name)
         for source_spec in spec.sources():
             self._close_source(self._sources.pop(source_spec.source))
+        self._budget.release(id(self), name)
+
+    @property
+    def budget(self) -> SocketBudget:
+        """The sockets and descriptors the subscribers of this one's context may hold."""
+        return self._budget
 
     @property
     def instances(self) -> dict[str, InstanceSpec]:
@@ -277,6 +304,8 @@ class Subscriber:
         self._closed = True
         for src in list(self._sources.values()):
             self._close_source(src)
+        for name in self._instances:
+            self._budget.release(id(self), name)
 
     def __enter__(self) -> Subscriber:
         return self

@@ -332,6 +332,10 @@ class Fleet:
             last_batch_ts=stats.last_ts,
             ingest_lag_seconds=worker.lag.get(source),
             problem=stats.problem,
+            malformed_messages=stats.malformed_messages,
+            handshake_failures=stats.handshake_failures,
+            replay_failures=stats.replay_failures,
+            replay_refusals=stats.replay_refusals,
         )
 
     def _counts_of(self, name: str) -> _Counts:

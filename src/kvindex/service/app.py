@@ -196,6 +196,10 @@ class RankOut(BaseModel):
     lost_batches: int
     decode_errors: int
     publisher_restarts: int
+    malformed_messages: int
+    handshake_failures: int
+    replay_failures: int
+    replay_refusals: int
     ingest_lag_seconds: float | None
     problem: str | None
 
@@ -210,6 +214,15 @@ class InstanceOut(BaseModel):
     lost_batches: int
     decode_errors: int
     publisher_restarts: int
+    malformed_messages: int = Field(description="Messages that are not vLLM's frame layout.")
+    handshake_failures: int = Field(description="ZMTP/CURVE handshakes the links failed.")
+    replay_failures: int = Field(
+        description="Replay requests that ended without all they asked for."
+    )
+    replay_refusals: int = Field(
+        description="Replay answers refused: a seq not asked for or out of order, a batch "
+        "the live stream contradicts, no reply at all, past the deadline or byte budget."
+    )
     dp: int
     endpoint: str
     replay_endpoint: str | None
@@ -285,6 +298,10 @@ def _rank_dict(rank: RankView) -> dict[str, Any]:
         "lost_batches": rank.lost_batches,
         "decode_errors": rank.decode_errors,
         "publisher_restarts": rank.publisher_restarts,
+        "malformed_messages": rank.malformed_messages,
+        "handshake_failures": rank.handshake_failures,
+        "replay_failures": rank.replay_failures,
+        "replay_refusals": rank.replay_refusals,
         "ingest_lag_seconds": rank.ingest_lag_seconds,
         "problem": rank.problem,
     }

@@ -109,13 +109,14 @@ def serve(*args: str, nofile: int | None = None) -> tuple[subprocess.Popen[str],
     return proc, line.split("listening on ")[1].split()[0]
 
 
-def stop(proc: subprocess.Popen[str]) -> None:
+def stop(proc: subprocess.Popen[str]) -> str:
+    """Stop serve; what it wrote on stderr."""
     proc.terminate()
     try:
-        proc.wait(15)
+        return proc.communicate(timeout=15)[1]
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
+        return proc.communicate()[1]
 
 
 def instance(client: httpx.Client, name: str) -> dict:  # type: ignore[type-arg]
@@ -177,7 +178,11 @@ def test_an_instance_over_the_descriptor_limit_is_refused_whole(small: Ranks) ->
             assert client.post("/v1/instances", json={"spec": fits}).status_code == 201
             assert len(instance(client, "few")["ranks"]) == 10 and advancing(client, "a")
     finally:
-        stop(proc)
+        log = stop(proc)
+    refusals = [line for line in log.splitlines() if "refused" in line]
+    assert len(refusals) == 2 and refusals[0].startswith(
+        "kvindex serve: WARNING POST /v1/instances refused: can't follow instance 'big': "
+    )
 
 
 def test_serve_refuses_a_fleet_over_the_limit_at_start_in_one_line(tmp_path: Path) -> None:

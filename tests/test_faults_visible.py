@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import zmq
-from clitools import child_env
+from clitools import child_env, kvindex
 from netutil import wait_until
 from service_workload import TestClient
 from test_config import serve_args
@@ -166,3 +166,18 @@ def test_the_sub_high_water_mark_is_the_one_set(tmp_path: Path) -> None:
             assert [s.getsockopt(zmq.RCVHWM) for s in socks] == [want]
         finally:
             fleet.close()
+
+
+def test_serve_logs_a_refused_replay_in_one_line(garbage: GarbageReplay) -> None:
+    with Publisher("tcp://127.0.0.1:*") as pub:
+        spec = f"a={pub.endpoint},replay={garbage.endpoint}"
+        proc = kvindex("serve", "--store", "memory", "--http", "127.0.0.1:0", "--instance", spec)
+        try:
+            line = proc.wait_for(proc.err, lambda x: "replay refused" in x, timeout=15)
+            assert line == (
+                "kvindex serve: WARNING a: replay refused: a reply that is no replay reply "
+                "(replay reply of 1 frames, expected 3 or 4); not asking again for 1 s"
+            )
+        finally:
+            proc.interrupt()
+            assert proc.finish() == 0

@@ -27,7 +27,7 @@ from kvindex.cli.common import UsageError, positive_int
 from kvindex.cli.config import DEFAULT_HTTP, DEFAULT_STORE, Settings
 from kvindex.cli.httpopts import add_http_arguments, http_options, warn_if_exposed
 from kvindex.cli.signals import Stop, stop_signals
-from kvindex.subscriber import CapacityError, InstanceSpec, Unreachable
+from kvindex.subscriber import CapacityError, InstanceSpec, Notice
 
 if TYPE_CHECKING:
     import uvicorn
@@ -184,7 +184,7 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     fleet.on_read.append(store.flush)
     fleet.on_remove.append(store.remove_instance)
     fleet.on_add.append(store.save_instance)
-    fleet.add_link_hook(_warn_link)  # a publisher that can't be followed
+    fleet.add_link_hook(_warn_link)  # can't follow a publisher; its replay refused
     if shared is not None:
         shared.share(fleet.specs.values())
     store.start()
@@ -212,7 +212,7 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     return 0
 
 
-def _warn_link(notice: Unreachable) -> None:
+def _warn_link(notice: Notice) -> None:
     logging.getLogger("kvindex.serve").warning("%r: %s", notice.source, notice.describe())
 
 

@@ -199,7 +199,8 @@ class Fleet:
         return self._workers[0].subscriber
 
     def add_link_hook(self, hook: Callable[..., None]) -> None:
-        """Have `hook` see every worker's link notices (see Subscriber.link_hooks)."""
+        """Have `hook` see every worker's link and replay-fault notices (see
+        Subscriber.link_hooks)."""
         for worker in self._workers:
             worker.subscriber.link_hooks.append(hook)
 

@@ -577,7 +577,10 @@ def _add_instance_routes(app: FastAPI, fleet: Fleet) -> None:
         try:
             spec = _spec_from(body)
             fleet.add_instance(spec)
-        except (DuplicateInstance, CapacityError) as exc:
+        except DuplicateInstance as exc:
+            return _error(409, str(exc))
+        except CapacityError as exc:
+            log.warning("POST /v1/instances refused: %s", exc)
             return _error(409, str(exc))
         except (SpecError, zmq.ZMQError) as exc:
             return _error(400, str(exc))

@@ -29,9 +29,11 @@ from kvindex.subscriber.messages import (
     Connection,
     DecodeFailed,
     Delivery,
+    Discarded,
     Item,
     Malformed,
     Notice,
+    ReplayRefused,
     SourceKey,
     SourceStats,
     Status,
@@ -176,9 +178,11 @@ class Subscriber:
         self._wake_fd: int | None = None
         self._instances: dict[str, InstanceSpec] = {}
         self._closed = False
-        # Called with each `Unreachable` notice too (it is yielded as well): for a caller
-        # that applies items without reading notices, e.g. to log them (`kvindex serve`).
-        self.link_hooks: list[Callable[[Unreachable], None]] = []
+        # Called with each `Unreachable`, `ReplayRefused` and `Discarded` notice too (they
+        # are yielded as well): for a caller that applies items without reading notices,
+        # e.g. to log them (`kvindex serve`). Each is rare: at most one a minute, or one per
+        # replay backoff.
+        self.link_hooks: list[Callable[[Notice], None]] = []
         specs = list(instances)
         if endpoint is not None:
             specs.insert(0, InstanceSpec(name, endpoint, replay, topic, dp))
@@ -578,6 +582,9 @@ class Subscriber:
                 items.append(self._decode(src, out))
             elif isinstance(out, Notice):
                 items.append(out)
+                if isinstance(out, ReplayRefused | Discarded):
+                    for hook in list(self.link_hooks):
+                        hook(out)
             elif isinstance(out, StartReplay):
                 self._start_replay(src, out, items)
             elif isinstance(out, StopReplay) and src.dealer_req == out.req_id:

@@ -11,6 +11,7 @@
     max_lookup_tokens = 1000000
     request_timeout = 30.0
     sub_hwm = 100000                          # live messages queued per publisher
+    allowed_hosts = ["kvindex.example.com"]   # Host names served besides localhost
 
     [[instances]]
     name = "vllm-0"
@@ -59,12 +60,14 @@ _SECRET_KEYS = {"token_file", "token_env", "metrics_token_file", "metrics_token_
 _PATH_KEYS = {"tls_cert", "tls_key"}
 _INT_KEYS = {"max_body_bytes", "max_lookup_tokens"}
 _FLOAT_KEYS = {"request_timeout"}
+_LIST_KEYS = {"allowed_hosts"}
 SERVER_KEYS = (
     {"http", "store", "ingest_workers", "sub_hwm"}
     | _SECRET_KEYS
     | _PATH_KEYS
     | _INT_KEYS
     | _FLOAT_KEYS
+    | _LIST_KEYS
 )
 
 
@@ -77,7 +80,7 @@ class Settings:
     store: str = DEFAULT_STORE
     # The file's HTTP security and limit settings, resolved (secrets read): the values
     # `http_options` uses where no flag was given. Keys: token, metrics_token, tls_cert,
-    # tls_key, max_body_bytes, max_lookup_tokens, request_timeout.
+    # tls_key, max_body_bytes, max_lookup_tokens, request_timeout, allowed_hosts.
     http_options: dict[str, Any] = field(default_factory=dict)
     ingest_workers: int | None = None  # None: one per core (kvindex.runtime.ingest)
     sub_hwm: int | None = None  # None: the Subscriber's default (100,000)
@@ -165,6 +168,11 @@ def _http_options(server: dict[str, Any], path: Path) -> dict[str, Any]:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UsageError(f"{path}: server.{key} must be a whole number of at least 1")
         out[key] = value
+    for key in _LIST_KEYS & set(server):
+        value = server[key]
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise UsageError(f"{path}: server.{key} must be an array of host names")
+        out[key] = list(value)
     for key in _FLOAT_KEYS & set(server):
         value = server[key]
         if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, stop: Stop) -> int:
     settings = load_settings(args)
     host, port = parse_http(settings.http)
-    http = http_options(args, settings.http_options)
+    http = http_options(args, settings.http_options, bind_host=host)
     warn_if_exposed(host, http)
     logging.basicConfig(level=logging.WARNING, format="kvindex serve: %(levelname)s %(message)s")
     # Imported here: `kvindex --help` and the other commands don't need the web stack.

@@ -607,6 +607,8 @@ def _add_instance_routes(app: FastAPI, fleet: Fleet) -> None:
 
 
 def _add_lookup_routes(app: FastAPI, fleet: Fleet, metrics: ServiceMetrics) -> None:
+    # The dashboard's lookup box posts under /v1/dashboard/, where its session cookie goes.
+    @app.post("/v1/dashboard/lookup", include_in_schema=False)
     @app.post(
         "/v1/lookup",
         response_model=LookupOut,

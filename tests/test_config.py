@@ -117,7 +117,7 @@ def test_flags_win_over_the_file_and_the_file_over_the_environment(
         ('request_timeout = "soon"', "server.request_timeout must be a positive number"),
         (
             'tlscert = "x"',
-            "[server]: unknown key 'tlscert' (http, ingest_workers, max_body_bytes, ",
+            "[server]: unknown key 'tlscert' (allowed_hosts, http, ingest_workers, ",
         ),
     ],
 )

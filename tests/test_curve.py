@@ -238,7 +238,7 @@ def test_unauthorised_subscribers_are_refused(setup: Setup) -> None:
             assert sub.status(SourceKey(name)) in ("connecting", "replaying", "down"), name
         for name in ("x", "e"):  # CURVE links count as up only after a handshake
             assert not sub.stats(SourceKey(name)).connected
-        refused = sub.stats(SourceKey("x")).extra.get("handshake_failures", 0)
+        refused = sub.stats(SourceKey("x")).handshake_failures
         assert refused >= 1
     assert relay.relay is not None and relay.relay.stats.refused >= 2
 

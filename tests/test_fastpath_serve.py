@@ -64,8 +64,9 @@ def served() -> Iterator[Served]:
 def request(
     method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
 ) -> bytes:
-    head = f"{method} {path} HTTP/1.1\r\nHost: test\r\n"
-    for name, value in {"Authorization": f"Bearer {TOKEN}", **(headers or {})}.items():
+    head = f"{method} {path} HTTP/1.1\r\n"
+    defaults = {"Host": "127.0.0.1", "Authorization": f"Bearer {TOKEN}"}
+    for name, value in {**defaults, **(headers or {})}.items():
         if value:
             head += f"{name}: {value}\r\n"
     if "Transfer-Encoding" not in (headers or {}):
@@ -137,6 +138,15 @@ def test_the_token_is_still_required(served: Served) -> None:
     assert status == 401 and "error" in answer
     status, _ = lookup(served, {"token_ids": TOKENS}, Authorization="Bearer not-the-token-at-all")
     assert status == 401
+
+
+def test_a_host_not_served_is_refused_as_the_stack_does(served: Served) -> None:
+    """The Host allow-list (DNS rebinding) holds on the protocol's path too."""
+    before = compiled_lookups(served)
+    status, answer = lookup(served, {"token_ids": TOKENS}, Host="rebound.example:8080")
+    assert status == 400 and "rebound.example" in answer["error"]
+    assert lookup(served, {"token_ids": TOKENS}, Host="localhost:1")[0] == 200
+    assert compiled_lookups(served) == before + 1
 
 
 def test_limits_and_bad_bodies_are_the_stacks(served: Served) -> None:

@@ -35,7 +35,12 @@ from kvindex.wire.publisher import Publisher
 pytestmark = pytest.mark.timeout(60)
 
 FAST = ReplayPolicy(
-    first_reply_timeout=0.4, idle_timeout=0.3, deadline=5.0, max_attempts=2, idle_probe=0.5
+    first_reply_timeout=0.4,
+    idle_timeout=0.3,
+    deadline=5.0,
+    max_attempts=2,
+    idle_probe=0.5,
+    backoff=0.5,
 )
 KEY = SourceKey("vllm")
 
@@ -198,13 +203,18 @@ def test_hung_replay_loses_exactly_what_was_dropped_during_the_outage(harness: H
     h.sync()
     assert h.exact()
     h.pub.replay_paused = True  # the replay socket accepts requests and never answers
-    outage = {h.pub.next_seq + 2, h.pub.next_seq + 5}
-    h.pub.drop = lambda seq: seq in outage
+    first, second = h.pub.next_seq + 2, h.pub.next_seq + 5
+    h.pub.drop = lambda seq: seq in (first, second)
+    requests = h.stats.replay_requests
     h.workload(2)
     h.sync()
-    assert sorted(h.lost()) == sorted(outage) and h.stats.lost_batches == 2
+    assert sorted(h.lost()) == [first, second] and h.stats.lost_batches == 2
     assert h.sub.status(KEY) == "incomplete"
-    h.pub.replay_paused = False  # the replay is back: later drops are recovered again
+    # The first gap's replay was asked `max_attempts` times; the second gap came while the
+    # endpoint was left alone (the backoff): lost at once, without holding live batches.
+    assert h.stats.replay_requests - requests == FAST.max_attempts
+    h.pub.replay_paused = False  # the replay is back: once the backoff is over, later
+    h.pump(FAST.backoff)  # drops are recovered again
     h.pub.drop = lambda seq: seq % 4 == 0
     h.workload(3)
     h.sync()

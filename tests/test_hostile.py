@@ -26,6 +26,7 @@ from kvindex.subscriber import (
     Lost,
     Malformed,
     ReplayPolicy,
+    ReplayRefused,
     SourceKey,
     Subscriber,
 )
@@ -250,7 +251,7 @@ def test_message_over_zmq_maxmsgsize_drops_the_link_not_the_subscriber() -> None
         assert sub.status(SourceKey("vllm")) == "incomplete"
 
 
-def test_malformed_replay_replies_are_counted_and_the_replay_fails_cleanly() -> None:
+def test_malformed_replay_replies_are_counted_and_end_the_replay_at_once() -> None:
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     router.bind("tcp://127.0.0.1:*")
@@ -280,10 +281,17 @@ def test_malformed_replay_replies_are_counted_and_the_replay_fails_cleanly() -> 
             pub.publish([BlockStored([2])])
             items += collect(sub, lambda it: any(isinstance(i, Delivery) for i in it))
             items += collect(sub, lambda it: False, 0.5)
-            assert len([i for i in items if isinstance(i, Malformed)]) >= 3
+            # The first reply that is no reply ends the replay: counted, refused, and the
+            # endpoint is left alone (the gap is lost at once, not after timeouts).
+            assert len([i for i in items if isinstance(i, Malformed)]) == 1
             stats = sub.stats(SourceKey("vllm"))
-            assert stats.malformed_messages >= 3 and stats.decode_errors >= 1
-            assert [i.seq for i in items if isinstance(i, Delivery)][-1] == 1
+            assert stats.malformed_messages == 1 and stats.replay_refusals == 1
+            assert [i.reason for i in items if isinstance(i, ReplayRefused)] == [
+                "a reply that is no replay reply (replay reply of 1 frames, expected 3 or 4)"
+            ]
+            assert [(i.first, i.last) for i in items if isinstance(i, Lost)] == [(0, 0)]
+            assert [i.seq for i in items if isinstance(i, Delivery)] == [1]
+            assert sub.status(SourceKey("vllm")) == "incomplete"
     finally:
         stop.set()
         thread.join()

@@ -210,7 +210,7 @@ def test_serve_with_tls_and_a_token_from_the_environment(tmp_path: Path) -> None
         raw = socket.create_connection((host, int(port)), timeout=5)
         tls = verify.wrap_socket(raw, server_hostname="127.0.0.1")
         tls.sendall(  # a trickling client: headers, then never the promised body
-            b"POST /v1/lookup HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/lookup HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             + f"Authorization: Bearer {TOKEN}\r\n".encode()
             + b"Content-Length: 100\r\n\r\n{"
         )
@@ -266,16 +266,24 @@ def test_serve_rejects_bad_security_flags_in_one_line(args: list[str]) -> None:
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
 
 
-def test_dashboard_page_is_open_and_its_data_takes_the_token_cookie(pub: Publisher) -> None:
+def test_dashboard_page_is_open_and_its_data_takes_the_session_cookie(pub: Publisher) -> None:
     # A browser can't put a bearer header on an EventSource: the page (no data in it) is
-    # open, and the API accepts the token from the page's SameSite=Strict cookie.
+    # open, `/?token=` trades the token for the dashboard's session cookie, and the
+    # dashboard's data paths accept that cookie (and only those).
     with client_for(pub, HttpGuard(token=TOKEN)) as client:
         assert client.get("/").status_code == 200
         assert client.get("/dashboard/dashboard.js").status_code == 200
-        client.cookies.set("kvindex_token", "wrong")
+        assert client.get("/?token=wrong", follow_redirects=False).status_code == 401
+        assert "kvindex_session" not in client.cookies
+        r = client.get(f"/?token={TOKEN}", follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == "/"
+        assert client.cookies["kvindex_session"] != TOKEN  # never the token itself
+        assert client.get("/v1/dashboard/snapshot").status_code == 200
+        body = {"token_ids": [1]}
+        assert client.post("/v1/dashboard/lookup", json=body).json()["instances"][0]["name"] == "a"
+        # the cookie opens the dashboard's paths only
         assert client.get("/v1/instances").status_code == 401
-        client.cookies.set("kvindex_token", TOKEN)
-        assert client.get("/v1/instances").status_code == 200
-        assert client.post("/v1/lookup", json={"token_ids": [1]}).status_code == 200
+        assert client.post("/v1/lookup", json=body).status_code == 401
         # an explicit header wins over the cookie
-        assert client.get("/v1/instances", headers=bearer("wrong")).status_code == 401
+        r = client.get("/v1/dashboard/snapshot", headers=bearer("wrong"))
+        assert r.status_code == 401

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvindex.subscriber import Gap, Lost, Replayed, Restarted, SourceKey, Unverified
+from kvindex.subscriber import Discarded, Gap, Lost, Replayed, Restarted, SourceKey, Unverified
 from kvindex.subscriber.state import (
     Checkpoint,
     Deliver,
@@ -47,6 +47,7 @@ class World:
     replay_frames: deque[tuple[int, bytes]] = field(default_factory=deque)  # seq -1 = marker
     log: list[object] = field(default_factory=list)
     connected: bool = True
+    served: int = 0  # the last request answered
 
     def __post_init__(self) -> None:
         self.buffer = deque(maxlen=self.buffer_steps)
@@ -94,8 +95,10 @@ class World:
         self.buffer.clear()
 
     def serve_replay(self, hwm: int | None) -> None:
-        if self.replay_req is None or self.replay_frames:
+        # Each request is answered once (a fresh socket per request), maybe truncated.
+        if self.replay_req is None or self.replay_req.req_id == self.served:
             return
+        self.served = self.replay_req.req_id
         frames = [(s, p) for s, p in self.buffer if s >= self.replay_req.start]
         frames.append((-1, b""))
         if hwm is not None:
@@ -129,9 +132,12 @@ class World:
             if self.live:
                 self.step_live()
             elif self.replay_req is not None:
-                if not self.replay_frames:
+                if self.replay_frames:
+                    self.step_replay()
+                elif self.replay_req.req_id != self.served:
                     self.serve_replay(None)
-                self.step_replay()
+                else:  # answered, cut short: it times out and is asked again
+                    self.tick(POLICY.first_reply_timeout + POLICY.idle_timeout)
             else:
                 return
         raise AssertionError("did not settle")
@@ -328,3 +334,47 @@ def test_replay_that_never_answers_reports_lost_after_attempts() -> None:
     lost = [i for i in world.log if isinstance(i, Lost)]
     assert [(x.first, x.last) for x in lost] == [(1, 1)]
     assert [i.seq for i in world.log if isinstance(i, Deliver)] == [0, 2]
+
+
+def test_a_new_engine_after_a_reconnect_is_a_restart_even_against_replayed_batches() -> None:
+    # Batches a replay delivered, then the link breaks and another engine process publishes
+    # its own seq 0: that live batch differs from the replayed one because the engine
+    # restarted, not because the replay lied.
+    world = World(100)
+    world.settle()
+    world.restart()
+    for _ in range(5):
+        world.publish(dropped=False)  # not received: we are not connected
+    world.connect()  # the check's replay finds another stream: restart, replay from 0
+    for _ in range(2):
+        world.serve_replay(None)
+        for _ in range(10):
+            world.step_replay()
+    assert [i.seq for i in world.log if isinstance(i, Deliver) and i.replayed] == [0, 1, 2, 3, 4]
+    world.restart()
+    world.connect()  # the check's replay is asked; the new engine's live batches come first
+    world.publish(dropped=False)
+    world.step_live()
+    assert not [i for i in world.log if isinstance(i, Discarded)]
+    assert world.state.stats.publisher_restarts == 2
+    world.settle()
+    check(world)
+
+
+def test_a_replay_far_ahead_of_the_live_stream_is_discarded() -> None:
+    # The replay delivered more batches than the digests kept since the seq that then
+    # arrives live: no publisher's replay runs that far ahead of its own live stream.
+    policy = ReplayPolicy(digests_kept=8)
+    state = SourceState(KEY, has_replay=True, policy=policy)
+    (start,) = [o for o in state.start(0) if isinstance(o, StartReplay)]
+    state.on_connection(True, 0)
+    for seq in range(50):
+        state.on_replay_frame(start.req_id, seq, payload(9, seq), 0)
+    state.on_replay_end(start.req_id, 0)
+    assert state.next_seq == 50 and state.status == "live"
+    out = state.on_live(5, payload(0, 5), 0.1)
+    (discarded,) = [o for o in out if isinstance(o, Discarded)]
+    assert "ran ahead of the live stream" in discarded.reason
+    assert [(o.first, o.last) for o in out if isinstance(o, Lost)] == [(0, 4)]
+    assert [o.seq for o in out if isinstance(o, Deliver)] == [5]
+    assert state.status == "incomplete" and state.stats.publisher_restarts == 0

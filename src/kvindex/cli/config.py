@@ -10,6 +10,8 @@
     max_body_bytes = 33554432
     max_lookup_tokens = 1000000
     request_timeout = 30.0
+    sub_hwm = 100000                          # live messages queued per publisher
+    allowed_hosts = ["kvindex.example.com"]   # Host names served besides localhost
 
     [[instances]]
     name = "vllm-0"
@@ -58,8 +60,14 @@ _SECRET_KEYS = {"token_file", "token_env", "metrics_token_file", "metrics_token_
 _PATH_KEYS = {"tls_cert", "tls_key"}
 _INT_KEYS = {"max_body_bytes", "max_lookup_tokens"}
 _FLOAT_KEYS = {"request_timeout"}
+_LIST_KEYS = {"allowed_hosts"}
 SERVER_KEYS = (
-    {"http", "store", "ingest_workers"} | _SECRET_KEYS | _PATH_KEYS | _INT_KEYS | _FLOAT_KEYS
+    {"http", "store", "ingest_workers", "sub_hwm"}
+    | _SECRET_KEYS
+    | _PATH_KEYS
+    | _INT_KEYS
+    | _FLOAT_KEYS
+    | _LIST_KEYS
 )
 
 
@@ -72,9 +80,10 @@ class Settings:
     store: str = DEFAULT_STORE
     # The file's HTTP security and limit settings, resolved (secrets read): the values
     # `http_options` uses where no flag was given. Keys: token, metrics_token, tls_cert,
-    # tls_key, max_body_bytes, max_lookup_tokens, request_timeout.
+    # tls_key, max_body_bytes, max_lookup_tokens, request_timeout, allowed_hosts.
     http_options: dict[str, Any] = field(default_factory=dict)
     ingest_workers: int | None = None  # None: one per core (kvindex.runtime.ingest)
+    sub_hwm: int | None = None  # None: the Subscriber's default (100,000)
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
@@ -88,6 +97,8 @@ def load_settings(args: argparse.Namespace) -> Settings:
         settings.store = args.store
     if getattr(args, "ingest_workers", None) is not None:
         settings.ingest_workers = args.ingest_workers
+    if getattr(args, "sub_hwm", None) is not None:
+        settings.sub_hwm = args.sub_hwm
     names = [spec.name for spec in settings.instances]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -123,6 +134,11 @@ def read_config(path: Path) -> Settings:
         if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= 256:
             raise UsageError(f"{path}: server.ingest_workers must be a whole number, 1 to 256")
         settings.ingest_workers = workers
+    if "sub_hwm" in server:
+        hwm = server["sub_hwm"]
+        if not isinstance(hwm, int) or isinstance(hwm, bool) or hwm < 1:
+            raise UsageError(f"{path}: server.sub_hwm must be a whole number of at least 1")
+        settings.sub_hwm = hwm
     instances = data.get("instances", [])
     if not isinstance(instances, list):
         raise UsageError(f"{path}: 'instances' must be an array of tables ([[instances]])")
@@ -152,6 +168,11 @@ def _http_options(server: dict[str, Any], path: Path) -> dict[str, Any]:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UsageError(f"{path}: server.{key} must be a whole number of at least 1")
         out[key] = value
+    for key in _LIST_KEYS & set(server):
+        value = server[key]
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise UsageError(f"{path}: server.{key} must be an array of host names")
+        out[key] = list(value)
     for key in _FLOAT_KEYS & set(server):
         value = server[key]
         if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvindex demo: {describe(config, args.rate)}", flush=True)
         for spec in live.specs():
             print(f"  {spec.render()}", flush=True)
-        app = _app(live)
+        app = _app(live, sock.getsockname()[0])
         live.start()
         with stop_signals("demo") as stop:
             pause = partial(_pause, live)
@@ -100,12 +100,14 @@ def _pause(live: LiveFleet) -> None:
     print("kvindex demo: simulated load paused; the fleet stays up, idle", flush=True)
 
 
-def _app(live: LiveFleet) -> FastAPI:
+def _app(live: LiveFleet, host: str) -> FastAPI:
     from kvindex.runtime import Fleet
+    from kvindex.security.http import HttpGuard, default_allowed_hosts
     from kvindex.service.app import create_app
 
     fleet = Fleet(live.specs())
-    app = create_app(fleet)
+    # No token: at least a DNS-rebound name can't read it (see kvindex.security.http).
+    app = create_app(fleet, guard=HttpGuard(allowed_hosts=tuple(default_allowed_hosts(host))))
     app.state.recent_prompts = live.recent_prompts
     return app
 

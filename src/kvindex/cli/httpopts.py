@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvindex.cli.common import UsageError, positive_int, positive_seconds
-from kvindex.security.http import HttpGuard
+from kvindex.security.http import HttpGuard, default_allowed_hosts
 
 __all__ = ["HttpOptions", "add_http_arguments", "http_options", "warn_if_exposed"]
 
@@ -42,6 +42,13 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
         metavar="TOKEN",
         help="require this bearer token on /metrics; default: the config file's "
         f"metrics_token_file or metrics_token_env, else ${METRICS_TOKEN_ENV}",
+    )
+    g.add_argument(
+        "--allowed-hosts",
+        metavar="NAMES",
+        type=_host_names,
+        help="Host names the API answers besides localhost and the --http host (comma-"
+        "separated; IP addresses always pass; '*' for any): a DNS-rebound name is refused",
     )
     g.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     g.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM)")
@@ -79,6 +86,18 @@ class HttpOptions:
         return {"ssl_certfile": self.tls_cert, "ssl_keyfile": self.tls_key}
 
 
+def _host_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or any(" " in name or "/" in name for name in names):
+        raise argparse.ArgumentTypeError(f"must be host names separated by commas, got {text!r}")
+    return names
+
+
+def _allowed_hosts(bind_host: str, extra: list[str] | None) -> tuple[str, ...]:
+    names = [*default_allowed_hosts(bind_host), *(extra or [])]
+    return ("*",) if "*" in names else tuple(dict.fromkeys(n.lower() for n in names))
+
+
 def _token(value: str | None, configured: str | None, env: str, flag: str) -> str | None:
     """The flag, else the config file's (token_file / token_env), else $ENV."""
     token = value if value is not None else configured
@@ -103,9 +122,13 @@ def _check_tls(cert: str | None, key: str | None) -> None:
 
 
 def http_options(
-    args: argparse.Namespace, configured: Mapping[str, Any] | None = None
+    args: argparse.Namespace,
+    configured: Mapping[str, Any] | None = None,
+    bind_host: str | None = None,
 ) -> HttpOptions:
-    """The flags, over what the config file set (`Settings.http_options`), over defaults."""
+    """The flags, over what the config file set (`Settings.http_options`), over defaults.
+    With `bind_host` (where serve listens), Host names are checked: that one, localhost,
+    and those the flag or the file add."""
     file = configured or {}
 
     def pick(name: str, default: Any = None) -> Any:
@@ -121,6 +144,9 @@ def http_options(
         ),
         max_lookup_items=pick("max_lookup_tokens", DEFAULT_MAX_LOOKUP),
         request_timeout=pick("request_timeout", DEFAULT_REQUEST_TIMEOUT),
+        allowed_hosts=None
+        if bind_host is None
+        else _allowed_hosts(bind_host, pick("allowed_hosts")),
     )
     return HttpOptions(guard, pick("max_body_bytes", DEFAULT_MAX_BODY), tls_cert, tls_key)
 

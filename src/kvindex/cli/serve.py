@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvindex.cli import config
-from kvindex.cli.common import UsageError, run_async
+from kvindex.cli.common import UsageError, positive_int, run_async
 from kvindex.cli.config import DEFAULT_HTTP, DEFAULT_STORE, Settings
 from kvindex.cli.httpopts import add_http_arguments, http_options, warn_if_exposed
 from kvindex.cli.signals import Stop, stop_signals
-from kvindex.subscriber import InstanceSpec, Unreachable
+from kvindex.subscriber import CapacityError, InstanceSpec, Notice
 
 if TYPE_CHECKING:
     import uvicorn
@@ -64,6 +64,13 @@ def add_parser(subparsers: Any) -> None:
         type=_workers,
         help="threads that read and apply the engines' events, the instances split between "
         "them (default: one per core)",
+    )
+    p.add_argument(
+        "--sub-hwm",
+        metavar="N",
+        type=positive_int,
+        help="live messages queued per publisher before ZMQ drops new ones (then replayed, "
+        "or counted lost); default 100000 (docs/configuration.md)",
     )
     add_http_arguments(p)
     p.set_defaults(run=run)
@@ -144,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, stop: Stop) -> int:
     settings = load_settings(args)
     host, port = parse_http(settings.http)
-    http = http_options(args, settings.http_options)
+    http = http_options(args, settings.http_options, bind_host=host)
     warn_if_exposed(host, http)
     logging.basicConfig(level=logging.WARNING, format="kvindex serve: %(levelname)s %(message)s")
     # Imported here: `kvindex --help` and the other commands don't need the web stack.
@@ -172,16 +179,19 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
             subscriber=shared.subscriber if shared else None,
             membership=shared.membership if shared else None,
             ingest_workers=settings.ingest_workers,
+            sub_hwm=settings.sub_hwm,
         )
-    except zmq.ZMQError as exc:
+    except (zmq.ZMQError, CapacityError) as exc:
         sock.close()
         store.close()
+        if isinstance(exc, CapacityError):  # it says what, the limit and how to raise it
+            raise UsageError(str(exc)) from None
         raise UsageError(f"can't follow the instances: {exc}") from None
     fleet.on_item.append(store.record)
     fleet.on_read.append(store.flush)
     fleet.on_remove.append(store.remove_instance)
     fleet.on_add.append(store.save_instance)
-    fleet.add_link_hook(_warn_link)  # a publisher that can't be followed
+    fleet.add_link_hook(_warn_link)  # can't follow a publisher; its replay refused
     if shared is not None:
         shared.share(fleet.specs.values())
     store.start()
@@ -211,7 +221,7 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     return 0
 
 
-def _warn_link(notice: Unreachable) -> None:
+def _warn_link(notice: Notice) -> None:
     logging.getLogger("kvindex.serve").warning("%r: %s", notice.source, notice.describe())
 
 

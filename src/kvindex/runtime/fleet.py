@@ -34,6 +34,7 @@ from kvindex.runtime.views import (
     worst_status,
 )
 from kvindex.subscriber import (
+    DEFAULT_SUB_HWM,
     Checkpoint,
     DecodeFailed,
     Delivery,
@@ -45,6 +46,7 @@ from kvindex.subscriber import (
     SourceStats,
     Status,
     Subscriber,
+    need_of_instances,
 )
 from kvindex.wire import BlockHash
 
@@ -140,10 +142,16 @@ class Fleet:
         subscriber: Subscriber | None = None,
         membership: MembershipFeed | None = None,
         ingest_workers: int | None = None,
+        sub_hwm: int | None = None,
     ) -> None:
         """`ingest_workers`: threads that read and apply (default: one per core with the
-        compiled index). `slice_seconds` and `keep_payload` are no longer needed: ingest
-        has its own threads, and always hands the hooks the payloads as they came."""
+        compiled index). `sub_hwm`: live messages each SUB socket queues before ZMQ drops
+        new ones (default: DEFAULT_SUB_HWM, 100,000). `slice_seconds` and `keep_payload`
+        are no longer needed: ingest has its own threads, and always hands the hooks the
+        payloads as they came.
+
+        Raises `CapacityError` (before opening anything) if `instances` need more sockets
+        or file descriptors than this process may open."""
         del slice_seconds, keep_payload
         # `index` and `resume` come from a store's warm start: the state as persisted, and
         # where each publisher's stream continues. A shared store brings its own
@@ -164,8 +172,10 @@ class Fleet:
             subscribers = [subscriber]
         else:
             count = ingest_workers if ingest_workers is not None else default_workers()
+            hwm = DEFAULT_SUB_HWM if sub_hwm is None else sub_hwm
             subscribers = [
-                Subscriber(policy=policy, resume=resume, decode=False) for _ in range(max(1, count))
+                Subscriber(policy=policy, resume=resume, decode=False, rcvhwm=hwm)
+                for _ in range(max(1, count))
             ]
         self._workers = [
             IngestWorker(
@@ -190,7 +200,11 @@ class Fleet:
         self._slots: tuple[object, int, list[AnswerSlot]] | None = None
         self._statuses: tuple[int, object, list[bytes]] | None = None
         self._status_readers: tuple[object, list[StatusReader]] | None = None
-        for spec in instances:
+        specs = list(instances)
+        # All or none: a fleet that does not fit is refused before its first socket.
+        what = f"instance {specs[0].name!r}" if len(specs) == 1 else f"{len(specs)} instances"
+        self.subscriber.budget.check(need_of_instances(specs), what)
+        for spec in specs:
             self.add_instance(spec)
 
     @property
@@ -199,7 +213,8 @@ class Fleet:
         return self._workers[0].subscriber
 
     def add_link_hook(self, hook: Callable[..., None]) -> None:
-        """Have `hook` see every worker's link notices (see Subscriber.link_hooks)."""
+        """Have `hook` see every worker's link and replay-fault notices (see
+        Subscriber.link_hooks)."""
         for worker in self._workers:
             worker.subscriber.link_hooks.append(hook)
 
@@ -214,7 +229,9 @@ class Fleet:
         return name in self._specs
 
     def add_instance(self, spec: InstanceSpec) -> None:
-        """Follow a new instance now; raises DuplicateInstance if the name is taken."""
+        """Follow a new instance now, all its DP ranks or nothing: raises DuplicateInstance
+        if the name is taken, CapacityError if its sockets don't fit (nothing is opened
+        then, and the instances followed go on)."""
         self._add(spec)
         for hook in list(self.on_add):
             self._call_hook(hook, spec)
@@ -277,7 +294,7 @@ class Fleet:
                         self._remove(change.name)
                 elif not self.has_instance(change.name):
                     self._add(change.spec)
-            except (ValueError, KeyError, zmq.ZMQError) as exc:
+            except (ValueError, KeyError, zmq.ZMQError) as exc:  # CapacityError too
                 log.warning("could not follow the fleet change of %s: %s", change.name, exc)
 
     # -- views -------------------------------------------------------------------------
@@ -332,6 +349,10 @@ class Fleet:
             last_batch_ts=stats.last_ts,
             ingest_lag_seconds=worker.lag.get(source),
             problem=stats.problem,
+            malformed_messages=stats.malformed_messages,
+            handshake_failures=stats.handshake_failures,
+            replay_failures=stats.replay_failures,
+            replay_refusals=stats.replay_refusals,
         )
 
     def _counts_of(self, name: str) -> _Counts:

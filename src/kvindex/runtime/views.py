@@ -45,6 +45,10 @@ RECOVERY_COUNTERS = (
     "lost_batches",
     "decode_errors",
     "publisher_restarts",
+    "malformed_messages",
+    "handshake_failures",
+    "replay_failures",
+    "replay_refusals",
 )
 
 
@@ -70,6 +74,10 @@ class RankView:
     last_batch_ts: float | None
     ingest_lag_seconds: float | None
     problem: str | None = None  # why its publisher can't be followed, once diagnosed
+    malformed_messages: int = 0  # messages that are not vLLM's frame layout (skipped)
+    handshake_failures: int = 0  # ZMTP/CURVE handshakes the link failed
+    replay_failures: int = 0  # replay requests that ended without all they asked for
+    replay_refusals: int = 0  # replay answers refused as wrong (seq, batch, size, time)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,20 @@
-"""The HTTP API's guards, as plain ASGI middleware: bearer tokens and request deadlines.
+"""The HTTP API's guards, as plain ASGI middleware: Host names, bearer tokens, the
+dashboard's session cookie and request deadlines.
 
+- `HostAllowList`: a request naming a host that is not on the list is refused (`400`), so
+  a page whose DNS name is rebound to this address (DNS rebinding) can't read the API from
+  a visitor's browser, even with no token set. IP literals always pass (rebinding needs a
+  name); by default the list is `localhost` and the name serve is bound to (with a
+  wildcard bind, the machine's own names).
 - `BearerAuth`: with a token, every request needs `Authorization: Bearer TOKEN`, except
   `/healthz` (for load balancers and probes) and `/metrics` (for scrapers) unless a metrics
   token is set, which `/metrics` then needs (the main token works there too). Tokens are
   compared in constant time; a refusal is `401 {"error": ...}` with `WWW-Authenticate`.
+  The dashboard (a browser's event stream can't send headers) trades the token once, at
+  `/?token=TOKEN`, for a session cookie: `HttpOnly` (no script reads it), `SameSite=Strict`
+  (no other site's request carries it), `Secure` over TLS, scoped to `/v1/dashboard/`
+  and accepted there only, and holding a value derived from the token, not the token
+  (cookies are sent to every port of a host).
 - `RequestDeadline`: a request body must arrive within `timeout` seconds (a client that
   trickles its body can't hold a connection and its buffer forever): `408 {"error": ...}`.
 """
@@ -11,14 +22,26 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import hmac
+import ipaddress
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+import socket
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote_to_bytes
+from urllib.parse import parse_qsl, unquote_to_bytes, urlencode
 
-__all__ = ["BearerAuth", "HttpGuard", "RequestDeadline", "error_response"]
+__all__ = [
+    "BearerAuth",
+    "HostAllowList",
+    "HttpGuard",
+    "RequestDeadline",
+    "default_allowed_hosts",
+    "error_response",
+    "session_value",
+]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -29,8 +52,11 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 OPEN_PATHS = frozenset({"/healthz", "/"})
 # The dashboard's page and assets hold no data: a browser must load them to ask for a token.
 OPEN_PREFIXES = ("/dashboard/",)
-TOKEN_COOKIE = b"kvindex_token"
 METRICS_PATH = "/metrics"
+LOGIN_PATH = "/"  # the dashboard's page: `/?token=TOKEN` sets the session cookie
+SESSION_COOKIE = b"kvindex_session"
+SESSION_PATH = "/v1/dashboard/"  # where the cookie is sent, and the only paths it opens
+_OLD_COOKIE = b"kvindex_token"  # what earlier versions' page set (the token itself, path /)
 
 
 async def error_response(
@@ -51,27 +77,16 @@ async def error_response(
     await send({"type": "http.response.body", "body": body})
 
 
-def _bearer(scope: Scope) -> bytes | None:
-    """The token of an `Authorization: Bearer` header, else of the dashboard's cookie (a
-    browser's EventSource can't send headers; the cookie is SameSite=Strict, so no other
-    site can make a browser use it)."""
-    cookie: bytes | None = None
+def session_value(token: bytes) -> bytes:
+    """What the dashboard's cookie holds: a value derived from the token, which opens the
+    dashboard's paths only and never gives the token away."""
+    return hmac.new(token, b"kvindex dashboard session", hashlib.sha256).hexdigest().encode()
+
+
+def _header(scope: Scope, wanted: bytes) -> bytes | None:
     for name, value in scope.get("headers") or ():
-        if name == b"authorization":
-            scheme, _, credentials = bytes(value).partition(b" ")
-            if scheme.lower() == b"bearer" and credentials.strip():
-                return credentials.strip()
-            return None
-        if name == b"cookie":
-            cookie = _cookie_token(bytes(value)) or cookie
-    return cookie
-
-
-def _cookie_token(header: bytes) -> bytes | None:
-    for part in header.split(b";"):
-        key, _, value = part.strip().partition(b"=")
-        if key == TOKEN_COOKIE and value:
-            return unquote_to_bytes(value)
+        if name == wanted:
+            return bytes(value)
     return None
 
 
@@ -86,6 +101,35 @@ def _tokens_for(path: str, token: bytes | None, metrics_token: bytes | None) -> 
     return [token] if token is not None else []
 
 
+def _bearer(scope: Scope) -> bytes | None:
+    """The token of an `Authorization: Bearer` header; b"" for another scheme (refused)."""
+    value = _header(scope, b"authorization")
+    if value is None:
+        return None
+    scheme, _, credentials = value.partition(b" ")
+    if scheme.lower() == b"bearer" and credentials.strip():
+        return credentials.strip()
+    return b""
+
+
+def _session_cookie(scope: Scope) -> bytes | None:
+    for name, value in scope.get("headers") or ():
+        if name != b"cookie":
+            continue
+        for part in bytes(value).split(b";"):
+            key, _, found = part.strip().partition(b"=")
+            if key == SESSION_COOKIE and found:
+                return unquote_to_bytes(found)
+    return None
+
+
+def _query_token(scope: Scope) -> tuple[str | None, list[tuple[str, str]]]:
+    """The `token` of the query string, and the rest of it."""
+    pairs = parse_qsl(bytes(scope.get("query_string") or b"").decode("latin-1"), True)
+    token = next((value for key, value in pairs if key == "token"), None)
+    return token, [(key, value) for key, value in pairs if key != "token"]
+
+
 def _matches(given: bytes, tokens: list[bytes]) -> bool:
     # Every token is compared (no early exit), each in constant time.
     found = False
@@ -95,26 +139,141 @@ def _matches(given: bytes, tokens: list[bytes]) -> bool:
 
 
 class BearerAuth:
-    """Requires `Authorization: Bearer ...` (see the module docstring for which paths)."""
+    """Requires `Authorization: Bearer ...` (see the module docstring for which paths), or
+    under `/v1/dashboard/` the dashboard's session cookie."""
 
     def __init__(self, app: ASGIApp, token: str | None, metrics_token: str | None = None) -> None:
         self.app = app
         self.token = token.encode() if token else None
         self.metrics_token = metrics_token.encode() if metrics_token else None
+        self.session = session_value(self.token) if self.token else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        tokens = _tokens_for(scope.get("path", ""), self.token, self.metrics_token)
+        path = scope.get("path", "")
+        if path == LOGIN_PATH and self.token is not None:
+            token, rest = _query_token(scope)
+            if token is not None:
+                await self._start_session(scope, send, token.encode(), rest)
+                return
+        tokens = _tokens_for(path, self.token, self.metrics_token)
         if tokens:
             given = _bearer(scope)
+            if given is None and path.startswith(SESSION_PATH) and self.session is not None:
+                given = _session_cookie(scope)
+                tokens = [self.session]  # the cookie opens the dashboard's paths, no more
             if given is None or not _matches(given, tokens):
                 why = "a bearer token is required" if given is None else "invalid bearer token"
                 challenge = [(b"www-authenticate", b'Bearer realm="kvindex"')]
                 await error_response(send, 401, why, challenge)
                 return
         await self.app(scope, receive, send)
+
+    async def _start_session(
+        self, scope: Scope, send: Send, token: bytes, rest: list[tuple[str, str]]
+    ) -> None:
+        """`/?token=TOKEN`: the dashboard's cookie, and the page again without the token in
+        the address bar (a 303); a wrong token is a 401."""
+        assert self.token is not None and self.session is not None
+        if not _matches(token, [self.token]):
+            challenge = [(b"www-authenticate", b'Bearer realm="kvindex"')]
+            await error_response(send, 401, "invalid token", challenge)
+            return
+        secure = b"; Secure" if scope.get("scheme") in ("https", "wss") else b""
+        cookie = (
+            SESSION_COOKIE + b"=" + self.session + b"; Path=" + SESSION_PATH.encode()
+            + b"; HttpOnly; SameSite=Strict" + secure
+        )  # fmt: skip
+        # Earlier versions' page kept the token itself in a cookie for the whole host.
+        expire_old = _OLD_COOKIE + b"=; Path=/; Max-Age=0; SameSite=Strict" + secure
+        location = LOGIN_PATH + ("?" + urlencode(rest) if rest else "")
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 303,
+                "headers": [
+                    (b"location", location.encode()),
+                    (b"set-cookie", cookie),
+                    (b"set-cookie", expire_old),
+                    (b"cache-control", b"no-store"),
+                    (b"referrer-policy", b"no-referrer"),
+                    (b"content-length", b"0"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": b""})
+
+
+def default_allowed_hosts(bind_host: str) -> list[str]:
+    """The Host names served by default: `localhost`, and the name serve is bound to; with
+    a wildcard bind (0.0.0.0, ::), the machine's own names. IP literals always pass."""
+    names = {"localhost"}
+    if bind_host in ("", "0.0.0.0", "::"):
+        names |= {socket.gethostname(), socket.getfqdn()}
+    elif not _is_ip(bind_host):
+        names.add(bind_host)
+    return sorted(name.lower().rstrip(".") for name in names if name)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _host_name(header: bytes) -> str:
+    """The host of a `Host` header, without its port, lowercase, no trailing dot."""
+    text = header.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1 : text.find("]")] if "]" in text else text
+    name, sep, port = text.rpartition(":")
+    return (name if sep and port.isdigit() else text).rstrip(".")
+
+
+class HostNames:
+    """The Host names served (`*`: every name); IP literals always are."""
+
+    def __init__(self, allowed: Iterable[str]) -> None:
+        self.allowed = frozenset(name.lower().rstrip(".") for name in allowed)
+        self.any = "*" in self.allowed
+
+    def refused(self, headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+        """The host name of a request that is not served, or None if it is."""
+        if self.any:
+            return None
+        header = _header({"headers": headers}, b"host")
+        host = _host_name(header) if header is not None else None
+        if host is None or host in self.allowed or _is_ip(host):
+            return None
+        return host
+
+
+class HostAllowList:
+    """Refuses a request whose `Host` is a name not on the list (see the module
+    docstring); `*` on the list lets every name through."""
+
+    def __init__(self, app: ASGIApp, allowed: Iterable[str]) -> None:
+        self.app = app
+        self.names = HostNames(allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.names.any:
+            await self.app(scope, receive, send)
+            return
+        host = self.names.refused(scope.get("headers") or [])
+        if host is None:
+            await self.app(scope, receive, send)
+            return
+        await error_response(
+            send,
+            400,
+            f"Host {host!r} is not served here (a DNS-rebound name?): add it to serve's "
+            "--allowed-hosts (server.allowed_hosts) if it is yours",
+        )
 
 
 class RequestDeadline:
@@ -165,6 +324,11 @@ class _BodyTimeout(Exception):
     pass
 
 
+@functools.lru_cache(maxsize=8)
+def _host_names(allowed: tuple[str, ...]) -> HostNames:
+    return HostNames(allowed)
+
+
 @dataclass(frozen=True, slots=True)
 class HttpGuard:
     """The API's access rules and limits (`kvindex serve --token ...`)."""
@@ -173,12 +337,17 @@ class HttpGuard:
     metrics_token: str | None = None
     max_lookup_items: int = 1_000_000  # token ids (or block hashes) in one lookup
     request_timeout: float = 30.0  # for a request's body to arrive
+    # Host names served (IP literals always are); None: no check (an app in a test, or
+    # behind a proxy that checks). serve passes `default_allowed_hosts` and the operator's.
+    allowed_hosts: tuple[str, ...] | None = None
 
     def admits(self, path: str, headers: list[tuple[bytes, bytes]]) -> bool:
-        """Whether a request passes every rule that needs no body (its bearer token), as
+        """Whether a request passes every rule that needs no body (its Host, its token), as
         the middleware would judge it. A path that answers outside the ASGI stack
         (kvindex.service.fastpath) asks this, and leaves a request it refuses to the stack,
         which words the refusal: a rule added to the middleware belongs here too."""
+        if self.allowed_hosts is not None and _host_names(self.allowed_hosts).refused(headers):
+            return False
         token = self.token.encode() if self.token else None
         metrics_token = self.metrics_token.encode() if self.metrics_token else None
         tokens = _tokens_for(path, token, metrics_token)
@@ -188,11 +357,13 @@ class HttpGuard:
         return given is not None and _matches(given, tokens)
 
     def install(self, app: Any) -> None:
-        """Add the middleware to a Starlette/FastAPI app (outermost: auth, then the body
-        deadline), and document the bearer scheme in its OpenAPI."""
+        """Add the middleware to a Starlette/FastAPI app (outermost: the Host check, auth,
+        then the body deadline), and document the bearer scheme in its OpenAPI."""
         app.add_middleware(RequestDeadline, timeout=self.request_timeout)
         if self.token or self.metrics_token:
             app.add_middleware(BearerAuth, token=self.token, metrics_token=self.metrics_token)
+        if self.allowed_hosts is not None:
+            app.add_middleware(HostAllowList, allowed=self.allowed_hosts)
         if self.token:
             _document_bearer(app)
 

@@ -40,7 +40,7 @@ from kvindex.service.dashboard import install_dashboard
 from kvindex.service.docs import install_docs
 from kvindex.service.fastpath import LookupAnswerer, LookupFastPath
 from kvindex.service.metrics import ServiceMetrics
-from kvindex.subscriber import InstanceSpec, SpecError, Status
+from kvindex.subscriber import CapacityError, InstanceSpec, SpecError, Status
 from kvindex.wire import parse_hash, render_hash
 
 __all__ = ["MAX_BODY_BYTES", "MAX_LOOKUP_ITEMS", "create_app"]
@@ -199,6 +199,10 @@ class RankOut(BaseModel):
     lost_batches: int
     decode_errors: int
     publisher_restarts: int
+    malformed_messages: int
+    handshake_failures: int
+    replay_failures: int
+    replay_refusals: int
     ingest_lag_seconds: float | None
     problem: str | None
 
@@ -213,6 +217,15 @@ class InstanceOut(BaseModel):
     lost_batches: int
     decode_errors: int
     publisher_restarts: int
+    malformed_messages: int = Field(description="Messages that are not vLLM's frame layout.")
+    handshake_failures: int = Field(description="ZMTP/CURVE handshakes the links failed.")
+    replay_failures: int = Field(
+        description="Replay requests that ended without all they asked for."
+    )
+    replay_refusals: int = Field(
+        description="Replay answers refused: a seq not asked for or out of order, a batch "
+        "the live stream contradicts, no reply at all, past the deadline or byte budget."
+    )
     dp: int
     endpoint: str
     replay_endpoint: str | None
@@ -288,6 +301,10 @@ def _rank_dict(rank: RankView) -> dict[str, Any]:
         "lost_batches": rank.lost_batches,
         "decode_errors": rank.decode_errors,
         "publisher_restarts": rank.publisher_restarts,
+        "malformed_messages": rank.malformed_messages,
+        "handshake_failures": rank.handshake_failures,
+        "replay_failures": rank.replay_failures,
+        "replay_refusals": rank.replay_refusals,
         "ingest_lag_seconds": rank.ingest_lag_seconds,
         "problem": rank.problem,
     }
@@ -561,11 +578,16 @@ def _add_instance_routes(app: FastAPI, fleet: Fleet) -> None:
 
     @app.post("/v1/instances", status_code=201, response_model=InstanceOut, responses=_ERRORS)
     async def add_instance(body: AddInstanceRequest) -> Response:
-        """Follow a new instance now (409 if the name exists, 400 for a bad spec)."""
+        """Follow a new instance now, all its DP ranks or nothing (409 if the name exists
+        or its sockets don't fit in the process: the error says the limit; 400 for a bad
+        spec)."""
         try:
             spec = _spec_from(body)
             fleet.add_instance(spec)
         except DuplicateInstance as exc:
+            return _error(409, str(exc))
+        except CapacityError as exc:
+            log.warning("POST /v1/instances refused: %s", exc)
             return _error(409, str(exc))
         except (SpecError, zmq.ZMQError) as exc:
             return _error(400, str(exc))
@@ -592,6 +614,8 @@ def _add_instance_routes(app: FastAPI, fleet: Fleet) -> None:
 
 
 def _add_lookup_routes(app: FastAPI, fleet: Fleet, metrics: ServiceMetrics) -> None:
+    # The dashboard's lookup box posts under /v1/dashboard/, where its session cookie goes.
+    @app.post("/v1/dashboard/lookup", include_in_schema=False)
     @app.post(
         "/v1/lookup",
         response_model=LookupOut,

@@ -63,6 +63,26 @@ _SOURCE_COUNTERS = (
     ("kvindex_gaps", "Gaps seen in the live stream.", "gaps"),
     ("kvindex_decode_errors", "Payloads or events that could not be decoded.", "decode_errors"),
     ("kvindex_publisher_restarts", "Engine restarts detected.", "publisher_restarts"),
+    (
+        "kvindex_malformed_messages",
+        "Messages that are not vLLM's frame layout (skipped).",
+        "malformed_messages",
+    ),
+    (
+        "kvindex_handshake_failures",
+        "ZMTP/CURVE handshakes that failed on the engine's links.",
+        "handshake_failures",
+    ),
+    (
+        "kvindex_replay_failures",
+        "Replay requests that ended without all they asked for.",
+        "replay_failures",
+    ),
+    (
+        "kvindex_replay_refusals",
+        "Replay answers refused (wrong seq or batch, no reply, past deadline or budget).",
+        "replay_refusals",
+    ),
 )
 
 

@@ -1,16 +1,19 @@
 """`kvindex.subscriber`: follow vLLM publishers and get every batch once, in order."""
 
-from kvindex.subscriber.core import Subscriber
+from kvindex.subscriber.capacity import CapacityError, Need, SocketBudget, need_of_instances
+from kvindex.subscriber.core import DEFAULT_SUB_HWM, Subscriber
 from kvindex.subscriber.messages import (
     Connection,
     DecodeFailed,
     Delivery,
+    Discarded,
     Gap,
     Item,
     Lost,
     Malformed,
     Notice,
     Replayed,
+    ReplayRefused,
     Restarted,
     SourceKey,
     SourceStats,
@@ -22,19 +25,25 @@ from kvindex.subscriber.spec import InstanceSpec, SourceSpec, SpecError, offset_
 from kvindex.subscriber.state import Checkpoint, ReplayPolicy, SourceState, payload_digest
 
 __all__ = [
+    "DEFAULT_SUB_HWM",
+    "CapacityError",
     "Checkpoint",
     "Connection",
     "DecodeFailed",
     "Delivery",
+    "Discarded",
     "Gap",
     "InstanceSpec",
     "Item",
     "Lost",
     "Malformed",
+    "Need",
     "Notice",
     "ReplayPolicy",
+    "ReplayRefused",
     "Replayed",
     "Restarted",
+    "SocketBudget",
     "SourceKey",
     "SourceSpec",
     "SourceState",
@@ -44,6 +53,7 @@ __all__ = [
     "Subscriber",
     "Unreachable",
     "Unverified",
+    "need_of_instances",
     "offset_endpoint",
     "payload_digest",
 ]

@@ -12,6 +12,7 @@ loop. It yields `Delivery` (unpacks as `(instance, seq, batch)`) and `Notice` it
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
@@ -22,14 +23,17 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvindex.security.curve import client_setup
+from kvindex.subscriber.capacity import SocketBudget, budget_of, need_of, subscriber_context
 from kvindex.subscriber.link import LINK_EVENTS, LinkWatch
 from kvindex.subscriber.messages import (
     Connection,
     DecodeFailed,
     Delivery,
+    Discarded,
     Item,
     Malformed,
     Notice,
+    ReplayRefused,
     SourceKey,
     SourceStats,
     Status,
@@ -47,11 +51,24 @@ from kvindex.subscriber.state import (
 )
 from kvindex.wire import END_SEQ, BatchDecoder, EventBatch, WireError, parse_replay
 
-__all__ = ["Subscriber"]
+__all__ = ["DEFAULT_SUB_HWM", "Subscriber"]
+
+DEFAULT_SUB_HWM = 100_000  # live messages queued per SUB socket before ZMQ drops new ones
+
+log = logging.getLogger(__name__)
 
 _DRAIN = 512  # messages taken from one socket before looking at the others
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
+
+
+def _close_pair(sub: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+    try:
+        sub.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    monitor.close(linger=0)
+    sub.close(linger=0)
 
 
 def recv_frames(sock: zmq.Socket[bytes]) -> list[bytes]:
@@ -100,12 +117,13 @@ class _Source:
     link: LinkWatch
     dealer: zmq.Socket[bytes] | None = None
     dealer_req: int = 0
+    renew_at: float | None = None  # when to try again to renew a SUB that could not be
 
 
 @dataclass(slots=True)
 class _Options:
     policy: ReplayPolicy = field(default_factory=ReplayPolicy)
-    rcvhwm: int = 100_000
+    rcvhwm: int = DEFAULT_SUB_HWM
     max_payload: int = 64 * 1024 * 1024
     decode: bool = True
 
@@ -131,7 +149,7 @@ class Subscriber:
         instances: Iterable[InstanceSpec] = (),
         resume: Mapping[SourceKey, Checkpoint] | None = None,
         policy: ReplayPolicy | None = None,
-        rcvhwm: int = 100_000,
+        rcvhwm: int = DEFAULT_SUB_HWM,
         max_payload: int = 64 * 1024 * 1024,
         keep_payload: bool = False,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
@@ -141,8 +159,15 @@ class Subscriber:
         """`decode=False` passes every payload through undecoded (`Delivery.payload`, an
         empty `batch`, no DecodeFailed): what a relay needs, which forwards batches as
         they came. `catch_up=False` starts each publisher not resumed at its first live
-        batch instead of with its replay buffer (`kvindex record --from now`)."""
-        self._ctx = context or zmq.Context.instance()
+        batch instead of with its replay buffer (`kvindex record --from now`).
+
+        `rcvhwm` bounds the live messages queued on each SUB socket: past it, ZMQ drops
+        new ones (a gap, then filled by a replay). Sockets are made on `context`, by
+        default one shared by the process's subscribers whose socket limit is raised
+        (`kvindex.subscriber.capacity`; an `inproc://` publisher needs its own context
+        passed here)."""
+        self._ctx = context or subscriber_context()
+        self._budget = budget_of(self._ctx)
         self._opts = _Options(policy or ReplayPolicy(), rcvhwm, max_payload, decode)
         self._keep_payload = keep_payload  # for recorders and stores that persist raw batches
         self._catch_up = catch_up
@@ -153,9 +178,11 @@ class Subscriber:
         self._wake_fd: int | None = None
         self._instances: dict[str, InstanceSpec] = {}
         self._closed = False
-        # Called with each `Unreachable` notice too (it is yielded as well): for a caller
-        # that applies items without reading notices, e.g. to log them (`kvindex serve`).
-        self.link_hooks: list[Callable[[Unreachable], None]] = []
+        # Called with each `Unreachable`, `ReplayRefused` and `Discarded` notice too (they
+        # are yielded as well): for a caller that applies items without reading notices,
+        # e.g. to log them (`kvindex serve`). Each is rare: at most one a minute, or one per
+        # replay backoff.
+        self.link_hooks: list[Callable[[Notice], None]] = []
         specs = list(instances)
         if endpoint is not None:
             specs.insert(0, InstanceSpec(name, endpoint, replay, topic, dp))
@@ -165,14 +192,28 @@ class Subscriber:
     # -- fleet membership --------------------------------------------------------------
 
     def add_instance(self, spec: InstanceSpec) -> list[Item]:
-        """Follow an instance (all its DP ranks). Raises ValueError if the name is taken."""
+        """Follow an instance (all its DP ranks), or nothing: raises ValueError if the name
+        is taken, `CapacityError` if its sockets don't fit in this process (see
+        `kvindex.subscriber.capacity`), zmq.ZMQError if one can't be opened anyway; then
+        nothing of it is left open."""
         if spec.name in self._instances:
             raise ValueError(f"instance {spec.name!r} is already followed")
+        sources = spec.sources()
+        need = need_of(len(sources), spec.replay_endpoint is not None)
+        self._budget.reserve(id(self), spec.name, need)
+        opened: list[_Source] = []
+        try:
+            for source_spec in sources:
+                opened.append(self._open_source(source_spec))
+        except BaseException:
+            for src in opened:
+                self._close_source(self._sources.pop(src.spec.source))
+            self._budget.release(id(self), spec.name)
+            raise
         self._instances[spec.name] = spec
         items: list[Item] = []
         now = time.monotonic()
-        for source_spec in spec.sources():
-            src = self._open_source(source_spec)
+        for src in opened:
             self._handle(src, src.state.start(now), items)
         return items
 
@@ -180,6 +221,12 @@ class Subscriber:
         spec = self._instances.pop(name)
         for source_spec in spec.sources():
             self._close_source(self._sources.pop(source_spec.source))
+        self._budget.release(id(self), name)
+
+    @property
+    def budget(self) -> SocketBudget:
+        """The sockets and descriptors the subscribers of this one's context may hold."""
+        return self._budget
 
     @property
     def instances(self) -> dict[str, InstanceSpec]:
@@ -261,6 +308,8 @@ class Subscriber:
         self._closed = True
         for src in list(self._sources.values()):
             self._close_source(src)
+        for name in self._instances:
+            self._budget.release(id(self), name)
 
     def __enter__(self) -> Subscriber:
         return self
@@ -287,14 +336,22 @@ class Subscriber:
 
     def _connect_sub(self, spec: SourceSpec) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
         sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self._opts.rcvhwm)
-        sub.setsockopt(zmq.MAXMSGSIZE, self._opts.max_payload + 4096)
-        if spec.curve is not None:
-            client_setup(sub, spec.curve)
-        monitor = sub.get_monitor_socket(LINK_EVENTS)
-        sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
-        sub.connect(spec.endpoint)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self._opts.rcvhwm)
+            sub.setsockopt(zmq.MAXMSGSIZE, self._opts.max_payload + 4096)
+            if spec.curve is not None:
+                client_setup(sub, spec.curve)
+            monitor = sub.get_monitor_socket(LINK_EVENTS)
+        except BaseException:
+            sub.close(linger=0)
+            raise
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+            sub.connect(spec.endpoint)
+        except BaseException:
+            _close_pair(sub, monitor)
+            raise
         return sub, monitor
 
     def _watch(self, src: _Source) -> None:
@@ -305,18 +362,22 @@ class Subscriber:
     def _close_sub(self, src: _Source) -> None:
         for sock in (src.monitor, src.sub):
             self._forget(sock)
-        try:
-            src.sub.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        src.monitor.close(linger=0)
-        src.sub.close(linger=0)
+        _close_pair(src.sub, src.monitor)
 
     def _renew_sub(self, src: _Source) -> None:
         """Follow the publisher on a fresh SUB: whatever the new socket receives was sent on
-        the new connection, never mixed with leftovers of the old one."""
+        the new connection, never mixed with leftovers of the old one. The new one is made
+        first: if it can't be (no descriptor free), the old one goes on (ZMQ reconnects
+        it; the reconnect check still runs) and the renewal is tried again in a second."""
+        try:
+            sub, monitor = self._connect_sub(src.spec)
+        except zmq.ZMQError as exc:
+            log.warning("%r: can't renew the SUB socket (%s); keeping the old one", src, exc)
+            src.renew_at = time.monotonic() + 1.0
+            return
+        src.renew_at = None
         self._close_sub(src)
-        src.sub, src.monitor = self._connect_sub(src.spec)
+        src.sub, src.monitor = sub, monitor
         self._watch(src)
 
     def _close_source(self, src: _Source) -> None:
@@ -330,16 +391,18 @@ class Subscriber:
         except KeyError:
             pass
 
-    def _start_replay(self, src: _Source, req: StartReplay) -> None:
+    def _start_replay(self, src: _Source, req: StartReplay, items: list[Item]) -> None:
         self._stop_replay(src)
         assert src.spec.replay_endpoint is not None
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVHWM, 0)  # take every reply the ROUTER manages to send
-        dealer.setsockopt(zmq.MAXMSGSIZE, self._opts.max_payload + 4096)
-        if src.spec.curve is not None:
-            client_setup(dealer, src.spec.curve)
-        dealer.connect(src.spec.replay_endpoint)
+        try:
+            dealer = self._open_dealer(src.spec, src.spec.replay_endpoint)
+        except zmq.ZMQError as exc:
+            # No socket for it now (descriptors exhausted by something else): the request
+            # fails like one that got no answer; ingest goes on.
+            why = f"can't open a replay socket: {exc}"
+            failed = src.state.on_replay_error(req.req_id, why, time.monotonic(), False)
+            self._handle(src, failed, items)
+            return
         try:
             # Never block: a peer that refused our handshake (CURVE vs plain, a key ZAP
             # turned away) leaves no pipe to queue on. Unsent, the request times out.
@@ -349,6 +412,22 @@ class Subscriber:
         src.dealer, src.dealer_req = dealer, req.req_id
         self._by_socket[dealer] = src
         self._poller.register(dealer, zmq.POLLIN)
+
+    def _open_dealer(self, spec: SourceSpec, endpoint: str) -> zmq.Socket[bytes]:
+        dealer = self._ctx.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            # Bounded: a replay endpoint that streams faster than we apply waits (or, a
+            # ROUTER, drops what does not fit, which the seq checks then see).
+            dealer.setsockopt(zmq.RCVHWM, self._opts.policy.reply_queue)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self._opts.max_payload + 4096)
+            if spec.curve is not None:
+                client_setup(dealer, spec.curve)
+            dealer.connect(endpoint)
+        except BaseException:
+            dealer.close(linger=0)
+            raise
+        return dealer
 
     def _stop_replay(self, src: _Source) -> None:
         if src.dealer is not None:
@@ -361,7 +440,7 @@ class Subscriber:
     def _wait_ms(self, timeout: float | None, now: float) -> int:
         wait = 3_600.0 if timeout is None else timeout
         for src in self._sources.values():
-            for deadline in (src.state.next_deadline, src.link.next_deadline):
+            for deadline in (src.state.next_deadline, src.link.next_deadline, src.renew_at):
                 if deadline is not None:
                     wait = min(wait, max(0.0, deadline - now))
         return int(wait * 1000 + 0.999)
@@ -391,6 +470,8 @@ class Subscriber:
             deadline = src.link.next_deadline
             if deadline is not None and now >= deadline:
                 self._report_link(src, src.link.on_tick(now), now, items)
+            if src.renew_at is not None and now >= src.renew_at:
+                self._renew_sub(src)
 
     def _read_live(self, src: _Source, items: list[Item], limit: int = _DRAIN) -> None:
         if _recv_live is not None:
@@ -437,12 +518,15 @@ class Subscriber:
                 frames = recv_frames(dealer)
             except zmq.Again:
                 return
+            now = time.monotonic()
             try:
                 frame = parse_replay(frames)
             except WireError as exc:
+                # No publisher sends that: the endpoint is not a replay socket, or broken.
                 self._malformed(src, str(exc), items)
-                continue
-            now = time.monotonic()
+                why = f"a reply that is no replay reply ({exc})"
+                self._handle(src, src.state.on_replay_error(src.dealer_req, why, now, True), items)
+                return
             if frame.seq == END_SEQ:
                 outputs = src.state.on_replay_end(src.dealer_req, now)
             else:
@@ -459,8 +543,7 @@ class Subscriber:
             event, now = message["event"], time.monotonic()
             self._report_link(src, src.link.on_event(event, int(message["value"]), now), now, items)
             if event in _REFUSED_EVENTS:
-                extra = src.state.stats.extra
-                extra["handshake_failures"] = extra.get("handshake_failures", 0) + 1
+                src.state.stats.handshake_failures += 1
                 continue
             if event not in _LINK_STATE_EVENTS:
                 continue
@@ -499,8 +582,11 @@ class Subscriber:
                 items.append(self._decode(src, out))
             elif isinstance(out, Notice):
                 items.append(out)
+                if isinstance(out, ReplayRefused | Discarded):
+                    for hook in list(self.link_hooks):
+                        hook(out)
             elif isinstance(out, StartReplay):
-                self._start_replay(src, out)
+                self._start_replay(src, out, items)
             elif isinstance(out, StopReplay) and src.dealer_req == out.req_id:
                 self._stop_replay(src)
 

@@ -89,6 +89,32 @@ class Restarted(Notice):
 
 
 @dataclass(frozen=True, slots=True)
+class Discarded(Restarted):
+    """What the replay endpoint served is contradicted by the live stream (a batch the live
+    stream then brought differently, or seqs the live stream had not reached): its answers
+    can't be told from invented ones, so everything known of this source is dropped, as
+    for a restart (it is a `Restarted`, so consumers drop their state the same way), and the
+    source follows the live stream from here, `incomplete`. The engine did not restart."""
+
+    def describe(self) -> str:
+        return f"state dropped at seq {self.last_seq}: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRefused(Notice):
+    """An answer of the replay endpoint was refused (`reason`: a seq not asked for or out of
+    order, a batch the live stream contradicts, a reply that is no reply, past the replay's
+    deadline or byte budget): the replay ended there; what it had not brought is `Lost`,
+    and no replay is asked of that endpoint for `backoff` seconds."""
+
+    reason: str = ""
+    backoff: float = 0.0
+
+    def describe(self) -> str:
+        return f"replay refused: {self.reason}; not asking again for {self.backoff:.0f} s"
+
+
+@dataclass(frozen=True, slots=True)
 class Gap(Notice):
     """Batches `first..last` were missed live; a replay was asked for them."""
 
@@ -216,10 +242,12 @@ class SourceStats:
     decode_errors: int = 0
     malformed_messages: int = 0
     unknown_events: int = 0
+    handshake_failures: int = 0  # ZMTP/CURVE handshakes refused on the SUB link
     publisher_restarts: int = 0
     unverified_reconnects: int = 0
     replay_requests: int = 0
-    replay_failures: int = 0
+    replay_failures: int = 0  # requests that ended without all they were asked for
+    replay_refusals: int = 0  # answers refused as wrong (see `ReplayRefused`)
     last_seq: int | None = None
     last_ts: float | None = None
     connected: bool = False

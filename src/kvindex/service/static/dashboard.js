@@ -55,17 +55,9 @@
 
   // -- the stream ------------------------------------------------------------------------
 
-  // A service started with --token: open the page once as /?token=SECRET. The token goes
-  // into a same-site cookie (which the API accepts) and out of the address bar.
-  function adoptToken() {
-    const url = new URL(window.location.href);
-    const token = url.searchParams.get("token");
-    if (!token) return;
-    document.cookie = "kvindex_token=" + encodeURIComponent(token) + "; path=/; SameSite=Strict";
-    url.searchParams.delete("token");
-    window.history.replaceState(null, "", url.pathname + url.search + url.hash);
-  }
-  adoptToken();
+  // A service started with --token: open the page once as /?token=SECRET. The server
+  // answers with its session cookie (HttpOnly, for /v1/dashboard/ only) and the page
+  // again, without the token in the address bar: the page's requests all go there.
 
   function connect() {
     const source = new EventSource("/v1/dashboard/stream");
@@ -400,7 +392,7 @@
     if (lora) body.lora_name = lora;
     out.dataset.state = "running";
     try {
-      const res = await fetch("/v1/lookup", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+      const res = await fetch("/v1/dashboard/lookup", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
       const answer = await res.json();
       if (!res.ok) throw new Error(answer.error || res.statusText);
       renderLookup(tokens, answer);

@@ -31,9 +31,9 @@ from kvindex.index import FleetIndex
 from kvindex.store import StoreError, open_store
 from kvindex.store.base import LoadResult
 from kvindex.store.redis import RedisStore, current_rows
-from kvindex.store.redis_append import Appender
-from kvindex.store.redis_compact import Compactor
-from kvindex.store.redis_keys import (
+from kvindex.store.redis.append import Appender
+from kvindex.store.redis.compact import Compactor
+from kvindex.store.redis.keys import (
     CTL,
     INSTANCES,
     REGISTER,
@@ -48,7 +48,7 @@ from kvindex.store.redis_keys import (
     snap_key,
     snapshot_format,
 )
-from kvindex.store.redis_reader import Reader
+from kvindex.store.redis.reader import Reader
 from kvindex.store.rows import BlockRow
 from kvindex.store.state import Mirror
 from kvindex.subscriber import Delivery, Restarted, SourceKey

@@ -150,12 +150,15 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
 
     from kvindex.runtime import Fleet
     from kvindex.service.app import create_app
-    from kvindex.store import SharedStore
 
     store, index, loaded = _open_store(settings.store)
-    sock = listen(host, port)
+    try:
+        sock = listen(host, port)
+    except UsageError:
+        store.close()
+        raise
     instances = _with_runtime_instances(settings.instances, loaded.instances)
-    shared = store if isinstance(store, SharedStore) else None  # Redis: other replicas too
+    shared = store.shared()  # Redis: other replicas too
     try:
         fleet = Fleet(
             instances,
@@ -178,8 +181,9 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     if shared is not None:
         shared.share(fleet.specs.values())
     store.start()
-    app = create_app(fleet, guard=http.guard, max_body_bytes=http.max_body_bytes)
-    app.state.metrics.watch_store(store.stats)  # kvindex_store_* on /metrics
+    app = create_app(
+        fleet, guard=http.guard, max_body_bytes=http.max_body_bytes, store_health=store.health
+    )
     config = uvicorn.Config(
         app,
         **http.uvicorn_kwargs(),
@@ -214,8 +218,12 @@ def _open_store(url: str) -> tuple[Store, FleetIndex, LoadResult]:
     index = FleetIndex()
     try:
         store = open_store(url)
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+    try:
         loaded = store.load(index)
     except StoreError as exc:
+        store.close()  # frees what it took (the store's lock)
         raise UsageError(str(exc)) from None
     return store, index, loaded
 

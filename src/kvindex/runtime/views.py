@@ -25,6 +25,7 @@ __all__ = [
     "LookupAnswer",
     "RankMatch",
     "RankView",
+    "StoreHealth",
     "worst_status",
 ]
 
@@ -165,6 +166,25 @@ class FleetSummary:
             entries=entries,
             backlog=backlog,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class StoreHealth:
+    """How the state store is doing: what /healthz, /v1/stats and /metrics say of it.
+
+    `up` is false while the store can't persist (its worker died and is being started
+    again, or can't write: a full disk); `reason` says why. Lookups are answered from
+    memory all along: a store that is down makes the service `degraded`, not unhealthy.
+    `lag_seconds` is the age of the oldest applied item not durable yet (0: none)."""
+
+    url: str
+    up: bool = True
+    reason: str | None = None
+    restarts: int = 0
+    last_error: str | None = None
+    lag_seconds: float = 0.0
+    pending_groups: int = 0
+    dropped_batches: int = 0
 
 
 # -- lookups: msgspec structs, encoded as they are (a lookup answer is on the hot path) --

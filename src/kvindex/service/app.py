@@ -33,6 +33,7 @@ from kvindex.runtime import (
     InstanceView,
     LookupAnswer,
     RankView,
+    StoreHealth,
     UnknownInstance,
 )
 from kvindex.security.http import HttpGuard
@@ -411,10 +412,12 @@ def create_app(
     manage_fleet: bool = True,
     max_body_bytes: int = MAX_BODY_BYTES,
     guard: HttpGuard | None = None,
+    store_health: Callable[[], StoreHealth] | None = None,
 ) -> FastAPI:
     """The API over `fleet`. With `manage_fleet`, the app's lifespan starts its ingest in
     the server's loop and stops it (closing the sockets) at shutdown. `guard` sets bearer
-    tokens, the lookup size limit and the request body deadline."""
+    tokens, the lookup size limit and the request body deadline; `store_health` says how
+    the state store is doing (for /healthz, /v1/stats and /metrics)."""
     guard = guard or HttpGuard()
 
     @asynccontextmanager
@@ -435,12 +438,13 @@ def create_app(
         docs_url=None,  # served offline by install_docs, not from a CDN
         redoc_url=None,
     )
-    metrics = ServiceMetrics(fleet)
+    health = store_health or _no_store
+    metrics = ServiceMetrics(fleet, health)
     app.state.fleet = fleet
     app.state.metrics = metrics
     app.state.max_lookup_items = guard.max_lookup_items
     _add_error_handlers(app)
-    _add_routes(app, fleet, metrics)
+    _add_routes(app, fleet, metrics, health)
     install_dashboard(app, fleet)  # GET /, its assets and /v1/dashboard/*
     install_docs(app)  # GET /docs and its assets
     app.add_middleware(BodyLimit, limit=max_body_bytes)
@@ -492,25 +496,38 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _add_routes(app: FastAPI, fleet: Fleet, metrics: ServiceMetrics) -> None:
-    _add_status_routes(app, fleet, metrics)
+def _no_store() -> StoreHealth:
+    return StoreHealth("memory")
+
+
+def _add_routes(
+    app: FastAPI, fleet: Fleet, metrics: ServiceMetrics, store: Callable[[], StoreHealth]
+) -> None:
+    _add_status_routes(app, fleet, metrics, store)
     _add_instance_routes(app, fleet)
     _add_lookup_routes(app, fleet, metrics)
 
 
-def _add_status_routes(app: FastAPI, fleet: Fleet, metrics: ServiceMetrics) -> None:
+def _add_status_routes(
+    app: FastAPI, fleet: Fleet, metrics: ServiceMetrics, store: Callable[[], StoreHealth]
+) -> None:
     @app.get("/healthz", response_model=HealthOut, responses={503: {"model": ErrorOut}})
     async def healthz() -> Response:
-        """`ok` once the service accepts queries (503 if ingest stopped on an error)."""
+        """`ok` once the service accepts queries; `degraded` (still 200: lookups are
+        answered from memory) with the reason while the state store can't persist; 503 if
+        ingest stopped on an error."""
         failure = fleet.failure
         if failure is not None or not fleet.running:
             return _error(503, f"ingest is not running: {failure or 'stopped'}")
+        health = store()
+        if not health.up:
+            return _json({"status": "degraded", "reason": f"store: {health.reason}"})
         return _json({"status": "ok"})
 
     @app.get("/v1/stats")
     async def stats() -> Response:
-        """Fleet totals, windowed rates (per minute) and ingest/lookup counters."""
-        return _json(_stats(fleet, metrics))
+        """Fleet totals, windowed rates (per minute), ingest/lookup counters, the store."""
+        return _json({**_stats(fleet, metrics), "store": store()})
 
     @app.get("/metrics", response_class=Response)
     async def prometheus() -> Response:

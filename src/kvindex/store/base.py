@@ -1,18 +1,22 @@
-"""What every store offers the service: `Store`, and `SharedStore` for what a store that
-several replicas share adds."""
+"""What every store offers the service: `Store`, `SharedStore` for what a store that
+several replicas share adds, and `StoreError`, which every store raises."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from kvindex.index import FleetIndex
-from kvindex.runtime import MembershipFeed
+from kvindex.runtime import MembershipFeed, StoreHealth
 from kvindex.subscriber import Subscriber
 from kvindex.subscriber.messages import Item, SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 from kvindex.subscriber.state import Checkpoint
+
+
+class StoreError(RuntimeError):
+    """The store can't be opened or used; the message says why, in one line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +59,15 @@ class Store(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
+    def health(self) -> StoreHealth:
+        """Whether the store persists now, and if not why (see StoreHealth)."""
+        ...
 
-@runtime_checkable
+    def shared(self) -> SharedStore | None:
+        """The store as several replicas share it (Redis), or None (memory, SQLite)."""
+        ...
+
+
 class SharedStore(Store, Protocol):
     """A store several `serve` replicas share (Redis): each replica answers for the whole
     fleet, so the store also feeds it the batches the others ingest, and the instances
@@ -109,3 +120,9 @@ class MemoryStore:
 
     def stats(self) -> dict[str, Any]:
         return {"url": self.url}
+
+    def health(self) -> StoreHealth:
+        return StoreHealth(self.url)
+
+    def shared(self) -> SharedStore | None:
+        return None

@@ -9,7 +9,7 @@ per-record work is putting each chain after the one holding its parent, so the p
 is rebuilt (a chain whose parent is not held anywhere is loaded as it comes).
 
 A record also keeps `keys` (its parent and hashes, for that ordering and to rebuild a
-mirror) and, for SQL users, the blocks as JSON (see sqlite_db's `cache_blocks` view).
+mirror) and, for SQL users, the blocks as JSON (see sqlite/schema.py's `cache_blocks` view).
 
 Writing: a changed run is rewritten whole. A run some of whose blocks left is cut to the
 blocks it still holds: cut into several runs if they are no longer contiguous (each keeps
@@ -27,7 +27,7 @@ import msgspec
 
 from kvindex.index import FleetIndex
 from kvindex.store.rows import BlockRow
-from kvindex.store.state import PLACED, UNPLACED, Changes, Mirror, Run, SourceState
+from kvindex.store.state import PLACED, UNPLACED, Changes, Mirror, PublisherRuns, Run
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import BatchDecoder, BlockHash, BlockStored, EventBatch, WireError, render_hash
 
@@ -117,7 +117,7 @@ def plan_changes(mirror: Mirror, changes: Changes, view: bool = False) -> dict[S
     return plans
 
 
-def plan_source(mirror: Mirror, src: SourceState, runs: Iterable[Run], view: bool) -> Plan:
+def plan_source(mirror: Mirror, src: PublisherRuns, runs: Iterable[Run], view: bool) -> Plan:
     """Records for these runs of one publisher (all of its runs for a full rewrite)."""
     plan = Plan()
     for run in sorted(runs, key=lambda r: r.id):
@@ -134,7 +134,7 @@ def plan_source(mirror: Mirror, src: SourceState, runs: Iterable[Run], view: boo
     return plan
 
 
-def _cut(mirror: Mirror, src: SourceState, run: Run) -> list[Run]:
+def _cut(mirror: Mirror, src: PublisherRuns, run: Run) -> list[Run]:
     """The run cut down to the blocks it still holds: [] if none, several runs if they are
     no longer contiguous (the first keeps the run's id)."""
     hashes = run.hashes
@@ -165,7 +165,7 @@ def _cut(mirror: Mirror, src: SourceState, run: Run) -> list[Run]:
     return parts
 
 
-def _record(src: SourceState, run: Run, view: bool) -> Record:
+def _record(src: PublisherRuns, run: Run, view: bool) -> Record:
     hashes = run.hashes
     pool = src.pools[(run.group, run.medium)]
     copies = [pool.copies(h) for h in hashes] if pool.extra else [1] * len(hashes)
@@ -352,7 +352,7 @@ def mirror_rows(mirror: Mirror) -> list[BlockRow]:
     return rows
 
 
-def _run_rows(source: SourceKey, src: SourceState, run: Run) -> Iterator[BlockRow]:
+def _run_rows(source: SourceKey, src: PublisherRuns, run: Run) -> Iterator[BlockRow]:
     live = src.members(run)
     if not live:
         return

@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import redis
 
-from kvindex.store.redis_keys import (
+from kvindex.store.redis.keys import (
     COMPACTOR,
     LOCK,
     Cursor,
@@ -36,7 +36,7 @@ from kvindex.store.redis_keys import (
     snapshot_id,
 )
 from kvindex.store.snapshot import Plan, plan_source
-from kvindex.store.state import Mirror, Run, SourceState
+from kvindex.store.state import Mirror, PublisherRuns, Run
 from kvindex.subscriber.messages import SourceKey
 
 TRIM_SLACK_MS = 60_000
@@ -89,7 +89,7 @@ class Compactor:
         client: redis.Redis,
         source: SourceKey,
         cursor: Cursor,
-        src: SourceState,
+        src: PublisherRuns,
         dirty: set[Run],
         cleared: bool,
     ) -> bool:

@@ -26,9 +26,9 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import msgspec
 
+from kvindex.store.base import StoreError
 from kvindex.store.rows import BlockRow
 from kvindex.store.snapshot import MirrorRow, Record
-from kvindex.store.sqlite_db import StoreError
 from kvindex.subscriber.messages import SourceKey
 from kvindex.subscriber.spec import InstanceSpec, SpecError
 from kvindex.subscriber.state import Checkpoint

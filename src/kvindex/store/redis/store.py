@@ -7,7 +7,7 @@ itself (default `all`: replicas ingesting the same instance append each batch on
 Instances given to any replica (flags, config, POST /v1/instances) are registered in
 Redis for all of them; an instance another replica removes is removed everywhere.
 
-How (the key layout is in redis_keys):
+How (the key layout is in keys.py):
 - each publisher has a shared, ordered log (a Redis Stream) of the batches as vLLM sent
   them, plus restart and lost markers. The replica ingesting it appends what it applied,
   through a Lua script that only appends the next seq, so the log stays gap-free and
@@ -17,27 +17,39 @@ How (the key layout is in redis_keys):
 - logs are compacted into per-publisher snapshots by one replica at a time, so a replica
   starting (or restarting after kill -9) loads snapshot + log tail, and its Subscriber
   resumes each publisher it ingests from the log's checkpoint, like the SQLite store;
-- all Redis traffic is in a worker process (redis_worker), fed over ZMQ: `record` never
-  blocks the service, and a Redis outage costs no lookup. While Redis is away the worker
-  queues (bounded) and retries with backoff; once it is back, the queue drains and any
-  seqs dropped past the bound are fetched again from the publisher's replay buffer.
+- all Redis traffic is in a worker process (worker.py), fed over its WorkerLink (bounded,
+  supervised: see kvindex.store.link): `record` never blocks the service, a Redis outage
+  costs no lookup, and a worker that dies is started again where the service stands.
+  While Redis is away the worker queues (bounded) and retries with backoff; once it is
+  back, the queue drains and any seqs dropped past the bound are fetched again from the
+  publisher's replay buffer.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
 import redis
 
 from kvindex.index import FleetIndex
 from kvindex.runtime import MembershipFeed
-from kvindex.store.base import LoadResult, SharedStore
-from kvindex.store.redis_feed import SharedSubscriber
-from kvindex.store.redis_keys import Cursor, RedisConfig, render_id, tag
-from kvindex.store.redis_load import (
+from kvindex.store.base import LoadResult, SharedStore, StoreError
+from kvindex.store.link import WorkerCommand, WorkerLink, WorkerStore
+from kvindex.store.protocol import (
+    AppliedBatch,
+    LostMark,
+    RemoveInstance,
+    RestartMark,
+    SaveInstance,
+)
+from kvindex.store.redis.feed import SharedSubscriber
+from kvindex.store.redis.keys import Cursor, RedisConfig, render_id, tag
+from kvindex.store.redis.load import (
     advance,
     load_source,
     read_registry,
@@ -46,9 +58,7 @@ from kvindex.store.redis_load import (
 )
 from kvindex.store.rows import BlockRow
 from kvindex.store.snapshot import mirror_rows
-from kvindex.store.sqlite_db import StoreError
 from kvindex.store.state import Mirror
-from kvindex.store.worker import WorkerLink, WorkerStore
 from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted, SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 from kvindex.subscriber.state import Checkpoint
@@ -56,7 +66,7 @@ from kvindex.subscriber.state import Checkpoint
 __all__ = ["RedisStore", "current_rows"]
 
 
-class RedisStore(WorkerStore, SharedStore):
+class RedisStore(WorkerStore):
     """The service's side: load, hand applied items to the worker, feed the Fleet."""
 
     def __init__(self, url: str) -> None:
@@ -66,9 +76,9 @@ class RedisStore(WorkerStore, SharedStore):
         self._cursors: dict[SourceKey, Cursor] = {}
         self._ctl = "0-0"
         self._specs: list[InstanceSpec] = []
-        self._link = WorkerLink("the Redis store")
-        self._encode = self._link.encode
+        self._link = WorkerLink("the Redis worker")
         self._post = self._link.post
+        self._base = ""
 
     @property
     def url(self) -> str:
@@ -124,34 +134,44 @@ class RedisStore(WorkerStore, SharedStore):
         """Register these instances for the other replicas, once the worker runs."""
         self._specs = list(specs)
 
+    def shared(self) -> SharedStore:
+        return self
+
     def start(self) -> None:
-        base = self._link.open(pulls=("feed",))
+        self._base = self._link.open(pulls=("feed",))
         if self._subscriber is not None:
             self._subscriber.connect_feed(self._link.sockets["feed"])
-        self._link.spawn(
-            [sys.executable, "-m", "kvindex.store.redis_worker"], stdin=self._worker_config(base)
-        )
+        self._link.start(self._command)
         for spec in self._specs:
-            self._post(("i", spec.name, spec.render()))
+            self._post(SaveInstance(spec.name, spec.render()))
 
-    def _worker_config(self, base: str) -> bytes:
-        import os
-
-        return self._encode(
-            {
-                "url": self.config.url,
-                "ingest": self.config.ingest.render(),
-                "buffer": self.config.buffer,
-                "compact": self.config.compact,
-                "inbox": f"{base}/in",
-                "outbox": f"{base}/feed",
-                "acks": f"{base}/acks",
-                "parent": os.getpid(),
-                "served": {tag(s): render_id(c.pos) for s, c in self._cursors.items()},
-                "mine": {tag(s): [c.next_seq, c.digest] for s, c in self._cursors.items()},
-                "ctl": self._ctl,
-            }
-        )
+    def _command(self, restarted: bool) -> WorkerCommand:
+        """The worker's command; started again, it resumes where the service stands now
+        (each log from the last entry applied, the appends from where each log stands)."""
+        base = self._base
+        served = {tag(s): render_id(c.pos) for s, c in self._cursors.items()}
+        mine = {tag(s): [c.next_seq, c.digest] for s, c in self._cursors.items()}
+        ctl = self._ctl
+        if restarted and self._subscriber is not None:
+            served = {tag(s): render_id(p) for s, p in self._subscriber.positions().items()}
+            mine = {}
+            if self._subscriber.ctl_pos is not None:
+                ctl = render_id(self._subscriber.ctl_pos)
+        config = {
+            "url": self.config.url,
+            "ingest": self.config.ingest.render(),
+            "buffer": self.config.buffer,
+            "compact": self.config.compact,
+            "inbox": f"{base}/in",
+            "outbox": f"{base}/feed",
+            "acks": f"{base}/acks",
+            "parent": os.getpid(),
+            "served": served,
+            "mine": mine,
+            "ctl": ctl,
+        }
+        argv = [sys.executable, "-m", "kvindex.store.redis"]
+        return WorkerCommand(argv, stdin=msgspec.msgpack.encode(config))
 
     # -- the hot path: one non-blocking send per item this replica ingests ---------------
 
@@ -163,23 +183,23 @@ class RedisStore(WorkerStore, SharedStore):
             if item.payload is None:
                 raise StoreError("the Subscriber must keep payloads for a persistent store")
             payload = item.payload
-            self._post(("b", source[0], source[1], item.seq, payload), len(payload))
+            self._post(AppliedBatch(source[0], source[1], item.seq, payload), len(payload))
         elif isinstance(item, Restarted):
-            self._post(("r", source[0], source[1]))
+            self._post(RestartMark(source[0], source[1]))
         elif isinstance(item, Lost):
-            self._post(("l", source[0], source[1], item.first, item.last))
+            self._post(LostMark(source[0], source[1], item.first, item.last))
 
     def save_instance(self, spec: InstanceSpec) -> None:
-        self._post(("i", spec.name, spec.render()))
+        self._post(SaveInstance(spec.name, spec.render()))
 
     def remove_instance(self, name: str) -> None:
-        self._post(("x", name))
+        self._post(RemoveInstance(name))
 
     # -- control: sync, compact, close come from WorkerStore ----------------------------
 
     def stats(self) -> dict[str, Any]:
         worker = self._subscriber.worker_stats if self._subscriber is not None else {}
-        return {"url": self.url, "worker_alive": self._alive(), **worker}
+        return {"url": self.url, "worker_alive": self._link.alive(), **worker}
 
 
 def current_rows(url: str) -> tuple[list[BlockRow], LoadResult]:

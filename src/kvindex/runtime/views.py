@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -185,6 +186,7 @@ class StoreHealth:
     lag_seconds: float = 0.0
     pending_groups: int = 0
     dropped_batches: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)  # the store's own counters
 
 
 # -- lookups: msgspec structs, encoded as they are (a lookup answer is on the hot path) --

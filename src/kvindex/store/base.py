@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvindex.index import FleetIndex
 from kvindex.runtime import MembershipFeed, StoreHealth
@@ -56,8 +56,6 @@ class Store(Protocol):
         """Wait until everything recorded so far is durable."""
 
     def close(self, timeout: float = 30.0) -> None: ...
-
-    def stats(self) -> dict[str, Any]: ...
 
     def health(self) -> StoreHealth:
         """Whether the store persists now, and if not why (see StoreHealth)."""
@@ -117,9 +115,6 @@ class MemoryStore:
 
     def close(self, timeout: float = 30.0) -> None:
         pass
-
-    def stats(self) -> dict[str, Any]:
-        return {"url": self.url}
 
     def health(self) -> StoreHealth:
         return StoreHealth(self.url)

@@ -42,13 +42,18 @@ from kvindex.runtime import StoreHealth
 from kvindex.store.base import StoreError
 from kvindex.store.protocol import (
     AppliedBatch,
+    ControlRequest,
     Group,
     LostMark,
     Message,
-    Request,
+    RemoveInstance,
+    RestartMark,
+    SaveInstance,
     WorkerReport,
     decode_report,
 )
+from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted
+from kvindex.subscriber.spec import InstanceSpec
 
 __all__ = ["Command", "WorkerCommand", "WorkerLink", "WorkerStore"]
 
@@ -272,7 +277,7 @@ class WorkerLink:
         with self._lock:
             self._tokens += 1
             token = self._tokens
-            self._group.append(Request(kind, token))  # type: ignore[arg-type]
+            self._group.append(ControlRequest(kind, token))  # type: ignore[arg-type]
             self._flush()
             while token not in self._done:
                 left = deadline - time.monotonic()
@@ -397,7 +402,7 @@ class WorkerLink:
         with self._lock:
             self._closing = True
             if self.sockets.get("in") is not None and self.process is not None:
-                self._group.append(Request("stop", 0))
+                self._group.append(ControlRequest("stop", 0))
                 self._flush()
         deadline = time.monotonic() + timeout
         while self.process is not None and time.monotonic() < deadline:
@@ -424,14 +429,37 @@ class WorkerLink:
 
 
 class WorkerStore:
-    """What a store whose work happens in a worker process offers for control: the rest
-    (load, start, record) is the store's own."""
+    """What a store whose work happens in a worker process does on the service's side:
+    hand over what the index applied, and control the worker (load and start are the
+    store's own)."""
 
     _link: WorkerLink
 
     @property
     def url(self) -> str:
         raise NotImplementedError
+
+    # -- the hot path: one queued message per item ----------------------------------------
+
+    def record(self, item: Item) -> None:
+        source, post = item.source, self._link.post
+        if isinstance(item, Delivery):
+            if item.payload is None:
+                raise StoreError("the Subscriber must keep payloads for a persistent store")
+            payload = item.payload
+            post(AppliedBatch(source.instance, source.rank, item.seq, payload), len(payload))
+        elif isinstance(item, Restarted):
+            post(RestartMark(source.instance, source.rank))
+        elif isinstance(item, Lost):
+            post(LostMark(source.instance, source.rank, item.first, item.last))
+
+    def save_instance(self, spec: InstanceSpec) -> None:
+        self._link.post(SaveInstance(spec.name, spec.render()))
+
+    def remove_instance(self, name: str) -> None:
+        self._link.post(RemoveInstance(name))
+
+    # -- control --------------------------------------------------------------------------
 
     def flush(self) -> None:
         self._link.flush()

@@ -4,7 +4,7 @@ for both backends (SQLite's writer, Redis's worker).
 Service -> worker, in `Group`s (one ZMQ message each, numbered in sending order): what the
 index applied (`AppliedBatch`, `RestartMark`, `LostMark`), the fleet's membership
 (`SaveInstance`, `RemoveInstance`), the status of the publishers this replica ingests
-(`StatusReport`, Redis only) and control (`Request`: sync, compact, stop).
+(`StatusReport`, Redis only) and control (`ControlRequest`: sync, compact, stop).
 
 Worker -> service: `WorkerReport`s, saying up to which group everything is durable
 (`committed`), which requests are done, and why the worker can't write, if it can't. The
@@ -24,11 +24,11 @@ import msgspec
 
 __all__ = [
     "AppliedBatch",
+    "ControlRequest",
     "Group",
     "LostMark",
     "Message",
     "RemoveInstance",
-    "Request",
     "RestartMark",
     "SaveInstance",
     "StatusReport",
@@ -84,7 +84,7 @@ class StatusReport(msgspec.Struct, tag="s", array_like=True):
     report: dict[str, Any]
 
 
-class Request(msgspec.Struct, tag="q", array_like=True, gc=False):
+class ControlRequest(msgspec.Struct, tag="q", array_like=True, gc=False):
     """Control: `sync` (answered once everything before it is durable), `compact` (once a
     snapshot is written), `stop` (finish, then exit)."""
 
@@ -93,7 +93,13 @@ class Request(msgspec.Struct, tag="q", array_like=True, gc=False):
 
 
 Message = (
-    AppliedBatch | RestartMark | LostMark | SaveInstance | RemoveInstance | StatusReport | Request
+    AppliedBatch
+    | RestartMark
+    | LostMark
+    | SaveInstance
+    | RemoveInstance
+    | StatusReport
+    | ControlRequest
 )
 
 

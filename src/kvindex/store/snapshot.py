@@ -26,18 +26,18 @@ from typing import Any, Protocol
 import msgspec
 
 from kvindex.index import FleetIndex
+from kvindex.store.mirror import PLACED, UNPLACED, Changes, Mirror, PublisherRuns, Run
 from kvindex.store.rows import BlockRow
-from kvindex.store.state import PLACED, UNPLACED, Changes, Mirror, PublisherRuns, Run
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import BatchDecoder, BlockHash, BlockStored, EventBatch, WireError, render_hash
 
 __all__ = [
     "IndexTarget",
+    "LogTarget",
     "MirrorRow",
-    "Plan",
     "Record",
+    "SnapshotPlan",
     "Stored",
-    "Target",
     "array_header",
     "load_runs",
     "mirror_rows",
@@ -61,7 +61,7 @@ class Record:
     """One run as persisted."""
 
     id: int
-    rank: int  # see state.Run
+    rank: int  # see mirror.Run
     group: int
     medium: str
     size: int
@@ -93,7 +93,7 @@ def array_header(n: int) -> bytes:
 
 
 @dataclass
-class Plan:
+class SnapshotPlan:
     """A snapshot's writes for one publisher: records to (re)write, ids of records to drop.
     Mark `runs` saved once the writes are done."""
 
@@ -106,10 +106,12 @@ class Plan:
             run.saved = True
 
 
-def plan_changes(mirror: Mirror, changes: Changes, view: bool = False) -> dict[SourceKey, Plan]:
+def plan_changes(
+    mirror: Mirror, changes: Changes, view: bool = False
+) -> dict[SourceKey, SnapshotPlan]:
     """The writes that bring a snapshot up to date with these changes of the mirror (after
     the records of `changes.cleared` publishers and `changes.removed` instances went)."""
-    plans: dict[SourceKey, Plan] = {}
+    plans: dict[SourceKey, SnapshotPlan] = {}
     for source, runs in changes.dirty.items():
         src = mirror.sources.get(source)
         if src is not None:
@@ -117,9 +119,11 @@ def plan_changes(mirror: Mirror, changes: Changes, view: bool = False) -> dict[S
     return plans
 
 
-def plan_source(mirror: Mirror, src: PublisherRuns, runs: Iterable[Run], view: bool) -> Plan:
+def plan_source(
+    mirror: Mirror, src: PublisherRuns, runs: Iterable[Run], view: bool
+) -> SnapshotPlan:
     """Records for these runs of one publisher (all of its runs for a full rewrite)."""
-    plan = Plan()
+    plan = SnapshotPlan()
     for run in sorted(runs, key=lambda r: r.id):
         if src.runs.get(run.id) is not run:
             continue  # gone with a clear, or already cut
@@ -205,7 +209,7 @@ def _blocks_json(run: Run, copies: list[int], flat: list[int] | None) -> str:
 # -- loading into an index ----------------------------------------------------------------
 
 
-class Target(Protocol):
+class LogTarget(Protocol):
     """What log entries are applied to: a mirror, or an index (see IndexTarget)."""
 
     def apply_payload(self, source: SourceKey, payload: bytes) -> None: ...

@@ -91,7 +91,7 @@ _UNDECODED = EventBatch(0.0, [])  # the batch of a `decode=False` Delivery: see 
 
 
 @dataclass(slots=True)
-class _Source:
+class _SourceSockets:
     spec: SourceSpec
     state: SourceState
     sub: zmq.Socket[bytes]
@@ -147,8 +147,8 @@ class Subscriber:
         self._keep_payload = keep_payload  # for recorders and stores that persist raw batches
         self._catch_up = catch_up
         self._resume = dict(resume or {})
-        self._sources: dict[SourceKey, _Source] = {}
-        self._by_socket: dict[zmq.Socket[bytes], _Source] = {}
+        self._sources: dict[SourceKey, _SourceSockets] = {}
+        self._by_socket: dict[zmq.Socket[bytes], _SourceSockets] = {}
         self._poller = zmq.Poller()
         self._wake_fd: int | None = None
         self._instances: dict[str, InstanceSpec] = {}
@@ -270,7 +270,7 @@ class Subscriber:
 
     # -- sockets -----------------------------------------------------------------------
 
-    def _open_source(self, spec: SourceSpec) -> _Source:
+    def _open_source(self, spec: SourceSpec) -> _SourceSockets:
         state = SourceState(
             spec.source,
             has_replay=spec.replay_endpoint is not None,
@@ -280,7 +280,7 @@ class Subscriber:
         )
         sub, monitor = self._connect_sub(spec)
         link = LinkWatch(spec.endpoint, spec.curve is not None, time.monotonic())
-        src = _Source(spec, state, sub, monitor, BatchDecoder(self._opts.max_payload), link)
+        src = _SourceSockets(spec, state, sub, monitor, BatchDecoder(self._opts.max_payload), link)
         self._sources[spec.source] = src
         self._watch(src)
         return src
@@ -297,12 +297,12 @@ class Subscriber:
         sub.connect(spec.endpoint)
         return sub, monitor
 
-    def _watch(self, src: _Source) -> None:
+    def _watch(self, src: _SourceSockets) -> None:
         for sock in (src.monitor, src.sub):
             self._by_socket[sock] = src
             self._poller.register(sock, zmq.POLLIN)
 
-    def _close_sub(self, src: _Source) -> None:
+    def _close_sub(self, src: _SourceSockets) -> None:
         for sock in (src.monitor, src.sub):
             self._forget(sock)
         try:
@@ -312,14 +312,14 @@ class Subscriber:
         src.monitor.close(linger=0)
         src.sub.close(linger=0)
 
-    def _renew_sub(self, src: _Source) -> None:
+    def _renew_sub(self, src: _SourceSockets) -> None:
         """Follow the publisher on a fresh SUB: whatever the new socket receives was sent on
         the new connection, never mixed with leftovers of the old one."""
         self._close_sub(src)
         src.sub, src.monitor = self._connect_sub(src.spec)
         self._watch(src)
 
-    def _close_source(self, src: _Source) -> None:
+    def _close_source(self, src: _SourceSockets) -> None:
         self._stop_replay(src)
         self._close_sub(src)
 
@@ -330,7 +330,7 @@ class Subscriber:
         except KeyError:
             pass
 
-    def _start_replay(self, src: _Source, req: StartReplay) -> None:
+    def _start_replay(self, src: _SourceSockets, req: StartReplay) -> None:
         self._stop_replay(src)
         assert src.spec.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
@@ -350,7 +350,7 @@ class Subscriber:
         self._by_socket[dealer] = src
         self._poller.register(dealer, zmq.POLLIN)
 
-    def _stop_replay(self, src: _Source) -> None:
+    def _stop_replay(self, src: _SourceSockets) -> None:
         if src.dealer is not None:
             self._forget(src.dealer)
             src.dealer.close(linger=0)
@@ -392,7 +392,7 @@ class Subscriber:
             if deadline is not None and now >= deadline:
                 self._report_link(src, src.link.on_tick(now), now, items)
 
-    def _read_live(self, src: _Source, items: list[Item], limit: int = _DRAIN) -> None:
+    def _read_live(self, src: _SourceSockets, items: list[Item], limit: int = _DRAIN) -> None:
         if _recv_live is not None:
             self._read_live_many(src, items, limit)
             return
@@ -408,7 +408,7 @@ class Subscriber:
             seq = int.from_bytes(frames[1], "big")
             self._handle(src, state.on_live(seq, frames[2], time.monotonic()), items)
 
-    def _read_live_many(self, src: _Source, items: list[Item], limit: int) -> None:
+    def _read_live_many(self, src: _SourceSockets, items: list[Item], limit: int) -> None:
         """`_read_live` with the frames read in C, many messages per call (_recv.c)."""
         assert _recv_live is not None
         state = src.state
@@ -428,7 +428,7 @@ class Subscriber:
                 else:
                     self._handle(src, state.on_live(seq, payload, now), items)
 
-    def _read_replay(self, src: _Source, items: list[Item]) -> None:
+    def _read_replay(self, src: _SourceSockets, items: list[Item]) -> None:
         for _ in range(_DRAIN):
             dealer = src.dealer
             if dealer is None:
@@ -449,7 +449,7 @@ class Subscriber:
                 outputs = src.state.on_replay_frame(src.dealer_req, frame.seq, frame.payload, now)
             self._handle(src, outputs, items)
 
-    def _read_monitor(self, src: _Source, items: list[Item]) -> None:
+    def _read_monitor(self, src: _SourceSockets, items: list[Item]) -> None:
         while True:
             try:
                 frames = src.monitor.recv_multipart(zmq.NOBLOCK)
@@ -478,7 +478,7 @@ class Subscriber:
                 return
 
     def _report_link(
-        self, src: _Source, problem: str | None, now: float, items: list[Item]
+        self, src: _SourceSockets, problem: str | None, now: float, items: list[Item]
     ) -> None:
         src.state.stats.problem = src.link.problem
         if problem is None:
@@ -489,11 +489,11 @@ class Subscriber:
         for hook in list(self.link_hooks):
             hook(notice)
 
-    def _malformed(self, src: _Source, error: str, items: list[Item]) -> None:
+    def _malformed(self, src: _SourceSockets, error: str, items: list[Item]) -> None:
         src.state.stats.malformed_messages += 1
         items.append(Malformed(src.spec.source, error))
 
-    def _handle(self, src: _Source, outputs: list[Output], items: list[Item]) -> None:
+    def _handle(self, src: _SourceSockets, outputs: list[Output], items: list[Item]) -> None:
         for out in outputs:
             if isinstance(out, Deliver):
                 items.append(self._decode(src, out))
@@ -504,7 +504,7 @@ class Subscriber:
             elif isinstance(out, StopReplay) and src.dealer_req == out.req_id:
                 self._stop_replay(src)
 
-    def _decode(self, src: _Source, out: Deliver) -> Item:
+    def _decode(self, src: _SourceSockets, out: Deliver) -> Item:
         stats = src.state.stats
         if not self._opts.decode:
             size = len(out.payload)

@@ -23,6 +23,7 @@ from typing import Any, cast
 
 import redis
 
+from kvindex.store.mirror import Mirror, PublisherRuns, Run
 from kvindex.store.redis.keys import (
     COMPACTOR,
     LOCK,
@@ -35,8 +36,7 @@ from kvindex.store.redis.keys import (
     snap_key,
     snapshot_id,
 )
-from kvindex.store.snapshot import Plan, plan_source
-from kvindex.store.state import Mirror, PublisherRuns, Run
+from kvindex.store.snapshot import SnapshotPlan, plan_source
 from kvindex.subscriber.messages import SourceKey
 
 TRIM_SLACK_MS = 60_000
@@ -123,7 +123,7 @@ class Compactor:
         return True
 
 
-def _write_plan(pipe: Any, key: str, plan: Plan, whole: bool) -> None:
+def _write_plan(pipe: Any, key: str, plan: SnapshotPlan, whole: bool) -> None:
     items = [record_field(record) for record in plan.records]
     for i in range(0, len(items), CHUNK):
         pipe.hset(key, mapping=dict(items[i : i + CHUNK]))

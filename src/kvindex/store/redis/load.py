@@ -20,6 +20,7 @@ import redis
 
 from kvindex.index import FleetIndex
 from kvindex.store.base import StoreError
+from kvindex.store.mirror import Mirror
 from kvindex.store.redis.keys import (
     CTL,
     INSTANCES,
@@ -42,9 +43,8 @@ from kvindex.store.redis.keys import (
     sources_of,
 )
 from kvindex.store.rows import events_from_rows
-from kvindex.store.snapshot import IndexTarget, MirrorRow, Stored, Target, load_runs, replay
+from kvindex.store.snapshot import IndexTarget, LogTarget, MirrorRow, Stored, load_runs, replay
 from kvindex.store.snapshot import snapshot_batches as runs_batches
-from kvindex.store.state import Mirror
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import EventBatch
 
@@ -165,7 +165,7 @@ def _stored(row: MirrorRow) -> Stored:
     return rank, keys, events, n, ts
 
 
-def advance(target: Target, source: SourceKey, cursor: Cursor, entry: Entry) -> None:
+def advance(target: LogTarget, source: SourceKey, cursor: Cursor, entry: Entry) -> None:
     """Apply one log entry to a mirror (or an index) and move the cursor over it."""
     if entry.kind == "b":
         target.apply_payload(source, entry.payload)

@@ -23,6 +23,7 @@ from typing import Any, cast
 
 import redis
 
+from kvindex.store.mirror import Mirror
 from kvindex.store.redis.keys import (
     CTL,
     STATUS,
@@ -48,7 +49,6 @@ from kvindex.store.redis.load import (
     snapshot_into_mirror,
     trimmed_past,
 )
-from kvindex.store.state import Mirror
 from kvindex.subscriber.messages import SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 
@@ -67,7 +67,7 @@ class ReaderStats:
 
 
 @dataclass
-class Reader:
+class SharedLogReader:
     mirror: Mirror
     policy: IngestPolicy
     forward: Forward

@@ -31,20 +31,17 @@ import os
 import sys
 import time
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import replace
 
 import msgspec
 import redis
 
 from kvindex.index import FleetIndex
-from kvindex.runtime import MembershipFeed
+from kvindex.runtime import MembershipFeed, StoreHealth
 from kvindex.store.base import LoadResult, SharedStore, StoreError
 from kvindex.store.link import WorkerCommand, WorkerLink, WorkerStore
+from kvindex.store.mirror import Mirror
 from kvindex.store.protocol import (
-    AppliedBatch,
-    LostMark,
-    RemoveInstance,
-    RestartMark,
     SaveInstance,
 )
 from kvindex.store.redis.feed import SharedSubscriber
@@ -58,8 +55,7 @@ from kvindex.store.redis.load import (
 )
 from kvindex.store.rows import BlockRow
 from kvindex.store.snapshot import mirror_rows
-from kvindex.store.state import Mirror
-from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted, SourceKey
+from kvindex.subscriber.messages import Item, SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 from kvindex.subscriber.state import Checkpoint
 
@@ -77,7 +73,6 @@ class RedisStore(WorkerStore):
         self._ctl = "0-0"
         self._specs: list[InstanceSpec] = []
         self._link = WorkerLink("the Redis worker")
-        self._post = self._link.post
         self._base = ""
 
     @property
@@ -114,7 +109,7 @@ class RedisStore(WorkerStore):
         self._ctl = render_id(registry.ctl_pos)
         checkpoints = {s: c.checkpoint() for s, c in self._cursors.items()}
         self._subscriber = SharedSubscriber(
-            self.config.ingest, self._post, checkpoints, self._cursors
+            self.config.ingest, self._link.post, checkpoints, self._cursors
         )
         return LoadResult(
             checkpoints, dict(registry.specs), rows, batches, time.monotonic() - started
@@ -143,7 +138,7 @@ class RedisStore(WorkerStore):
             self._subscriber.connect_feed(self._link.sockets["feed"])
         self._link.start(self._command)
         for spec in self._specs:
-            self._post(SaveInstance(spec.name, spec.render()))
+            self._link.post(SaveInstance(spec.name, spec.render()))
 
     def _command(self, restarted: bool) -> WorkerCommand:
         """The worker's command; started again, it resumes where the service stands now
@@ -176,30 +171,21 @@ class RedisStore(WorkerStore):
     # -- the hot path: one non-blocking send per item this replica ingests ---------------
 
     def record(self, item: Item) -> None:
-        source = item.source
-        if not self.config.ingest.ingests(source.instance):
-            return  # another replica's batch, read from its log: nothing to append
-        if isinstance(item, Delivery):
-            if item.payload is None:
-                raise StoreError("the Subscriber must keep payloads for a persistent store")
-            payload = item.payload
-            self._post(AppliedBatch(source[0], source[1], item.seq, payload), len(payload))
-        elif isinstance(item, Restarted):
-            self._post(RestartMark(source[0], source[1]))
-        elif isinstance(item, Lost):
-            self._post(LostMark(source[0], source[1], item.first, item.last))
-
-    def save_instance(self, spec: InstanceSpec) -> None:
-        self._post(SaveInstance(spec.name, spec.render()))
-
-    def remove_instance(self, name: str) -> None:
-        self._post(RemoveInstance(name))
+        if self.config.ingest.ingests(item.source.instance):
+            super().record(item)
+        # else: another replica's batch, read from its log: nothing to append
 
     # -- control: sync, compact, close come from WorkerStore ----------------------------
 
-    def stats(self) -> dict[str, Any]:
+    def health(self) -> StoreHealth:
+        """The link's health, with the worker's own counters (Redis reachable, outages,
+        its queue, what it appended, read and compacted) as `detail`."""
+        health = self._link.health(self.url)
         worker = self._subscriber.worker_stats if self._subscriber is not None else {}
-        return {"url": self.url, "worker_alive": self._link.alive(), **worker}
+        if worker and not worker.get("connected", True) and health.up:
+            reason = f"Redis is unreachable: {worker.get('error', '')}"
+            return replace(health, up=False, reason=reason, detail=dict(worker))
+        return replace(health, detail=dict(worker))
 
 
 def current_rows(url: str) -> tuple[list[BlockRow], LoadResult]:

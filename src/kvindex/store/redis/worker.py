@@ -33,6 +33,7 @@ import redis
 import zmq
 
 from kvindex.store.link import PIPE_GROUPS
+from kvindex.store.mirror import Mirror
 from kvindex.store.protocol import (
     AppliedBatch,
     LostMark,
@@ -63,8 +64,7 @@ from kvindex.store.redis.keys import (
     tag,
     untag,
 )
-from kvindex.store.redis.reader import Reader
-from kvindex.store.state import Mirror
+from kvindex.store.redis.reader import SharedLogReader
 from kvindex.subscriber.messages import SourceKey
 
 log = logging.getLogger("kvindex.store.redis")
@@ -140,7 +140,7 @@ class Worker:
         self.acks.connect(config.acks)
         self.mirror = Mirror()
         policy = IngestPolicy.parse(config.ingest)
-        self.reader = Reader(self.mirror, policy, self._forward)
+        self.reader = SharedLogReader(self.mirror, policy, self._forward)
         self.appender = Appender(config.buffer, self.reader.spec)
         for key, (next_seq, digest) in config.mine.items():
             self.appender.mine[untag(key)] = (next_seq, "" if digest is None else str(digest))

@@ -35,7 +35,7 @@ from kvindex.subscriber.messages import SourceKey
 from kvindex.subscriber.state import Checkpoint
 
 if TYPE_CHECKING:
-    from kvindex.store.snapshot import MirrorRow, Plan, Stored
+    from kvindex.store.snapshot import MirrorRow, SnapshotPlan, Stored
 
 SCHEMA_VERSION = "2"
 
@@ -202,9 +202,9 @@ def schema_version(db: sqlite3.Connection, path: Path | str = "") -> str:
 def _migrate_v1(db: sqlite3.Connection) -> None:
     """Schema 1 -> 2: the `blocks` rows become runs, in one transaction (the log, the
     checkpoints and the snapshot's log position stay as they are)."""
+    from kvindex.store.mirror import Mirror
     from kvindex.store.rows import events_from_rows
     from kvindex.store.snapshot import plan_changes
-    from kvindex.store.state import Mirror
 
     mirror = Mirror()
     for source, batch in events_from_rows(read_blocks_v1(db)):
@@ -251,7 +251,10 @@ def read_mirror_runs(db: sqlite3.Connection) -> Iterator[tuple[str, int, MirrorR
 
 
 def write_snapshot(
-    db: sqlite3.Connection, removed: set[str], cleared: set[SourceKey], plans: dict[SourceKey, Plan]
+    db: sqlite3.Connection,
+    removed: set[str],
+    cleared: set[SourceKey],
+    plans: dict[SourceKey, SnapshotPlan],
 ) -> None:
     """The writes of a snapshot (inside the caller's transaction): the records of removed
     instances and cleared publishers go, then each publisher's plan."""

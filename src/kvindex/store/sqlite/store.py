@@ -13,45 +13,20 @@ batch's checksum, that it is still the same engine). One service owns a store at
 
 from __future__ import annotations
 
-import gc
 import os
 import sqlite3
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 from kvindex.index import FleetIndex
-from kvindex.store.base import LoadResult, SharedStore, StoreError
+from kvindex.store.base import LoadResult, SharedStore
 from kvindex.store.link import WorkerCommand, WorkerLink, WorkerStore
-from kvindex.store.protocol import (
-    AppliedBatch,
-    LostMark,
-    RemoveInstance,
-    RestartMark,
-    SaveInstance,
-)
-from kvindex.store.rows import BlockRow, events_from_rows
-from kvindex.store.snapshot import IndexTarget, Stored, Target, load_runs, mirror_rows, replay
+from kvindex.store.sqlite.load import load_database
 from kvindex.store.sqlite.owner import OwnerLock
-from kvindex.store.sqlite.schema import (
-    connect,
-    read_blocks_v1,
-    read_checkpoints,
-    read_failure,
-    read_instances,
-    read_log,
-    read_mirror_runs,
-    read_runs,
-    schema_version,
-    snapshot_log_id,
-)
-from kvindex.store.sqlite.writer import WriterOptions, apply_entry
-from kvindex.store.state import Mirror
-from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted, SourceKey
-from kvindex.subscriber.spec import InstanceSpec
+from kvindex.store.sqlite.schema import connect, read_failure
+from kvindex.store.sqlite.writer import WriterOptions
 
-__all__ = ["SQLiteStore", "current_rows", "load_database"]
+__all__ = ["SQLiteStore"]
 
 
 class SQLiteStore(WorkerStore):
@@ -63,7 +38,6 @@ class SQLiteStore(WorkerStore):
         self.options = options or WriterOptions()
         self._owner = OwnerLock(self.path)
         self._link = WorkerLink("the SQLite writer")
-        self._post = self._link.post
         self._base = ""
 
     @property
@@ -102,111 +76,7 @@ class SQLiteStore(WorkerStore):
         super().close(timeout)
         self._owner.release()
 
-    # -- the hot path: one queued message per item ----------------------------------------
-
-    def record(self, item: Item) -> None:
-        source = item.source
-        if isinstance(item, Delivery):
-            if item.payload is None:
-                raise StoreError("the Subscriber must keep payloads for a persistent store")
-            payload = item.payload
-            self._post(AppliedBatch(source[0], source[1], item.seq, payload), len(payload))
-        elif isinstance(item, Restarted):
-            self._post(RestartMark(source[0], source[1]))
-        elif isinstance(item, Lost):
-            self._post(LostMark(source[0], source[1], item.first, item.last))
-
-    def remove_instance(self, name: str) -> None:
-        self._post(RemoveInstance(name))
-
-    def save_instance(self, spec: InstanceSpec) -> None:
-        self._post(SaveInstance(spec.name, spec.render()))
-
     # -- control: sync, compact, close, health come from WorkerStore -------------------
-
-    def stats(self) -> dict[str, Any]:
-        return {"url": self.url, "writer_alive": self._link.alive()}
 
     def shared(self) -> SharedStore | None:
         return None
-
-
-def load_database(db: Any, index: FleetIndex) -> LoadResult:
-    """Snapshot, then log tail, into `index`; returns checkpoints and runtime instances."""
-    started = time.monotonic()
-    # Loading creates objects by the million and frees none: the cyclic GC's passes over
-    # them would cost a good part of the load for nothing.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        blocks = _load_snapshot(db, index)
-        replayed = _replay_log(db, IndexTarget(index), snapshot_log_id(db))
-    finally:
-        if was_enabled:
-            gc.enable()
-    return LoadResult(
-        checkpoints=read_checkpoints(db),
-        instances=read_instances(db),
-        blocks_restored=blocks,
-        log_batches_replayed=replayed,
-        seconds=time.monotonic() - started,
-    )
-
-
-def _load_snapshot(db: Any, index: FleetIndex) -> int:
-    if schema_version(db) == "1":  # only read-only opens see one (see connect)
-        return _load_v1(db, index)
-    by_source: dict[SourceKey, list[Stored]] = {}
-    for instance, rank, stored in read_runs(db):
-        key = SourceKey(instance, rank)
-        records = by_source.get(key)
-        if records is None:
-            records = by_source[key] = []
-        records.append(stored)
-    return sum(replay(index, source, records) for source, records in by_source.items())
-
-
-def _load_v1(db: Any, target: FleetIndex | Mirror) -> int:
-    """A schema 1 snapshot (one row per block), read as earlier versions did."""
-    rows = list(read_blocks_v1(db))
-    for source, batch in events_from_rows(rows):
-        if isinstance(target, FleetIndex):
-            target.apply(source, batch)
-        else:
-            target.apply_batch(source, batch)
-    return len(rows)
-
-
-def _replay_log(db: Any, target: Target, after: int) -> int:
-    count = 0
-    for entry in read_log(db, after):
-        count += apply_entry(target, entry[1:4], entry[5])
-    return count
-
-
-def current_rows(path: str | Path) -> tuple[list[BlockRow], LoadResult]:
-    """The store's blocks as of its last committed batch (snapshot + log tail), read-only:
-    what `kvindex export` prints while serve runs."""
-    db = connect(path, create=False)
-    try:
-        db.execute("BEGIN")  # one read transaction: snapshot and log agree
-        mirror = Mirror()
-        if schema_version(db) == "1":
-            _load_v1(db, mirror)
-        else:
-            for instance, rank, record in read_mirror_runs(db):
-                load_runs(mirror, SourceKey(instance, rank), [record])
-        replayed = _replay_log(db, mirror, snapshot_log_id(db))
-        rows = mirror_rows(mirror)
-        result = LoadResult(
-            checkpoints=read_checkpoints(db),
-            instances=read_instances(db),
-            blocks_restored=len(rows),
-            log_batches_replayed=replayed,
-        )
-        db.execute("COMMIT")
-        return rows, result
-    except sqlite3.DatabaseError as exc:
-        raise read_failure(path, exc) from None
-    finally:
-        db.close()

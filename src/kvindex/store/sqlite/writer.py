@@ -7,7 +7,7 @@ It takes the service's groups (see kvindex.store.protocol) and:
    is durable (that is what `sync` waits for, and all the writer does while batches keep
    coming: about 10 us of its CPU per batch);
 2. in the time left, applies the logged batches to its mirror of the service's blocks
-   (state.Mirror) and every few seconds writes the runs that changed into `runs` and drops
+   (mirror.Mirror) and every few seconds writes the runs that changed into `runs` and drops
    the log rows they cover, in one transaction: the compacted snapshot (snapshot.py).
 
 Groups come again after a restart of the writer (the service resends what it was not
@@ -44,13 +44,14 @@ from typing import Any
 import zmq
 
 from kvindex.store.link import PIPE_GROUPS
+from kvindex.store.mirror import Mirror
 from kvindex.store.protocol import (
     AppliedBatch,
+    ControlRequest,
     Group,
     LostMark,
     Message,
     RemoveInstance,
-    Request,
     RestartMark,
     SaveInstance,
     StatusReport,
@@ -58,7 +59,8 @@ from kvindex.store.protocol import (
     decode_group,
     encode_report,
 )
-from kvindex.store.snapshot import Target, load_runs, plan_changes
+from kvindex.store.snapshot import load_runs, plan_changes
+from kvindex.store.sqlite.load import apply_entry
 from kvindex.store.sqlite.owner import lock_path, still_owner
 from kvindex.store.sqlite.schema import (
     KIND_BATCH,
@@ -72,10 +74,9 @@ from kvindex.store.sqlite.schema import (
     sql_seq,
     write_snapshot,
 )
-from kvindex.store.state import Mirror
 from kvindex.subscriber.messages import SourceKey
 
-__all__ = ["SQLiteWriter", "WriterOptions", "apply_entry", "writer_main"]
+__all__ = ["SQLiteWriter", "WriterOptions", "writer_main"]
 
 log = logging.getLogger("kvindex.store.sqlite")
 
@@ -95,19 +96,6 @@ class WriterOptions:
 
 class NotOwner(RuntimeError):
     """The store's lock file is no longer the one this writer's service locked."""
-
-
-def apply_entry(target: Target, head: tuple[str, int, int], payload: Any) -> int:
-    """Apply one log entry (instance, rank, kind) to an index or a mirror; 1 if a batch."""
-    instance, rank, kind = head
-    if kind == KIND_BATCH:
-        target.apply_payload(SourceKey(instance, rank), payload)
-        return 1
-    if kind == KIND_RESTART:
-        target.restart(SourceKey(instance, rank))
-    elif kind == KIND_REMOVE:
-        target.remove_instance(instance)
-    return 0
 
 
 # A logged entry the mirror has not applied yet: log id, instance, rank, kind, payload.
@@ -212,7 +200,7 @@ class SQLiteWriter:
         if self.owner_fd is not None and not still_owner(self.owner_fd, self.lock_path):
             raise NotOwner(f"{self.lock_path} is not the lock this writer's service took")
         appends = _Appends(self)
-        requests: list[Request] = []
+        requests: list[ControlRequest] = []
         db = self.db
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -222,7 +210,7 @@ class SQLiteWriter:
                 for message in group.messages:
                     if isinstance(message, AppliedBatch):
                         appends.add(message)
-                    elif isinstance(message, Request):
+                    elif isinstance(message, ControlRequest):
                         requests.append(message)
                     else:
                         appends.flush()  # rare messages are written in order with batches

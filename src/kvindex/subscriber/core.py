@@ -45,7 +45,15 @@ from kvindex.subscriber.state import (
     StartReplay,
     StopReplay,
 )
-from kvindex.wire import END_SEQ, BatchDecoder, EventBatch, WireError, parse_replay
+from kvindex.wire import (
+    END_SEQ,
+    BatchDecoder,
+    EventBatch,
+    WireError,
+    parse_live,
+    parse_replay,
+    replay_request,
+)
 
 __all__ = ["Subscriber"]
 
@@ -343,7 +351,7 @@ class Subscriber:
         try:
             # Never block: a peer that refused our handshake (CURVE vs plain, a key ZAP
             # turned away) leaves no pipe to queue on. Unsent, the request times out.
-            dealer.send_multipart([b"", req.start.to_bytes(8, "big")], zmq.NOBLOCK)
+            dealer.send_multipart(replay_request(req.start), zmq.NOBLOCK)
         except zmq.Again:
             pass
         src.dealer, src.dealer_req = dealer, req.req_id
@@ -402,11 +410,12 @@ class Subscriber:
                 frames = recv_frames(src.sub)
             except zmq.Again:
                 return
-            if len(frames) != 3 or len(frames[1]) != 8:
-                self._malformed(src, f"live message of {len(frames)} frames", items)
+            try:
+                frame = parse_live(frames)
+            except WireError as exc:
+                self._malformed(src, str(exc), items)
                 continue
-            seq = int.from_bytes(frames[1], "big")
-            self._handle(src, state.on_live(seq, frames[2], time.monotonic()), items)
+            self._handle(src, state.on_live(frame.seq, frame.payload, time.monotonic()), items)
 
     def _read_live_many(self, src: _SourceSockets, items: list[Item], limit: int) -> None:
         """`_read_live` with the frames read in C, many messages per call (_recv.c)."""
@@ -424,7 +433,7 @@ class Subscriber:
             now = time.monotonic()
             for seq, payload in messages:
                 if isinstance(payload, int):  # not [topic, seq, payload]: its frame count
-                    self._malformed(src, f"live message of {payload} frames", items)
+                    self._malformed(src, f"live message of {payload} frames, expected 3", items)
                 else:
                     self._handle(src, state.on_live(seq, payload, now), items)
 

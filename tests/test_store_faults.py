@@ -67,9 +67,9 @@ def test_a_killed_writer_is_restarted_and_the_store_ends_exact(tmp_path: Path) -
         (writer,) = writer_pids(serve)
         os.kill(writer, signal.SIGKILL)
         killed = time.monotonic()
-        assert wait_until(lambda: health(serve)["status"] == "degraded", 5)
-        assert time.monotonic() - killed < 1.0
-        assert "SQLite writer stopped (killed by signal 9)" in health(serve)["reason"]
+        said = "store: the SQLite writer stopped (killed by signal 9)"
+        assert wait_until(lambda: health(serve).get("reason") == said, 5)
+        assert time.monotonic() - killed < 1.0  # seen, and said why, within a second
         lookup = urllib.request.Request(
             serve.url + "/v1/lookup", b'{"token_ids": [1, 2, 3]}', method="POST"
         )
@@ -87,6 +87,8 @@ def test_a_killed_writer_is_restarted_and_the_store_ends_exact(tmp_path: Path) -
     assert sources(path) == {n: p.next_seq for n, p in work.pubs.items()}
     serve = Serve(f"sqlite:///{path}", work.specs(), tmp_path)  # what the file says
     try:
+        time.sleep(0.5)  # subscribed
+        work.run(5)
         assert wait_until(lambda: caught_up(serve, work), 30)
         assert_same(serve, work)
         assert all(r["replayed_batches"] == 0 for r in serve.instances().values())
@@ -146,43 +148,41 @@ def small_filesystem(where: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def test_a_full_disk_stops_writing_says_so_and_resumes(tmp_path: Path) -> None:
-    with small_filesystem(tmp_path / "small", "6m") as disk:
+    with small_filesystem(tmp_path / "small", "24m") as disk:
         filler = disk / "filler"
-        filler.write_bytes(b"\0" * (3 << 20))  # taken now, given back later
+        filler.write_bytes(b"\0" * (22 << 20))  # taken now, given back later
         pub = Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=100_000)
         spec = f"a={pub.endpoint},replay={pub.replay_endpoint}"
         serve = Serve(f"sqlite:///{disk / 's.sqlite'}", [spec], tmp_path)
         try:
-            big = list(range(16 * 64))
+            tokens = list(range(16 * 64))
 
             def publish(n: int) -> None:
                 for _ in range(n):
                     seq = pub.next_seq
                     hashes = [seq * 64 + i for i in range(64)]
-                    pub.publish_payload(encode_batch([BlockStored(hashes, None, big, 16)]))
+                    pub.publish_payload(encode_batch([BlockStored(hashes, None, tokens, 16)]))
                     time.sleep(0.001)
 
-            rss_before = rss_mb(serve.proc.pid)
-            publish(1500)  # ~15 MB of batches: far more than the disk holds
+            publish(800)  # ~3.5 MB of batches: more than the disk has left
             assert wait_until(lambda: health(serve)["status"] == "degraded", 30)
-            assert "full" in health(serve)["reason"]
-            publish(1500)
-            assert rss_mb(serve.proc.pid) - rss_before < 200  # the link is bounded
+            assert "database or disk is full" in health(serve)["reason"]
+            publish(200)  # kept by the service meanwhile (bounded: see test_store_link)
+            lookup = urllib.request.Request(
+                serve.url + "/v1/lookup", b'{"token_ids": [0, 1, 2, 3]}', method="POST"
+            )
+            with urllib.request.urlopen(lookup, timeout=5) as resp:  # still answered
+                assert resp.status == 200
             filler.unlink()  # room again
-            assert wait_until(lambda: store_health(serve)["up"] is True, 30)
-            assert wait_until(lambda: persisted(serve), 30)
+            assert wait_until(lambda: persisted(serve), 60)
             assert health(serve) == {"status": "ok"}
         finally:
             serve.stop(signal.SIGTERM)
             pub.close()
+        db = sqlite3.connect(disk / "s.sqlite")
+        assert db.execute("SELECT next_seq FROM sources").fetchone() == (1000,)
+        db.close()
 
 
 def test_seqs_past_2_63_are_stored_and_resumed_exactly(tmp_path: Path) -> None:
@@ -202,13 +202,19 @@ def test_seqs_past_2_63_are_stored_and_resumed_exactly(tmp_path: Path) -> None:
         finally:
             serve.stop(signal.SIGTERM)
         assert sources(path)["a"] == (first + 20).to_bytes(9, "big")
+        db = sqlite3.connect(path)
+        # Every seq before the first it saw was lost to it: a count past 2**63 too.
+        assert db.execute("SELECT lost_since_restart FROM sources").fetchone() == (
+            first.to_bytes(9, "big"),
+        )
+        db.close()
         for i in range(20, 30):  # while it is down: replayed from the checkpoint
             pub.put(first + i, encode_batch([BlockStored([i], None, [i] * 16, 16)]), live=False)
         serve = Serve(f"sqlite:///{path}", [spec], tmp_path)
         try:
             assert wait_until(lambda: serve.instances()["a"]["last_seq"] == first + 29, 30)
             row = serve.instances()["a"]
-            assert (row["replayed_batches"], row["lost_batches"], row["status"]) == (10, 0, "live")
+            assert (row["replayed_batches"], row["lost_batches"]) == (10, 0)
             blocks = serve.get("/v1/instances/a/blocks")["block_hashes"]
             assert sorted(int(h) for h in blocks) == list(range(30))
         finally:

@@ -404,7 +404,8 @@ class WorkerLink:
             if self.sockets.get("in") is not None and self.process is not None:
                 self._group.append(ControlRequest("stop", 0))
                 self._flush()
-        deadline = time.monotonic() + timeout
+        # A worker that can't write (a full disk) can't finish either: don't wait long.
+        deadline = time.monotonic() + (min(timeout, 5.0) if self.error else timeout)
         while self.process is not None and time.monotonic() < deadline:
             running = self.process
             if running.poll() is not None and running.returncode == 0:

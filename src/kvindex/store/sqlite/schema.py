@@ -308,7 +308,7 @@ def read_checkpoints(db: sqlite3.Connection) -> dict[SourceKey, Checkpoint]:
     rows = db.execute(
         "SELECT instance, rank, next_seq, last_digest, lost_since_restart FROM sources"
     )
-    return {SourceKey(i, r): Checkpoint(seq_of(n), d, lost) for i, r, n, d, lost in rows}
+    return {SourceKey(i, r): Checkpoint(seq_of(n), d, seq_of(lost)) for i, r, n, d, lost in rows}
 
 
 def read_instances(db: sqlite3.Connection) -> dict[str, str]:

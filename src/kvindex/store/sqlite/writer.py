@@ -254,11 +254,18 @@ class SQLiteWriter:
             if message.last < appends.seq_of(source):
                 return  # applied before a restart of this writer
             # The checkpoint moves past the lost seqs, with no digest to check on resume.
+            # The count is added here, not in SQL: like a seq it may pass 2**63 (a publisher
+            # first seen at a seq that large lost every one before it).
+            had = db.execute(
+                "SELECT lost_since_restart FROM sources WHERE instance = ? AND rank = ?",
+                tuple(source),
+            ).fetchone()
+            lost = (seq_of(had[0]) if had else 0) + message.last - message.first + 1
             db.execute(
                 "INSERT INTO sources VALUES (?,?,?,NULL,?,0) ON CONFLICT (instance, rank) DO "
                 "UPDATE SET next_seq = excluded.next_seq, last_digest = NULL,"
-                " lost_since_restart = lost_since_restart + excluded.lost_since_restart",
-                (*source, sql_seq(message.last + 1), message.last - message.first + 1),
+                " lost_since_restart = excluded.lost_since_restart",
+                (*source, sql_seq(message.last + 1), sql_seq(lost)),
             )
             appends.next_seq[source] = message.last + 1
         elif isinstance(message, RemoveInstance):

@@ -24,11 +24,15 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
 from netutil import wait_until
 from test_store_crash import Serve, Workload, assert_same, caught_up, persisted
 
+from kvindex.store.redis.keys import cp_key, log_key
+from kvindex.subscriber import SourceKey
 from kvindex.wire import BlockStored
 from kvindex.wire.publisher import Publisher, encode_batch
 
@@ -276,3 +280,37 @@ def test_a_foreign_sqlite_file_is_refused_without_a_byte_written(tmp_path: Path)
     out = serve_once(f"sqlite:///{text}", tmp_path)
     assert out.returncode == 2 and "not a kvindex store" in out.stderr
     assert text.read_text() == "not a database at all\n" * 10
+
+
+def test_killed_redis_workers_are_restarted_where_their_service_stands(
+    tmp_path: Path, redis_server: Any
+) -> None:
+    """The ingesting replica's worker and the serving one's, killed under ingest: both
+    come back, the shared log gets every batch once, and the replica that only serves
+    (its batches forwarded by its worker from the log) ends exact: nothing missed, nothing
+    applied twice."""
+    work = Workload(["a"])
+    ingest = Serve(redis_server.url, work.specs(), tmp_path)
+    server = Serve(redis_server.url + "?ingest=none", [], tmp_path)
+    try:
+        work.run(200)
+        assert wait_until(lambda: caught_up(server, work), 30)
+        for replica in (ingest, server):
+            (worker,) = writer_pids(replica)
+            os.kill(worker, signal.SIGKILL)
+        said = "store: the Redis worker stopped (killed by signal 9)"
+        assert wait_until(lambda: health(server).get("reason") == said, 5)
+        work.run(200)
+        for replica in (ingest, server):
+            assert wait_until(lambda r=replica: caught_up(r, work) and persisted(r), 30)  # type: ignore[misc]
+            assert health(replica) == {"status": "ok"}
+            assert store_health(replica)["restarts"] == 1
+            assert_same(replica, work)
+        client = redis.Redis.from_url(redis_server.url)
+        assert int(client.hget(cp_key(SourceKey("a")), "n") or 0) == work.pubs["a"].next_seq
+        assert client.xlen(log_key(SourceKey("a"))) <= work.pubs["a"].next_seq  # once each
+        client.close()
+    finally:
+        ingest.stop(signal.SIGTERM)
+        server.stop(signal.SIGTERM)
+        work.close()

@@ -240,10 +240,9 @@ def _with_runtime_instances(
 
 
 def _end_streams(app: Any) -> Callable[[], None]:
-    """From a signal handler: have the loop end the dashboard's open streams."""
-    dashboard = getattr(app.state, "dashboard", None)
-    if dashboard is None:
-        return lambda: None
+    """From a signal handler: have the loop end the dashboard's open streams (create_app
+    always installs the dashboard)."""
+    dashboard = app.state.dashboard
 
     def end() -> None:
         try:  # the handler runs on the loop's own thread, between two of its steps

@@ -150,6 +150,7 @@ class Worker:
         self.waiting: list[tuple[str, int]] = []  # sync/compact/stop requests
         self.taken = 0  # the last group taken from the service
         self.committed = 0  # the last group all of whose items are in Redis
+        self.said_error = ""  # what the service was last told about Redis
         self.stopping = False
         self.status: dict[str, Any] = {}
         self.membership: list[SaveInstance | RemoveInstance] = []  # not yet in Redis
@@ -175,6 +176,8 @@ class Worker:
             else:
                 self._wait_inbox(self.link.retry_at - time.monotonic())
             self._report_stats()
+            if self._reachability() != self.said_error:
+                self._send_report([])  # Redis went away or came back: the service says so
 
     def _work(self) -> None:
         if not self.loaded:
@@ -225,9 +228,12 @@ class Worker:
         if done:
             self._send_report([token for _, token in done if token])
 
+    def _reachability(self) -> str:
+        return "" if self.link.up else f"Redis is unreachable: {self.link.error}"
+
     def _send_report(self, done: list[int]) -> None:
-        error = "" if self.link.up else f"Redis is unreachable: {self.link.error}"
-        self.acks.send(encode_report(WorkerReport(self.committed, done, error)))
+        self.said_error = self._reachability()
+        self.acks.send(encode_report(WorkerReport(self.committed, done, self.said_error)))
 
     def _finish(self) -> None:
         """Stop: flush and compact if Redis lets us within a few seconds."""

@@ -55,9 +55,9 @@ def worst_status(statuses: Iterable[Status]) -> Status:
     return max(statuses, key=_SEVERITY.__getitem__, default=Status.CONNECTING)
 
 
-@dataclass(frozen=True, slots=True)
-class RankView:
-    """One DP rank of an instance, as the Subscriber and the index see it now."""
+class RankView(msgspec.Struct, frozen=True, gc=False):
+    """One DP rank of an instance, as the Subscriber and the index see it now (the API
+    encodes it as it is: one rank of `GET /v1/instances`)."""
 
     rank: int
     status: Status

@@ -32,7 +32,6 @@ __all__ = [
     "InstanceAnswer",
     "InstancesAnswer",
     "LookupRequest",
-    "RankAnswer",
     "decode_body",
     "decode_lookup",
     "encode",
@@ -110,21 +109,6 @@ class HealthAnswer(msgspec.Struct, omit_defaults=True):
     reason: str | None = None
 
 
-class RankAnswer(msgspec.Struct):
-    rank: int
-    status: Status
-    last_seq: int | None
-    gaps: int
-    received: int
-    delivered: int
-    replayed_batches: int
-    lost_batches: int
-    decode_errors: int
-    publisher_restarts: int
-    ingest_lag_seconds: float | None
-    problem: str | None
-
-
 class InstanceAnswer(msgspec.Struct):
     """One instance: status (the worst of its DP ranks), counters summed over ranks,
     blocks (the union over ranks), and each rank's detail."""
@@ -153,7 +137,7 @@ class InstanceAnswer(msgspec.Struct):
     # Why the publisher can't be followed (a host that doesn't resolve, nothing
     # listening, a refused CURVE handshake), once diagnosed; null otherwise.
     problem: str | None
-    ranks: list[RankAnswer]
+    ranks: list[RankView]
 
 
 class InstancesAnswer(msgspec.Struct):
@@ -165,14 +149,6 @@ class BlocksAnswer(msgspec.Struct):
     medium: str | None
     count: int
     block_hashes: list[str]
-
-
-def _rank_answer(rank: RankView) -> RankAnswer:
-    return RankAnswer(
-        rank.rank, rank.status, rank.last_seq, rank.gaps, rank.received, rank.delivered,
-        rank.replayed_batches, rank.lost_batches, rank.decode_errors, rank.publisher_restarts,
-        rank.ingest_lag_seconds, rank.problem,
-    )  # fmt: skip
 
 
 def instance_answer(view: InstanceView) -> InstanceAnswer:
@@ -200,7 +176,7 @@ def instance_answer(view: InstanceView) -> InstanceAnswer:
         ingest_lag_seconds=view.ingest_lag_seconds,
         last_batch_age_seconds=view.last_batch_age_seconds,
         problem=view.problem,
-        ranks=[_rank_answer(rank) for rank in view.ranks],
+        ranks=view.ranks,
     )
 
 

@@ -27,7 +27,7 @@ def add_parser(sub: Any) -> None:
         description="Check that a SQLite store is whole (read-only); with --reset, rename a "
         "damaged one so that the next serve starts empty.",
     )
-    verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
+    verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True, help="check")
     c = verbs.add_parser("check", help="check a SQLite store (read-only)")
     c.add_argument("url", metavar="URL", help="sqlite:///PATH")
     c.add_argument(

@@ -314,3 +314,31 @@ def test_killed_redis_workers_are_restarted_where_their_service_stands(
         ingest.stop(signal.SIGTERM)
         server.stop(signal.SIGTERM)
         work.close()
+
+
+def test_seqs_past_2_53_are_exact_in_the_shared_redis_log(
+    tmp_path: Path, redis_server: Any
+) -> None:
+    """Redis's Lua numbers are doubles: the append script keeps seqs as decimal strings."""
+    pub = Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    first = 2**64 - 40
+    try:
+        serve = Serve(
+            redis_server.url, [f"a={pub.endpoint},replay={pub.replay_endpoint}"], tmp_path
+        )
+        try:
+            time.sleep(0.5)  # subscribed
+            for i in range(20):
+                pub.put(first + i, encode_batch([BlockStored([i], None, [i] * 16, 16)]))
+            assert wait_until(lambda: serve.instances()["a"]["last_seq"] == first + 19, 30)
+            assert wait_until(lambda: persisted(serve), 30)
+        finally:
+            serve.stop(signal.SIGTERM)
+        client = redis.Redis.from_url(redis_server.url)
+        assert client.hget(cp_key(SourceKey("a")), "n") == str(first + 20).encode()
+        assert client.hget(cp_key(SourceKey("a")), "l") == str(first).encode()
+        seqs = [int(f[b"s"]) for _, f in client.xrange(log_key(SourceKey("a"))) if b"s" in f]
+        assert seqs == [first + i for i in range(20)]
+        client.close()
+    finally:
+        pub.close()

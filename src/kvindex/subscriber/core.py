@@ -450,8 +450,6 @@ class Subscriber:
                 frame = parse_replay(frames)
             except WireError as exc:
                 self._malformed(src, str(exc), items)
-                outputs = src.state.on_replay_garbage(src.dealer_req, time.monotonic(), str(exc))
-                self._handle(src, outputs, items)
                 continue
             now = time.monotonic()
             if frame.seq == END_SEQ:

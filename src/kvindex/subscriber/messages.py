@@ -134,19 +134,6 @@ class Unverified(Notice):
 
 
 @dataclass(frozen=True, slots=True)
-class ReplayRefused(Notice):
-    """The publisher's replay endpoint answered wrongly (a seq not asked for, out of order
-    or past the gap, a malformed reply, more than the byte budget) or kept failing; what it
-    was to fill is counted lost, and it is not asked again for `backoff` seconds."""
-
-    reason: str = ""
-    backoff: float = 0.0
-
-    def describe(self) -> str:
-        return f"replay refused: {self.reason}; not asked again for {self.backoff:.0f} s"
-
-
-@dataclass(frozen=True, slots=True)
 class Replayed(Notice):
     """A replay finished: `count` batches from seq `start` on came from the replay buffer."""
 
@@ -233,7 +220,6 @@ class SourceStats:
     unverified_reconnects: int = 0
     replay_requests: int = 0
     replay_failures: int = 0
-    replay_refusals: int = 0  # replies refused (wrong seq, malformed, over budget), loops
     last_seq: int | None = None
     last_ts: float | None = None
     connected: bool = False

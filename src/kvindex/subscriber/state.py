@@ -9,13 +9,7 @@ The invariants it keeps:
 - every seq is delivered at most once, in increasing order, and any seq it skips is
   reported as `Lost` (never silently);
 - a publisher restart is reported (`Restarted`) before anything of the new stream;
-- it never waits on a publisher without a deadline;
-- a replay is checked, not trusted: a reply must carry the seq due (the one asked for,
-  then each next one, in order), stay within the gap it fills, and bring no more than the
-  byte budget; anything else ends the replay, counts what it was to fill as lost (the
-  publisher is then `incomplete`, never `live` with a hole) and backs off before asking
-  again. Restarts coming faster than a real engine restarts (a replay endpoint that
-  contradicts the live stream) back the replay off too, so nothing loops.
+- it never waits on a publisher without a deadline.
 
 How a restart is recognised: a live seq at or below the last *live* seq seen (messages that
 queued while a replay ran are above it, so they are not mistaken for one); and, when a
@@ -27,7 +21,7 @@ batches under the same seqs, or none at all.
 from __future__ import annotations
 
 import zlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -36,7 +30,6 @@ from kvindex.subscriber.messages import (
     Lost,
     Notice,
     Replayed,
-    ReplayRefused,
     Restarted,
     SourceKey,
     SourceStats,
@@ -97,11 +90,6 @@ class ReplayPolicy:
     idle_probe: float | None = 2.0
     max_pending: int = 200_000  # live messages held while a replay runs
     digests_kept: int = 4096  # recent (seq, digest) pairs for duplicate/restart checks
-    max_bytes: int = 512 << 20  # payload bytes one replay request may bring
-    backoff: float = 1.0  # after a refused or failed replay, none asked for this long...
-    backoff_max: float = 60.0  # ...doubling up to this
-    max_restarts: int = 3  # restarts within `restart_window` before the replay is distrusted
-    restart_window: float = 10.0
 
 
 @dataclass(slots=True)
@@ -115,7 +103,6 @@ class _Replay:
     idle_deadline: float
     verified: bool = False
     frames: int = 0
-    bytes: int = 0
     delivered: int = 0
     first_delivered: int = 0
 
@@ -151,16 +138,11 @@ class SourceState:
         self._unverified = False
         self._probe_at: float | None = None
         self._await_live = not catch_up and resume is None
-        self._replay_after = 0.0  # no replay is asked for before this (a back-off)
-        self._backoff = self.policy.backoff
-        self._restarts: deque[float] = deque()  # when the last restarts were seen
         if resume is not None:
             self.next_seq = resume.next_seq
             if resume.last_digest is not None and resume.next_seq > 0:
                 self._digests[resume.next_seq - 1] = resume.last_digest
             self.stats.lost_since_restart = resume.lost_since_restart
-            if resume.next_seq > 0:  # where the state stands, until the next batch
-                self.stats.last_seq = resume.next_seq - 1
 
     # -- what the driver reads -------------------------------------------------------
 
@@ -204,7 +186,7 @@ class SourceState:
     def start(self, now: float) -> list[Output]:
         """Catch up with what the publisher already holds (a late join, or a resume)."""
         out: list[Output] = []
-        if self._may_replay(now) and not self._await_live:
+        if self.has_replay and not self._await_live:
             self._start_replay(now, out, attempt=1)
         return out
 
@@ -240,13 +222,13 @@ class SourceState:
             self._await_live = False
             self.next_seq = seq
         if self._last_live is not None and seq <= self._last_live:
-            self._restart(seq, now, out)
+            self._restart(seq, out)
         elif seq < self.next_seq:
             known = self._digests.get(seq)
             if (known is None and self._last_live is None) or (
                 known is not None and known != payload_digest(payload)
             ):
-                self._restart(seq, now, out)
+                self._restart(seq, out)
             else:
                 self._last_live = seq
                 self.stats.duplicates += 1
@@ -258,14 +240,9 @@ class SourceState:
     def on_replay_frame(self, req_id: int, seq: int, payload: bytes, now: float) -> list[Output]:
         out: list[Output] = []
         r = self._replay
-        if r is None or r.req_id != req_id:
-            return out
-        refusal = self._check_reply(r, seq, len(payload))
-        if refusal is not None:
-            self._refuse(r, now, out, refusal)
+        if r is None or r.req_id != req_id or seq < r.start:
             return out
         r.frames += 1
-        r.bytes += len(payload)
         r.idle_deadline = now + self.policy.idle_timeout
         if r.verify_seq is not None and not r.verified:
             r.verified = True
@@ -301,14 +278,6 @@ class SourceState:
             self._flush_pending(now, out)
         return out
 
-    def on_replay_garbage(self, req_id: int, now: float, error: str) -> list[Output]:
-        """The replay endpoint sent a reply that is not one (wrong frames): refuse it."""
-        out: list[Output] = []
-        r = self._replay
-        if r is not None and r.req_id == req_id:
-            self._refuse(r, now, out, f"malformed reply ({error})")
-        return out
-
     def on_replay_end(self, req_id: int, now: float) -> list[Output]:
         out: list[Output] = []
         r = self._replay
@@ -333,7 +302,7 @@ class SourceState:
                 self._retry(r, now, out, "replay request timed out")
         elif self._probe_at is not None and now >= self._probe_at and self.stats.connected:
             self._probe_at = None  # one probe per quiet spell; traffic re-arms it
-            if self._may_replay(now) and not self._suspect and not self._await_live:
+            if self.has_replay and not self._suspect and not self._await_live:
                 self._start_replay(now, out, attempt=self.policy.max_attempts, probe=True)
         return out
 
@@ -346,7 +315,6 @@ class SourceState:
     def _check_anchor(self, now: float, out: list[Output]) -> None:
         anchor, self._anchor = self._anchor, None
         self._suspect = False
-        # Even when the replay is backed off: only it can tell a restarted engine.
         if not self.has_replay or self._await_live:
             self._flush_pending(now, out)
             return
@@ -367,9 +335,8 @@ class SourceState:
             self._deliver(seq, payload, False, out)
         elif seq > self.next_seq:
             self.stats.gaps += 1
-            if not self._may_replay(now):
-                why = "no replay endpoint" if not self.has_replay else "the replay is backed off"
-                self._lose(self.next_seq, seq - 1, why, out)
+            if not self.has_replay:
+                self._lose(self.next_seq, seq - 1, "no replay endpoint", out)
                 self._deliver(seq, payload, False, out)
                 return
             out.append(Gap(self.source, self.next_seq, seq - 1))
@@ -411,10 +378,6 @@ class SourceState:
             self._deliver(self.next_seq, pending.pop(self.next_seq), False, out)
         if pending:  # a live message went missing while the replay ran
             self.stats.gaps += 1
-            if not self._may_replay(now):
-                self._lose(self.next_seq, min(pending) - 1, "the replay is backed off", out)
-                self._flush_pending(now, out)
-                return
             out.append(Gap(self.source, self.next_seq, min(pending) - 1))
             self._start_replay(now, out, attempt=1)
 
@@ -452,55 +415,6 @@ class SourceState:
         if r.delivered:
             out.append(Replayed(self.source, r.first_delivered, r.delivered))
 
-    # -- checking the replay ---------------------------------------------------------
-
-    def _may_replay(self, now: float) -> bool:
-        return self.has_replay and now >= self._replay_after
-
-    def _check_reply(self, r: _Replay, seq: int, size: int) -> str | None:
-        """Why a reply can't be taken (None: it can). The first reply may start past the
-        seq asked for (the buffer no longer reaches back that far: those are lost), later
-        ones past the next (the ROUTER dropped some: the request is retried), but none may
-        go back, nor bring the request past its byte budget. (Past the gap it fills, the
-        replay is finished: what it sends then is not read.)"""
-        due = r.start if not r.frames else max(self.next_seq, r.start + 1)
-        if seq < due:
-            return f"seq {seq} answered where {due} was due"
-        if r.bytes + size > self.policy.max_bytes:
-            return f"more than {self.policy.max_bytes >> 20} MiB in one replay"
-        return None
-
-    def _refuse(self, r: _Replay, now: float, out: list[Output], reason: str) -> None:
-        """End a replay that answered wrongly: what it was to fill is lost, and the
-        endpoint is not asked again before the back-off passes."""
-        self._finish_replay(r, out)
-        self.stats.replay_refusals += 1
-        self._back_off(now, reason, out)
-        if self._pending:
-            first_held = min(self._pending)
-            if first_held > self.next_seq:
-                self._lose(self.next_seq, first_held - 1, f"replay refused: {reason}", out)
-            self._flush_pending(now, out)
-
-    def _back_off(self, now: float, reason: str, out: list[Output]) -> None:
-        self._replay_after = now + self._backoff
-        out.append(ReplayRefused(self.source, reason, self._backoff))
-        self._backoff = min(self._backoff * 2, self.policy.backoff_max)
-
-    def _note_restart(self, now: float, out: list[Output]) -> None:
-        """Restarts faster than an engine restarts mean the replay contradicts the live
-        stream (or answers for another stream): stop asking it for a while."""
-        restarts = self._restarts
-        restarts.append(now)
-        while restarts and restarts[0] < now - self.policy.restart_window:
-            restarts.popleft()
-        # Not forgotten once backed off: another restart inside the window backs the
-        # replay off again, for twice as long.
-        if len(restarts) > self.policy.max_restarts and self.has_replay:
-            self.stats.replay_refusals += 1
-            window = self.policy.restart_window
-            self._back_off(now, f"{len(restarts)} restarts in {window:g} s", out)
-
     def _retry(self, r: _Replay, now: float, out: list[Output], reason: str) -> None:
         self._finish_replay(r, out)
         self.stats.replay_failures += 1
@@ -509,8 +423,6 @@ class SourceState:
             verify = None if r.verified else r.verify_seq
             self._start_replay(now, out, attempt, verify, check=r.check)
             return
-        if self._pending:  # a gap it could not fill: a silent endpoint is not asked at once
-            self._back_off(now, f"{reason} ({r.attempt} tries)", out)
         if r.check and r.verify_seq is not None and not r.verified:
             # After a reconnect the publisher never let us check it is the same process:
             # what follows may belong to a new stream, so the state can't be called exact.
@@ -528,12 +440,11 @@ class SourceState:
         self._unverified = True
         out.append(Unverified(self.source, anchor, reason))
 
-    def _restart(self, seq: int, now: float, out: list[Output]) -> None:
+    def _restart(self, seq: int, out: list[Output]) -> None:
         if self._replay is not None:
             out.append(StopReplay(self._replay.req_id))
             self._replay = None
         self._reset(seq, out)
-        self._note_restart(now, out)
 
     def _restart_during_replay(
         self, r: _Replay, seq: int | None, now: float, out: list[Output], reason: str = ""
@@ -543,9 +454,7 @@ class SourceState:
         # Live messages held so far may be of either stream: let them go; the replay from 0
         # fetches the new stream's from its buffer, and later ones arrive live.
         self._reset(seq, out, reason)
-        self._note_restart(now, out)
-        if self._may_replay(now):
-            self._start_replay(now, out, attempt=1)
+        self._start_replay(now, out, attempt=1)
 
     def _reset(self, new_seq: int | None, out: list[Output], reason: str = "") -> None:
         last = self.next_seq - 1 if self.next_seq else None

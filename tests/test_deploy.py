@@ -43,9 +43,7 @@ BOARD = DEPLOY / "grafana" / "kvindex-dashboard.json"
 K8S = DEPLOY / "kubernetes"
 
 # Board expressions that have no data yet, and why (strict: remove one when it has data).
-# The SQLite and Redis stores do not report their lag yet (Store.stats()["lag_seconds"]);
-# the redesign engineer's store work (issue 17) adds it.
-PENDING = {'max(kvindex_store_lag_seconds{job=~".+"})': "the stores don't report lag yet"}
+PENDING: dict[str, str] = {}
 
 
 def need(tool: str) -> str:

@@ -10,7 +10,7 @@ from netutil import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from service_workload import TestClient
 
-from kvindex.runtime import Fleet
+from kvindex.runtime import Fleet, StoreHealth
 from kvindex.service.app import create_app
 from kvindex.subscriber import InstanceSpec
 from kvindex.wire import AllBlocksCleared, BlockRemoved, BlockStored
@@ -119,19 +119,19 @@ def test_metrics_fit_prometheus() -> None:
 
 
 def test_store_metrics_come_from_the_store_itself() -> None:
-    with TestClient(create_app(Fleet())) as client:
-        said = {"writer_alive": True, "lag_seconds": 0.25, "pending_items": 12}
-        client.app.state.metrics.watch_store(lambda: said)  # type: ignore[attr-defined]
+    said = [StoreHealth("sqlite:///x", lag_seconds=0.25, pending_groups=12, restarts=1)]
+    with TestClient(create_app(Fleet(), store_health=lambda: said[0])) as client:
         s = scrape(client)
         assert value(s, "kvindex_store_up") == 1
         assert value(s, "kvindex_store_lag_seconds") == 0.25
-        assert value(s, "kvindex_store_pending_items") == 12
-        said = {"writer_alive": False}
+        assert value(s, "kvindex_store_pending_groups") == 12
+        assert value(s, "kvindex_store_restarts_total") == 1
+        said[0] = StoreHealth("sqlite:///x", up=False, reason="gone", last_error="gone")
         s = scrape(client)
-        assert (
-            value(s, "kvindex_store_up") == 0
-            and ("kvindex_store_lag_seconds", frozenset()) not in s
-        )
+        assert value(s, "kvindex_store_up") == 0
+        info = [k for k in s if k[0] == "kvindex_store_info"]
+        assert ("last_error", "gone") in info[0][1]
+        assert client.get("/healthz").json() == {"status": "degraded", "reason": "store: gone"}
 
 
 def documented_metrics() -> set[str]:
@@ -147,9 +147,6 @@ def test_every_metric_is_documented_and_every_documented_one_exists() -> None:
             create_app(Fleet([InstanceSpec("m", pub.endpoint, pub.replay_endpoint)]))
         ) as client,
     ):
-        client.app.state.metrics.watch_store(  # type: ignore[attr-defined]
-            lambda: {"writer_alive": True, "lag_seconds": 0.0, "pending_items": 0}
-        )
         pub.publish([BlockStored([1], None, list(range(4)), 4)])
         assert wait_until(
             lambda: (

@@ -217,23 +217,7 @@ def test_serve_memory_store_stops_and_frees_its_port(flowing: Flowing, how: How)
     assert port_is_free(port)
 
 
-SQLITE_CHILD_DIES = pytest.mark.xfail(
-    strict=True,
-    reason="issue 14 / redesign: a signal to the process group also reaches the SQLite "
-    "writer process, which dies of it (SIGINT: KeyboardInterrupt in its drain) while serve "
-    "waits for it; flip when the store link stops cleanly",
-)
-
-
-@pytest.mark.parametrize(
-    "how",
-    [
-        pytest.param(TERMINAL, marks=SQLITE_CHILD_DIES),
-        SUPERVISOR,
-        pytest.param(How(signal.SIGTERM, group=True), marks=SQLITE_CHILD_DIES),
-    ],
-    ids=str,
-)
+@pytest.mark.parametrize("how", [TERMINAL, SUPERVISOR, How(signal.SIGTERM, group=True)], ids=str)
 def test_serve_sqlite_store_stops_and_frees_its_port(
     flowing: Flowing, how: How, tmp_path: Path
 ) -> None:

@@ -17,7 +17,7 @@ from clitools import kvindex
 from netutil import wait_until
 
 from kvindex.index import FleetIndex
-from kvindex.sim import LiveFleet, SimBatch, SimConfig, SimRestart, Simulation, payloads
+from kvindex.sim import SimBatch, SimConfig, SimRestart, SimulatedPublishers, Simulation, payloads
 from kvindex.subscriber import Delivery, InstanceSpec, ReplayPolicy, SourceKey, Subscriber
 from kvindex.wire import BatchDecoder, decode_batch, decode_seq
 from kvindex.wire.events import _ArrayWireBatch, _MapWireBatch
@@ -212,7 +212,7 @@ def test_index_fed_over_sockets_equals_the_pools(fmt: str) -> None:
     index = FleetIndex()
     policy = ReplayPolicy(idle_probe=0.3)  # a batch dropped last is asked for soon
     with (
-        LiveFleet(config, rate=500, drop=0.03) as live,
+        SimulatedPublishers(config, rate=500, drop=0.03) as live,
         Subscriber(instances=live.specs(), policy=policy) as sub,
     ):
         time.sleep(0.3)  # let the subscriptions settle
@@ -241,7 +241,7 @@ def test_index_fed_over_sockets_equals_the_pools(fmt: str) -> None:
 def test_replay_reply_layout_follows_the_format() -> None:
     for fmt, frames in (("0.23", 3), ("0.33", 4)):
         config = SimConfig(instances=1, format=fmt, seed=6)  # type: ignore[arg-type]
-        with LiveFleet(config, rate=100) as live:
+        with SimulatedPublishers(config, rate=100) as live:
             live.publish(3)
             replay = live.specs()[0].replay_endpoint
             assert replay is not None
@@ -299,7 +299,7 @@ def test_cli_prints_specs_serve_can_follow_and_stops_on_ctrl_c() -> None:
 
 
 def test_cli_busy_port_is_a_usage_error() -> None:
-    with LiveFleet(SimConfig(instances=1)) as live:
+    with SimulatedPublishers(SimConfig(instances=1)) as live:
         busy = live.base_port
         sim = kvindex("simulate", "--instances", "1", "--base-port", str(busy), "--duration", "1")
         assert sim.finish() == 2

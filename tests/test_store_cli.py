@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from test_store_sqlite import B0, BS, A, Harness
 
+from kvindex.store.protocol import Group, LostMark
 from kvindex.wire import BlockRemoved, BlockStored
 
 
@@ -30,7 +31,7 @@ def store(tmp_path: Path) -> str:
     # After the snapshot: only in the log.
     h.batch(A, BlockRemoved([2]), BlockStored([b"\xff" * 8], None, [], 0, medium="CPU"))
     h.batch(B0, BlockStored([-7], None, [9] * BS, BS, lora_name="x", extra_keys=[["x"]]))
-    h.writer._commit([("l", "b", 0, 3)], None)
+    h.writer.commit([Group(0, [LostMark("b", 0, 1, 3)])])  # seqs 1..3 of b lost
     h.writer.close()
     return f"sqlite:///{h.path}"
 

@@ -125,6 +125,11 @@ def caught_up(serve: Serve, work: Workload) -> bool:
     )
 
 
+def persisted(serve: Serve) -> bool:
+    """Everything the service applied is durable in its store."""
+    return serve.get("/v1/stats")["store"]["pending_groups"] == 0
+
+
 def assert_same(serve: Serve, work: Workload) -> None:
     for name in work.pubs:
         blocks = serve.get(f"/v1/instances/{name}/blocks")["block_hashes"]

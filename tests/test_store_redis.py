@@ -30,10 +30,11 @@ from test_store_sqlite import (
 from kvindex.index import FleetIndex
 from kvindex.store import StoreError, open_store
 from kvindex.store.base import LoadResult
+from kvindex.store.mirror import Mirror
 from kvindex.store.redis import RedisStore, current_rows
-from kvindex.store.redis_append import Appender
-from kvindex.store.redis_compact import Compactor
-from kvindex.store.redis_keys import (
+from kvindex.store.redis.append import Appender
+from kvindex.store.redis.compact import Compactor
+from kvindex.store.redis.keys import (
     CTL,
     INSTANCES,
     REGISTER,
@@ -48,9 +49,8 @@ from kvindex.store.redis_keys import (
     snap_key,
     snapshot_format,
 )
-from kvindex.store.redis_reader import Reader
+from kvindex.store.redis.reader import SharedLogReader
 from kvindex.store.rows import BlockRow
-from kvindex.store.state import Mirror
 from kvindex.subscriber import Delivery, Restarted, SourceKey
 from kvindex.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from kvindex.wire.publisher import encode_batch
@@ -68,7 +68,7 @@ class Harness:
         for name, spec in specs.items():
             self.client.eval(REGISTER, 2, INSTANCES, CTL, name, spec)
         self.mirror = Mirror()
-        self.reader = Reader(self.mirror, IngestPolicy(), lambda frames: None)
+        self.reader = SharedLogReader(self.mirror, IngestPolicy(), lambda frames: None)
         self.reader.load(self.client, {}, ZERO)
         self.appender = Appender(1_000_000, self.reader.spec, fill_timeout=1.0)
         self.compactor = Compactor(self.mirror, self.reader.cursors, 1e9)
@@ -230,7 +230,7 @@ class Replica:
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
         self.mirror = Mirror()
-        self.reader = Reader(self.mirror, IngestPolicy(), lambda frames: None)
+        self.reader = SharedLogReader(self.mirror, IngestPolicy(), lambda frames: None)
         self.reader.load(client, {}, ZERO)
         self.compactor = Compactor(self.mirror, self.reader.cursors, 1e9)
 

@@ -115,9 +115,13 @@ def test_redis_stopped_and_restarted_under_load_loses_nothing(
         redis_server.stop()
         time.sleep(1.5)  # the ingester keeps serving from memory meanwhile
         assert (ingester.instances()["a"]["last_seq"] or 0) > 150
+        # ... and says why it can't persist.
+        assert wait_until(lambda: ingester.get("/healthz")["status"] == "degraded", 10)
+        assert ingester.get("/healthz")["reason"].startswith("store: Redis is unreachable: ")
         redis_server.start()
         feeder.join()
         assert wait_until(lambda: caught_up(ingester, work) and caught_up(server, work), 60)
+        assert wait_until(lambda: ingester.get("/healthz") == {"status": "ok"}, 10)
         assert_same(ingester, work)
         assert_same(server, work)  # it only has the shared log: that is gap-free
         for serve in (ingester, server):

@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 
 from kvindex.index import FleetIndex
 from kvindex.store import StoreError, open_store
+from kvindex.store.protocol import AppliedBatch, Group, LostMark, RestartMark
 from kvindex.store.rows import BlockRow, events_from_rows, hash_key, key_hash
-from kvindex.store.sqlite import SQLiteStore, WriterOptions, _Writer, current_rows
+from kvindex.store.sqlite import SQLiteStore, WriterOptions, current_rows
+from kvindex.store.sqlite.writer import SQLiteWriter
 from kvindex.subscriber import Delivery, Lost, Restarted, SourceKey
 from kvindex.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from kvindex.wire.publisher import encode_batch
@@ -48,7 +50,7 @@ class Harness:
 
     def __init__(self, path: Path, compact_rows: int = 1_000_000) -> None:
         self.path = path
-        self.writer = _Writer(str(path), WriterOptions(0.01, 1e9, compact_rows))
+        self.writer = SQLiteWriter(str(path), WriterOptions(0.01, 1e9, compact_rows))
         self.reference = FleetIndex()
         self.seqs: dict[SourceKey, int] = {}
 
@@ -57,12 +59,12 @@ class Harness:
         seq = self.seqs.get(source, 0)
         self.seqs[source] = seq + 1
         self.reference.handle(Delivery(source, seq, decode_batch(payload)))
-        self.writer._commit([("b", source.instance, source.rank, seq, payload)], None)
+        self.writer.commit([Group(0, [AppliedBatch(source.instance, source.rank, seq, payload)])])
 
     def restart(self, source: SourceKey) -> None:
         self.seqs[source] = 0
         self.reference.handle(Restarted(source))
-        self.writer._commit([("r", source.instance, source.rank)], None)
+        self.writer.commit([Group(0, [RestartMark(source.instance, source.rank)])])
 
     def reload(self) -> tuple[FleetIndex, object]:
         index = FleetIndex()
@@ -159,11 +161,15 @@ def test_checkpoints_restarts_and_lost_persist(tmp_path: Path) -> None:
     h = Harness(tmp_path / "s.sqlite")
     for i in range(3):
         h.batch(A, BlockStored([i], None, [i] * BS, BS))
-    h.writer._commit([("l", "a", 0, 2)], None)
+    h.writer.commit([Group(0, [LostMark("a", 0, 3, 4)])])
     _, result = h.reload()
     checkpoint = result.checkpoints[A]  # type: ignore[attr-defined]
-    assert (checkpoint.next_seq, checkpoint.lost_since_restart) == (3, 2)
-    assert checkpoint.last_digest is not None
+    # Past the lost seqs, with no batch to check the engine by on resume.
+    assert (checkpoint.next_seq, checkpoint.lost_since_restart) == (5, 2)
+    assert checkpoint.last_digest is None
+    h.writer.commit([Group(0, [LostMark("a", 0, 3, 4)])])  # again (a resend): no change
+    _, result = h.reload()
+    assert result.checkpoints[A] == (5, None, 2)  # type: ignore[attr-defined]
     h.restart(A)
     _, result = h.reload()
     assert result.checkpoints[A] == (0, None, 0)  # type: ignore[attr-defined]
@@ -220,7 +226,7 @@ def test_writer_process_end_to_end(tmp_path: Path) -> None:
     loaded = FleetIndex()
     result = SQLiteStore(tmp_path / "s.sqlite").load(loaded)
     assert loaded.block_hashes("a") == index.block_hashes("a") == set(range(200, 300))
-    assert result.checkpoints[A].next_seq == 300 and result.checkpoints[A].lost_since_restart == 2
+    assert result.checkpoints[A] == (302, None, 2)  # past the lost seqs, as Redis does
 
 
 def test_record_without_payload_is_refused(tmp_path: Path) -> None:
@@ -418,7 +424,7 @@ def test_a_schema_1_store_is_read_as_is_and_migrated_by_serve(tmp_path: Path) ->
         ("2", "1", "[4,5,6,7]", 1),
         ("ff" * 8, None, None, 1),
     ]
-    writer = _Writer(str(path), WriterOptions(0.01, 1e9, 10**6))  # and written on
+    writer = SQLiteWriter(str(path), WriterOptions(0.01, 1e9, 10**6))  # and written on
     writer.compact()
     writer.close()
     loaded = FleetIndex()
@@ -476,7 +482,7 @@ def test_in_an_event_loop_items_reach_the_writer_and_are_folded_unasked(tmp_path
 def test_a_backlog_past_the_payloads_kept_in_memory_is_folded_from_the_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvindex.store.sqlite as sqlite_store
+    import kvindex.store.sqlite.writer as sqlite_store
 
     monkeypatch.setattr(sqlite_store, "PENDING_PAYLOADS", 2)
     h = Harness(tmp_path / "s.sqlite")

@@ -47,6 +47,7 @@ COMMANDS = (
     "keys",
     "export",
     "stats",
+    "store",
     "bench",
 )
 

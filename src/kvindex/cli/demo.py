@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
-    from kvindex.sim import LiveFleet
+    from kvindex.sim import SimulatedPublishers
 
 __all__ = ["add_parser", "run"]
 
@@ -95,12 +95,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pause(live: LiveFleet) -> None:
+def _pause(live: SimulatedPublishers) -> None:
     live.stop()
     print("kvindex demo: simulated load paused; the fleet stays up, idle", flush=True)
 
 
-def _app(live: LiveFleet, host: str) -> FastAPI:
+def _app(live: SimulatedPublishers, host: str) -> FastAPI:
     from kvindex.runtime import Fleet
     from kvindex.security.http import HttpGuard, default_allowed_hosts
     from kvindex.service.app import create_app

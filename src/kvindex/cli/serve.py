@@ -161,15 +161,18 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     from kvindex.runtime import Fleet
     from kvindex.service.app import create_app
     from kvindex.service.fastpath import lookup_protocol
-    from kvindex.store import SharedStore
 
     # Ingest threads and the HTTP loop share the GIL: a lookup waiting for it would wait up
     # to a whole switch interval (5 ms by default) behind an ingest thread's Python work.
     sys.setswitchinterval(float(os.environ.get("KVINDEX_SWITCH_INTERVAL", "0.0005")))
     store, index, loaded = _open_store(settings.store)
-    sock = listen(host, port)
+    try:
+        sock = listen(host, port)
+    except UsageError:
+        store.close()
+        raise
     instances = _with_runtime_instances(settings.instances, loaded.instances)
-    shared = store if isinstance(store, SharedStore) else None  # Redis: other replicas too
+    shared = store.shared()  # Redis: other replicas too
     try:
         fleet = Fleet(
             instances,
@@ -195,8 +198,9 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     if shared is not None:
         shared.share(fleet.specs.values())
     store.start()
-    app = create_app(fleet, guard=http.guard, max_body_bytes=http.max_body_bytes)
-    app.state.metrics.watch_store(store.stats)  # kvindex_store_* on /metrics
+    app = create_app(
+        fleet, guard=http.guard, max_body_bytes=http.max_body_bytes, store_health=store.health
+    )
     protocol = lookup_protocol(app.state.lookup_answerer, http.guard, http.max_body_bytes)
     config = uvicorn.Config(
         app,
@@ -233,8 +237,12 @@ def _open_store(url: str) -> tuple[Store, FleetIndex, LoadResult]:
     index = FleetIndex()
     try:
         store = open_store(url)
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+    try:
         loaded = store.load(index)
     except StoreError as exc:
+        store.close()  # frees what it took (the store's lock)
         raise UsageError(str(exc)) from None
     return store, index, loaded
 
@@ -251,10 +259,9 @@ def _with_runtime_instances(
 
 
 def _end_streams(app: Any) -> Callable[[], None]:
-    """From a signal handler: have the loop end the dashboard's open streams."""
-    dashboard = getattr(app.state, "dashboard", None)
-    if dashboard is None:
-        return lambda: None
+    """From a signal handler: have the loop end the dashboard's open streams (create_app
+    always installs the dashboard)."""
+    dashboard = app.state.dashboard
 
     def end() -> None:
         try:  # the handler runs on the loop's own thread, between two of its steps

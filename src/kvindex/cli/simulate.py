@@ -15,7 +15,7 @@ from kvindex.cli.common import UsageError, positive_float, positive_int, positiv
 from kvindex.cli.signals import stop_signals
 
 if TYPE_CHECKING:
-    from kvindex.sim import LiveFleet, SimConfig
+    from kvindex.sim import SimConfig, SimulatedPublishers
 
 __all__ = ["add_parser", "build_config", "open_fleet", "run", "sim_arguments"]
 
@@ -116,15 +116,17 @@ def build_config(args: argparse.Namespace, instances: int) -> SimConfig:
 
 def open_fleet(
     args: argparse.Namespace, config: SimConfig, *, base_port: int | None, drop: float
-) -> LiveFleet:
+) -> SimulatedPublishers:
     """Bind the publishers; a port that can't be had is a usage error."""
     import zmq
 
-    from kvindex.sim import LiveFleet, PortsBusy
+    from kvindex.sim import PortsBusy, SimulatedPublishers
 
     host = getattr(args, "host", "127.0.0.1")
     try:
-        return LiveFleet(config, rate=args.rate, host=host, base_port=base_port, drop=drop)
+        return SimulatedPublishers(
+            config, rate=args.rate, host=host, base_port=base_port, drop=drop
+        )
     except (PortsBusy, zmq.ZMQError) as exc:
         raise UsageError(f"can't open the publishers: {exc}") from None
 

@@ -23,6 +23,7 @@ from kvindex.runtime.views import (
     LookupAnswer,
     RankMatch,
     RankView,
+    StoreHealth,
     worst_status,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "MembershipFeed",
     "RankMatch",
     "RankView",
+    "StoreHealth",
     "UnknownInstance",
     "worst_status",
 ]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -25,6 +26,7 @@ __all__ = [
     "LookupAnswer",
     "RankMatch",
     "RankView",
+    "StoreHealth",
     "worst_status",
 ]
 
@@ -57,9 +59,9 @@ def worst_status(statuses: Iterable[Status]) -> Status:
     return max(statuses, key=_SEVERITY.__getitem__, default=Status.CONNECTING)
 
 
-@dataclass(frozen=True, slots=True)
-class RankView:
-    """One DP rank of an instance, as the Subscriber and the index see it now."""
+class RankView(msgspec.Struct, frozen=True, gc=False):
+    """One DP rank of an instance, as the Subscriber and the index see it now (the API
+    encodes it as it is: one rank of `GET /v1/instances`)."""
 
     rank: int
     status: Status
@@ -173,6 +175,26 @@ class FleetSummary:
             entries=entries,
             backlog=backlog,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class StoreHealth:
+    """How the state store is doing: what /healthz, /v1/stats and /metrics say of it.
+
+    `up` is false while the store can't persist (its worker died and is being started
+    again, or can't write: a full disk); `reason` says why. Lookups are answered from
+    memory all along: a store that is down makes the service `degraded`, not unhealthy.
+    `lag_seconds` is the age of the oldest applied item not durable yet (0: none)."""
+
+    url: str
+    up: bool = True
+    reason: str | None = None
+    restarts: int = 0
+    last_error: str | None = None
+    lag_seconds: float = 0.0
+    pending_groups: int = 0
+    dropped_batches: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)  # the store's own counters
 
 
 # -- lookups: msgspec structs, encoded as they are (a lookup answer is on the hot path) --

@@ -30,7 +30,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvindex.runtime import STATUS_ORDER, Fleet, InstanceView
+from kvindex.runtime import STATUS_ORDER, Fleet, InstanceView, StoreHealth
 
 __all__ = ["FleetCollector", "LookupMetrics", "ServiceMetrics"]
 
@@ -143,23 +143,23 @@ class LookupMetrics:
         return self._hits / self._requests if self._requests else None
 
 
-StoreStats = Callable[[], dict[str, Any]]
+StoreHealthOf = Callable[[], StoreHealth]
 
 
 class FleetCollector(Collector):
     """Reads the fleet's counters when Prometheus scrapes (nothing is kept in between)."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, store: StoreHealthOf | None = None) -> None:
         self.fleet = fleet
-        self.store_stats: StoreStats | None = None
+        self.store = store
 
     def collect(self) -> Iterator[Metric]:
         views = self.fleet.instance_views()
         yield from _engine_metrics(views)
         yield from _source_metrics(views)
         yield from self._fleet_metrics(views)
-        if self.store_stats is not None:
-            yield from _store_metrics(self.store_stats())
+        if self.store is not None:
+            yield from _store_metrics(self.store())
 
     def _fleet_metrics(self, views: list[InstanceView]) -> Iterator[Metric]:
         fleet = self.fleet.summary(views)
@@ -253,42 +253,51 @@ def _source_metrics(views: list[InstanceView]) -> Iterator[Metric]:
     yield seq
 
 
-def _store_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
-    """What the state store says of itself (`Store.stats()`): whether its writer runs, and,
-    where the store reports them, how far behind the index it is."""
-    alive = stats.get("writer_alive", stats.get("worker_alive", True))
-    yield _gauge("kvindex_store_up", "1 while the state store's writer runs.", float(bool(alive)))
-    lag = stats.get("lag_seconds")
-    if isinstance(lag, int | float):
-        yield _gauge(
-            "kvindex_store_lag_seconds",
-            "Age of the oldest applied item the store has not made durable yet (0: none).",
-            lag,
-        )
-    pending = stats.get("pending_items")
-    if isinstance(pending, int | float):
-        yield _gauge("kvindex_store_pending_items", "Items not durable in the store yet.", pending)
+def _store_metrics(health: StoreHealth) -> Iterator[Metric]:
+    """How the state store is doing (see StoreHealth)."""
+    yield _gauge(
+        "kvindex_store_up", "1 while the state store persists what is applied.", float(health.up)
+    )
+    yield _gauge(
+        "kvindex_store_lag_seconds",
+        "Age of the oldest applied item the store has not made durable yet (0: none).",
+        health.lag_seconds,
+    )
+    yield _gauge(
+        "kvindex_store_pending_groups",
+        "Groups of applied items handed to the store's worker, not durable yet.",
+        health.pending_groups,
+    )
+    yield _counter(
+        "kvindex_store_restarts",
+        "Times the store's worker died and was started again.",
+        health.restarts,
+    )
+    yield _counter(
+        "kvindex_store_dropped_batches",
+        "Batches not persisted because the store was too far behind (counted lost in it).",
+        health.dropped_batches,
+    )
+    info = InfoMetricFamily("kvindex_store", "The state store, and its last error (empty: none).")
+    info.add_metric([], {"url": health.url, "last_error": health.last_error or ""})
+    yield info
 
 
 class ServiceMetrics:
     """The registry of one app: fleet state read at scrape time, lookup metrics, and the
     process's own (memory, CPU, file descriptors, GC, Python version)."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, store: StoreHealthOf | None = None) -> None:
         # `*_created` series only double the output; this switch is process-wide.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
         self.lookups = LookupMetrics(self.registry)
-        self.fleet_collector = FleetCollector(fleet)
+        self.fleet_collector = FleetCollector(fleet, store)
         self.registry.register(self.fleet_collector)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         self.started = time.time()
-
-    def watch_store(self, stats: StoreStats) -> None:
-        """Export what the state store says of itself (`Store.stats`) at every scrape."""
-        self.fleet_collector.store_stats = stats
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,12 +3,12 @@
 - `Simulation`: the workload model (engines with bounded block pools, prefix caching, a CPU
   tier, LoRA, restarts and resets) as a deterministic stream of encoded batches, no sockets;
   its `reference()` is what each engine's pool holds (the truth an index must match).
-- `LiveFleet`: the same, published by vLLM-compatible PUB + ROUTER sockets at a target rate
-  (`kvindex simulate`, `kvindex demo`).
+- `SimulatedPublishers`: the same, published by vLLM-compatible PUB + ROUTER sockets at a
+  target rate (`kvindex simulate`, `kvindex demo`).
 """
 
 from kvindex.sim.encoding import FORMATS, HASH_KINDS, HashKind, WireFormat, encode_step
-from kvindex.sim.live import LiveFleet, PortsBusy, free_port_run
+from kvindex.sim.live import PortsBusy, SimulatedPublishers, free_port_run
 from kvindex.sim.simulation import (
     Reference,
     SimBatch,
@@ -24,13 +24,13 @@ __all__ = [
     "FORMATS",
     "HASH_KINDS",
     "HashKind",
-    "LiveFleet",
     "PortsBusy",
     "Reference",
     "SimBatch",
     "SimConfig",
     "SimItem",
     "SimRestart",
+    "SimulatedPublishers",
     "Simulation",
     "WireFormat",
     "WorkloadShape",

@@ -1,4 +1,4 @@
-"""`LiveFleet`: a `Simulation` published on the real wire, at a target rate.
+"""`SimulatedPublishers`: a `Simulation` published on the real wire, at a target rate.
 
 Each engine (instance, DP rank) gets a vLLM-compatible publisher: PUB for live batches and
 a ROUTER for replay, rank r on port + r as vLLM binds them. Instance i uses PUB ports
@@ -27,7 +27,7 @@ from kvindex.sim.simulation import Reference, SimBatch, SimConfig, SimItem, Simu
 from kvindex.subscriber import InstanceSpec
 from kvindex.wire.publisher import Publisher
 
-__all__ = ["LiveFleet", "PortsBusy", "free_port_run"]
+__all__ = ["PortsBusy", "SimulatedPublishers", "free_port_run"]
 
 _BIND_RETRY_SECONDS = 3.0
 
@@ -64,7 +64,7 @@ def _all_free(host: str, base: int, count: int) -> bool:
             s.close()
 
 
-class LiveFleet:
+class SimulatedPublishers:
     """Publishes a simulated fleet over ZeroMQ from a background thread."""
 
     def __init__(
@@ -179,7 +179,7 @@ class LiveFleet:
             publisher.close()
         self.publishers = []
 
-    def __enter__(self) -> LiveFleet:
+    def __enter__(self) -> SimulatedPublishers:
         return self
 
     def __exit__(self, *exc: object) -> None:

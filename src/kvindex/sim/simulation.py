@@ -5,7 +5,7 @@ batch, as in vLLM) and yields `SimBatch`es (an instance, DP rank, seq and the pa
 that vLLM generation encodes it) and `SimRestart`s (an engine process restarted: its seqs
 begin again at 0 and its cache is empty). Everything is decided by the seed, timestamps
 included unless a clock is given, so the same config gives the same bytes: benchmarks
-and tests use it directly, `LiveFleet` publishes it over ZeroMQ.
+and tests use it directly, `SimulatedPublishers` publishes it over ZeroMQ.
 
 `reference()` is the truth the index must reproduce: per publisher (instance, DP rank) and
 (group, medium), every hash held and its number of physical copies, in wire form.

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvindex.store.base import LoadResult, MemoryStore, SharedStore, Store
+from kvindex.store.base import LoadResult, MemoryStore, SharedStore, Store, StoreError
 from kvindex.store.rows import BlockRow
-from kvindex.store.sqlite_db import StoreError
 
 __all__ = [
     "DEFAULT_STORE_URL",
@@ -35,10 +34,9 @@ def open_store(url: str) -> Store:
             raise StoreError(f"store URL {url!r} has no path (sqlite:///PATH)")
         return SQLiteStore(Path(path))
     if url.startswith("redis://"):
-        from kvindex.store.redis import RedisStore  # redis is a dependency: no fallback
+        from kvindex.store.redis import RedisStore
 
-        store: Store = RedisStore(url)
-        return store
+        return RedisStore(url)
     raise StoreError(f"unknown store URL {url!r} (memory, sqlite:///PATH, redis://HOST:PORT/DB)")
 
 
@@ -50,14 +48,9 @@ def read_store(url: str) -> tuple[list[BlockRow], LoadResult]:
 
         return current_rows(Path(url[len("sqlite:///") :]))
     if url.startswith("redis://"):
-        try:
-            from kvindex.store.redis import current_rows as redis_rows  # type: ignore[import-not-found]
-        except ImportError:
-            raise StoreError(
-                "reading a Redis store offline is not available in this build"
-            ) from None
-        result: tuple[list[BlockRow], LoadResult] = redis_rows(url)
-        return result
+        from kvindex.store.redis import current_rows as redis_rows
+
+        return redis_rows(url)
     if url == "memory":
         raise StoreError("the memory store keeps nothing to read (use sqlite:///PATH or redis://)")
     open_store(url)  # raises the precise error for a malformed URL

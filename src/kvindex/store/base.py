@@ -1,18 +1,22 @@
-"""What every store offers the service: `Store`, and `SharedStore` for what a store that
-several replicas share adds."""
+"""What every store offers the service: `Store`, `SharedStore` for what a store that
+several replicas share adds, and `StoreError`, which every store raises."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol
 
 from kvindex.index import FleetIndex
-from kvindex.runtime import MembershipFeed
+from kvindex.runtime import MembershipFeed, StoreHealth
 from kvindex.subscriber import Subscriber
 from kvindex.subscriber.messages import Item, SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 from kvindex.subscriber.state import Checkpoint
+
+
+class StoreError(RuntimeError):
+    """The store can't be opened or used; the message says why, in one line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +57,15 @@ class Store(Protocol):
 
     def close(self, timeout: float = 30.0) -> None: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def health(self) -> StoreHealth:
+        """Whether the store persists now, and if not why (see StoreHealth)."""
+        ...
+
+    def shared(self) -> SharedStore | None:
+        """The store as several replicas share it (Redis), or None (memory, SQLite)."""
+        ...
 
 
-@runtime_checkable
 class SharedStore(Store, Protocol):
     """A store several `serve` replicas share (Redis): each replica answers for the whole
     fleet, so the store also feeds it the batches the others ingest, and the instances
@@ -107,5 +116,8 @@ class MemoryStore:
     def close(self, timeout: float = 30.0) -> None:
         pass
 
-    def stats(self) -> dict[str, Any]:
-        return {"url": self.url}
+    def health(self) -> StoreHealth:
+        return StoreHealth(self.url)
+
+    def shared(self) -> SharedStore | None:
+        return None

@@ -9,7 +9,7 @@ per-record work is putting each chain after the one holding its parent, so the p
 is rebuilt (a chain whose parent is not held anywhere is loaded as it comes).
 
 A record also keeps `keys` (its parent and hashes, for that ordering and to rebuild a
-mirror) and, for SQL users, the blocks as JSON (see sqlite_db's `cache_blocks` view).
+mirror) and, for SQL users, the blocks as JSON (see sqlite/schema.py's `cache_blocks` view).
 
 Writing: a changed run is rewritten whole. A run some of whose blocks left is cut to the
 blocks it still holds: cut into several runs if they are no longer contiguous (each keeps
@@ -26,18 +26,18 @@ from typing import Any, Protocol
 import msgspec
 
 from kvindex.index import FleetIndex
+from kvindex.store.mirror import PLACED, UNPLACED, Changes, Mirror, PublisherRuns, Run
 from kvindex.store.rows import BlockRow
-from kvindex.store.state import PLACED, UNPLACED, Changes, Mirror, Run, SourceState
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import BatchDecoder, BlockHash, BlockStored, EventBatch, WireError, render_hash
 
 __all__ = [
     "IndexTarget",
+    "LogTarget",
     "MirrorRow",
-    "Plan",
     "Record",
+    "SnapshotPlan",
     "Stored",
-    "Target",
     "array_header",
     "load_runs",
     "mirror_rows",
@@ -61,7 +61,7 @@ class Record:
     """One run as persisted."""
 
     id: int
-    rank: int  # see state.Run
+    rank: int  # see mirror.Run
     group: int
     medium: str
     size: int
@@ -93,7 +93,7 @@ def array_header(n: int) -> bytes:
 
 
 @dataclass
-class Plan:
+class SnapshotPlan:
     """A snapshot's writes for one publisher: records to (re)write, ids of records to drop.
     Mark `runs` saved once the writes are done."""
 
@@ -106,10 +106,12 @@ class Plan:
             run.saved = True
 
 
-def plan_changes(mirror: Mirror, changes: Changes, view: bool = False) -> dict[SourceKey, Plan]:
+def plan_changes(
+    mirror: Mirror, changes: Changes, view: bool = False
+) -> dict[SourceKey, SnapshotPlan]:
     """The writes that bring a snapshot up to date with these changes of the mirror (after
     the records of `changes.cleared` publishers and `changes.removed` instances went)."""
-    plans: dict[SourceKey, Plan] = {}
+    plans: dict[SourceKey, SnapshotPlan] = {}
     for source, runs in changes.dirty.items():
         src = mirror.sources.get(source)
         if src is not None:
@@ -117,9 +119,11 @@ def plan_changes(mirror: Mirror, changes: Changes, view: bool = False) -> dict[S
     return plans
 
 
-def plan_source(mirror: Mirror, src: SourceState, runs: Iterable[Run], view: bool) -> Plan:
+def plan_source(
+    mirror: Mirror, src: PublisherRuns, runs: Iterable[Run], view: bool
+) -> SnapshotPlan:
     """Records for these runs of one publisher (all of its runs for a full rewrite)."""
-    plan = Plan()
+    plan = SnapshotPlan()
     for run in sorted(runs, key=lambda r: r.id):
         if src.runs.get(run.id) is not run:
             continue  # gone with a clear, or already cut
@@ -134,7 +138,7 @@ def plan_source(mirror: Mirror, src: SourceState, runs: Iterable[Run], view: boo
     return plan
 
 
-def _cut(mirror: Mirror, src: SourceState, run: Run) -> list[Run]:
+def _cut(mirror: Mirror, src: PublisherRuns, run: Run) -> list[Run]:
     """The run cut down to the blocks it still holds: [] if none, several runs if they are
     no longer contiguous (the first keeps the run's id)."""
     hashes = run.hashes
@@ -165,7 +169,7 @@ def _cut(mirror: Mirror, src: SourceState, run: Run) -> list[Run]:
     return parts
 
 
-def _record(src: SourceState, run: Run, view: bool) -> Record:
+def _record(src: PublisherRuns, run: Run, view: bool) -> Record:
     hashes = run.hashes
     pool = src.pools[(run.group, run.medium)]
     copies = [pool.copies(h) for h in hashes] if pool.extra else [1] * len(hashes)
@@ -205,7 +209,7 @@ def _blocks_json(run: Run, copies: list[int], flat: list[int] | None) -> str:
 # -- loading into an index ----------------------------------------------------------------
 
 
-class Target(Protocol):
+class LogTarget(Protocol):
     """What log entries are applied to: a mirror, or an index (see IndexTarget)."""
 
     def apply_payload(self, source: SourceKey, payload: bytes) -> None: ...
@@ -352,7 +356,7 @@ def mirror_rows(mirror: Mirror) -> list[BlockRow]:
     return rows
 
 
-def _run_rows(source: SourceKey, src: SourceState, run: Run) -> Iterator[BlockRow]:
+def _run_rows(source: SourceKey, src: PublisherRuns, run: Run) -> Iterator[BlockRow]:
     live = src.members(run)
     if not live:
         return

@@ -49,7 +49,15 @@ from kvindex.subscriber.state import (
     StartReplay,
     StopReplay,
 )
-from kvindex.wire import END_SEQ, BatchDecoder, EventBatch, WireError, parse_replay
+from kvindex.wire import (
+    END_SEQ,
+    BatchDecoder,
+    EventBatch,
+    WireError,
+    parse_live,
+    parse_replay,
+    replay_request,
+)
 
 __all__ = ["DEFAULT_SUB_HWM", "Subscriber"]
 
@@ -108,7 +116,7 @@ _UNDECODED = EventBatch(0.0, [])  # the batch of a `decode=False` Delivery: see 
 
 
 @dataclass(slots=True)
-class _Source:
+class _SourceSockets:
     spec: SourceSpec
     state: SourceState
     sub: zmq.Socket[bytes]
@@ -172,8 +180,8 @@ class Subscriber:
         self._keep_payload = keep_payload  # for recorders and stores that persist raw batches
         self._catch_up = catch_up
         self._resume = dict(resume or {})
-        self._sources: dict[SourceKey, _Source] = {}
-        self._by_socket: dict[zmq.Socket[bytes], _Source] = {}
+        self._sources: dict[SourceKey, _SourceSockets] = {}
+        self._by_socket: dict[zmq.Socket[bytes], _SourceSockets] = {}
         self._poller = zmq.Poller()
         self._wake_fd: int | None = None
         self._instances: dict[str, InstanceSpec] = {}
@@ -201,7 +209,7 @@ class Subscriber:
         sources = spec.sources()
         need = need_of(len(sources), spec.replay_endpoint is not None)
         self._budget.reserve(id(self), spec.name, need)
-        opened: list[_Source] = []
+        opened: list[_SourceSockets] = []
         try:
             for source_spec in sources:
                 opened.append(self._open_source(source_spec))
@@ -319,7 +327,7 @@ class Subscriber:
 
     # -- sockets -----------------------------------------------------------------------
 
-    def _open_source(self, spec: SourceSpec) -> _Source:
+    def _open_source(self, spec: SourceSpec) -> _SourceSockets:
         state = SourceState(
             spec.source,
             has_replay=spec.replay_endpoint is not None,
@@ -329,7 +337,7 @@ class Subscriber:
         )
         sub, monitor = self._connect_sub(spec)
         link = LinkWatch(spec.endpoint, spec.curve is not None, time.monotonic())
-        src = _Source(spec, state, sub, monitor, BatchDecoder(self._opts.max_payload), link)
+        src = _SourceSockets(spec, state, sub, monitor, BatchDecoder(self._opts.max_payload), link)
         self._sources[spec.source] = src
         self._watch(src)
         return src
@@ -354,17 +362,17 @@ class Subscriber:
             raise
         return sub, monitor
 
-    def _watch(self, src: _Source) -> None:
+    def _watch(self, src: _SourceSockets) -> None:
         for sock in (src.monitor, src.sub):
             self._by_socket[sock] = src
             self._poller.register(sock, zmq.POLLIN)
 
-    def _close_sub(self, src: _Source) -> None:
+    def _close_sub(self, src: _SourceSockets) -> None:
         for sock in (src.monitor, src.sub):
             self._forget(sock)
         _close_pair(src.sub, src.monitor)
 
-    def _renew_sub(self, src: _Source) -> None:
+    def _renew_sub(self, src: _SourceSockets) -> None:
         """Follow the publisher on a fresh SUB: whatever the new socket receives was sent on
         the new connection, never mixed with leftovers of the old one. The new one is made
         first: if it can't be (no descriptor free), the old one goes on (ZMQ reconnects
@@ -380,7 +388,7 @@ class Subscriber:
         src.sub, src.monitor = sub, monitor
         self._watch(src)
 
-    def _close_source(self, src: _Source) -> None:
+    def _close_source(self, src: _SourceSockets) -> None:
         self._stop_replay(src)
         self._close_sub(src)
 
@@ -391,7 +399,7 @@ class Subscriber:
         except KeyError:
             pass
 
-    def _start_replay(self, src: _Source, req: StartReplay, items: list[Item]) -> None:
+    def _start_replay(self, src: _SourceSockets, req: StartReplay, items: list[Item]) -> None:
         self._stop_replay(src)
         assert src.spec.replay_endpoint is not None
         try:
@@ -406,7 +414,7 @@ class Subscriber:
         try:
             # Never block: a peer that refused our handshake (CURVE vs plain, a key ZAP
             # turned away) leaves no pipe to queue on. Unsent, the request times out.
-            dealer.send_multipart([b"", req.start.to_bytes(8, "big")], zmq.NOBLOCK)
+            dealer.send_multipart(replay_request(req.start), zmq.NOBLOCK)
         except zmq.Again:
             pass
         src.dealer, src.dealer_req = dealer, req.req_id
@@ -429,7 +437,7 @@ class Subscriber:
             raise
         return dealer
 
-    def _stop_replay(self, src: _Source) -> None:
+    def _stop_replay(self, src: _SourceSockets) -> None:
         if src.dealer is not None:
             self._forget(src.dealer)
             src.dealer.close(linger=0)
@@ -473,7 +481,7 @@ class Subscriber:
             if src.renew_at is not None and now >= src.renew_at:
                 self._renew_sub(src)
 
-    def _read_live(self, src: _Source, items: list[Item], limit: int = _DRAIN) -> None:
+    def _read_live(self, src: _SourceSockets, items: list[Item], limit: int = _DRAIN) -> None:
         if _recv_live is not None:
             self._read_live_many(src, items, limit)
             return
@@ -483,13 +491,14 @@ class Subscriber:
                 frames = recv_frames(src.sub)
             except zmq.Again:
                 return
-            if len(frames) != 3 or len(frames[1]) != 8:
-                self._malformed(src, f"live message of {len(frames)} frames", items)
+            try:
+                frame = parse_live(frames)
+            except WireError as exc:
+                self._malformed(src, str(exc), items)
                 continue
-            seq = int.from_bytes(frames[1], "big")
-            self._handle(src, state.on_live(seq, frames[2], time.monotonic()), items)
+            self._handle(src, state.on_live(frame.seq, frame.payload, time.monotonic()), items)
 
-    def _read_live_many(self, src: _Source, items: list[Item], limit: int) -> None:
+    def _read_live_many(self, src: _SourceSockets, items: list[Item], limit: int) -> None:
         """`_read_live` with the frames read in C, many messages per call (_recv.c)."""
         assert _recv_live is not None
         state = src.state
@@ -505,11 +514,11 @@ class Subscriber:
             now = time.monotonic()
             for seq, payload in messages:
                 if isinstance(payload, int):  # not [topic, seq, payload]: its frame count
-                    self._malformed(src, f"live message of {payload} frames", items)
+                    self._malformed(src, f"live message of {payload} frames, expected 3", items)
                 else:
                     self._handle(src, state.on_live(seq, payload, now), items)
 
-    def _read_replay(self, src: _Source, items: list[Item]) -> None:
+    def _read_replay(self, src: _SourceSockets, items: list[Item]) -> None:
         for _ in range(_DRAIN):
             dealer = src.dealer
             if dealer is None:
@@ -533,7 +542,7 @@ class Subscriber:
                 outputs = src.state.on_replay_frame(src.dealer_req, frame.seq, frame.payload, now)
             self._handle(src, outputs, items)
 
-    def _read_monitor(self, src: _Source, items: list[Item]) -> None:
+    def _read_monitor(self, src: _SourceSockets, items: list[Item]) -> None:
         while True:
             try:
                 frames = src.monitor.recv_multipart(zmq.NOBLOCK)
@@ -561,7 +570,7 @@ class Subscriber:
                 return
 
     def _report_link(
-        self, src: _Source, problem: str | None, now: float, items: list[Item]
+        self, src: _SourceSockets, problem: str | None, now: float, items: list[Item]
     ) -> None:
         src.state.stats.problem = src.link.problem
         if problem is None:
@@ -572,11 +581,11 @@ class Subscriber:
         for hook in list(self.link_hooks):
             hook(notice)
 
-    def _malformed(self, src: _Source, error: str, items: list[Item]) -> None:
+    def _malformed(self, src: _SourceSockets, error: str, items: list[Item]) -> None:
         src.state.stats.malformed_messages += 1
         items.append(Malformed(src.spec.source, error))
 
-    def _handle(self, src: _Source, outputs: list[Output], items: list[Item]) -> None:
+    def _handle(self, src: _SourceSockets, outputs: list[Output], items: list[Item]) -> None:
         for out in outputs:
             if isinstance(out, Deliver):
                 items.append(self._decode(src, out))
@@ -590,7 +599,7 @@ class Subscriber:
             elif isinstance(out, StopReplay) and src.dealer_req == out.req_id:
                 self._stop_replay(src)
 
-    def _decode(self, src: _Source, out: Deliver) -> Item:
+    def _decode(self, src: _SourceSockets, out: Deliver) -> Item:
         stats = src.state.stats
         if not self._opts.decode:
             size = len(out.payload)

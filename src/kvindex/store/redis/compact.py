@@ -23,7 +23,8 @@ from typing import Any, cast
 
 import redis
 
-from kvindex.store.redis_keys import (
+from kvindex.store.mirror import Mirror, PublisherRuns, Run
+from kvindex.store.redis.keys import (
     COMPACTOR,
     LOCK,
     Cursor,
@@ -35,8 +36,7 @@ from kvindex.store.redis_keys import (
     snap_key,
     snapshot_id,
 )
-from kvindex.store.snapshot import Plan, plan_source
-from kvindex.store.state import Mirror, Run, SourceState
+from kvindex.store.snapshot import SnapshotPlan, plan_source
 from kvindex.subscriber.messages import SourceKey
 
 TRIM_SLACK_MS = 60_000
@@ -89,7 +89,7 @@ class Compactor:
         client: redis.Redis,
         source: SourceKey,
         cursor: Cursor,
-        src: SourceState,
+        src: PublisherRuns,
         dirty: set[Run],
         cleared: bool,
     ) -> bool:
@@ -123,7 +123,7 @@ class Compactor:
         return True
 
 
-def _write_plan(pipe: Any, key: str, plan: Plan, whole: bool) -> None:
+def _write_plan(pipe: Any, key: str, plan: SnapshotPlan, whole: bool) -> None:
     items = [record_field(record) for record in plan.records]
     for i in range(0, len(items), CHUNK):
         pipe.hset(key, mapping=dict(items[i : i + CHUNK]))

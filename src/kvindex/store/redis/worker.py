@@ -1,15 +1,20 @@
 """The Redis store's worker process: all of the store's Redis traffic, off the service.
 
-`python -m kvindex.store.redis_worker CONFIG` (msgpack on stdin). One thread, one loop:
+`python -m kvindex.store.redis` (its `WorkerConfig` as msgpack on stdin). One thread, one loop:
 take what the service sent (items to append, instances to register or remove, status to
-publish, sync requests), append it (see redis_append), read every log once (see
-redis_reader), compact now and then (see redis_compact), and report. Being a separate
+publish, sync requests), append it (see append.py), read every log once (see
+reader.py), compact now and then (see compact.py), and report. Being a separate
 process, none of this ever holds the service's GIL while a lookup waits.
 
 When Redis goes away the loop keeps taking the service's items into the bounded queue and
 tries again with a growing pause (0.1 s to 2 s); nothing else changes, so once Redis is
 back the queue drains, gaps are refilled from the publishers, and reading resumes from
 where it stopped. The service keeps answering from memory all along.
+
+It tells the service up to which group (see kvindex.store.protocol) everything is in
+Redis; the service keeps the rest and hands it to the next worker if this one dies. It
+never takes SIGINT (the service stops it), and stops when asked or when its service is
+gone.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -26,9 +32,23 @@ import msgspec
 import redis
 import zmq
 
-from kvindex.store.redis_append import Appender
-from kvindex.store.redis_compact import Compactor
-from kvindex.store.redis_keys import (
+from kvindex.store.link import PIPE_GROUPS
+from kvindex.store.mirror import Mirror
+from kvindex.store.protocol import (
+    AppliedBatch,
+    LostMark,
+    Message,
+    RemoveInstance,
+    RestartMark,
+    SaveInstance,
+    StatusReport,
+    WorkerReport,
+    decode_group,
+    encode_report,
+)
+from kvindex.store.redis.append import Appender
+from kvindex.store.redis.compact import Compactor
+from kvindex.store.redis.keys import (
     CTL,
     INSTANCES,
     REGISTER,
@@ -44,9 +64,7 @@ from kvindex.store.redis_keys import (
     tag,
     untag,
 )
-from kvindex.store.redis_reader import Reader
-from kvindex.store.state import Mirror
-from kvindex.store.worker import decode_group
+from kvindex.store.redis.reader import SharedLogReader
 from kvindex.subscriber.messages import SourceKey
 
 log = logging.getLogger("kvindex.store.redis")
@@ -70,7 +88,7 @@ class WorkerConfig:
     ctl: str
 
 
-class Link:
+class RedisReachability:
     """Whether Redis answers, and when to try again if it does not."""
 
     def __init__(self) -> None:
@@ -111,7 +129,7 @@ class Worker:
             config.url, socket_timeout=10, socket_connect_timeout=2, health_check_interval=5
         )
         self.inbox = ctx.socket(zmq.PULL)
-        self.inbox.setsockopt(zmq.RCVHWM, 0)
+        self.inbox.setsockopt(zmq.RCVHWM, PIPE_GROUPS)
         self.inbox.connect(config.inbox)
         self.outbox = ctx.socket(zmq.PUSH)
         self.outbox.setsockopt(zmq.SNDHWM, 0)
@@ -122,17 +140,20 @@ class Worker:
         self.acks.connect(config.acks)
         self.mirror = Mirror()
         policy = IngestPolicy.parse(config.ingest)
-        self.reader = Reader(self.mirror, policy, self._forward)
+        self.reader = SharedLogReader(self.mirror, policy, self._forward)
         self.appender = Appender(config.buffer, self.reader.spec)
         for key, (next_seq, digest) in config.mine.items():
             self.appender.mine[untag(key)] = (next_seq, "" if digest is None else str(digest))
         self.compactor = Compactor(self.mirror, self.reader.cursors, config.compact)
-        self.link = Link()
+        self.link = RedisReachability()
         self.loaded = False
         self.waiting: list[tuple[str, int]] = []  # sync/compact/stop requests
+        self.taken = 0  # the last group taken from the service
+        self.committed = 0  # the last group all of whose items are in Redis
+        self.said_error = ""  # what the service was last told about Redis
         self.stopping = False
         self.status: dict[str, Any] = {}
-        self.membership: list[list[Any]] = []  # registrations/removals not yet in Redis
+        self.membership: list[SaveInstance | RemoveInstance] = []  # not yet in Redis
         self.beat = 0
         self.reported = 0.0
 
@@ -154,16 +175,20 @@ class Worker:
                     self.link.down(exc)
             else:
                 self._wait_inbox(self.link.retry_at - time.monotonic())
-            self._report()
+            self._report_stats()
+            if self._reachability() != self.said_error:
+                self._send_report([])  # Redis went away or came back: the service says so
 
     def _work(self) -> None:
         if not self.loaded:
             served = {untag(k): parse_id(v) for k, v in self.config.served.items()}
             self.reader.load(self.client, served, parse_id(self.config.ctl))
+            self._resume_appends()
             self.loaded = True
         self._apply_membership()
         self._publish_status()
         self.appender.flush(self.client)
+        self._commit()
         self._answer(("sync",))
         block = IDLE_BLOCK_MS if not self.appender.queue and not self._inbox_ready() else None
         if self.reader.step(self.client, block):
@@ -175,12 +200,40 @@ class Worker:
             self.compactor.compact(self.client)
             self._answer(("compact",))
 
+    def _commit(self) -> None:
+        """Tell the service what is in Redis now (everything taken, once the queue is
+        empty)."""
+        if not self.appender.queue and self.committed < self.taken:
+            self.committed = self.taken
+            self._send_report([])
+
+    def _resume_appends(self) -> None:
+        """Where this replica stands in each log it appends to, if the service did not
+        say (a worker started again after a crash): where the log stands. Items the
+        service hands over again are then skipped up to there, and appended from there."""
+        for source, cursor in self.reader.cursors.items():
+            if source not in self.appender.mine and self.reader.policy.ingests(source.instance):
+                digest = cursor.digest
+                self.appender.mine[source] = (
+                    cursor.next_seq,
+                    "" if digest is None else str(digest),
+                )
+
     def _answer(self, kinds: tuple[str, ...]) -> None:
         if self.appender.queue:
             return
-        for kind, token in [w for w in self.waiting if w[0] in kinds]:
-            self.waiting.remove((kind, token))
-            self.acks.send(str(token).encode())
+        done = [w for w in self.waiting if w[0] in kinds]
+        for wait in done:
+            self.waiting.remove(wait)
+        if done:
+            self._send_report([token for _, token in done if token])
+
+    def _reachability(self) -> str:
+        return "" if self.link.up else f"Redis is unreachable: {self.link.error}"
+
+    def _send_report(self, done: list[int]) -> None:
+        self.said_error = self._reachability()
+        self.acks.send(encode_report(WorkerReport(self.committed, done, self.said_error)))
 
     def _finish(self) -> None:
         """Stop: flush and compact if Redis lets us within a few seconds."""
@@ -190,11 +243,14 @@ class Worker:
                 try:
                     if not self.loaded:
                         break
+                    self._apply_membership()
                     self.appender.flush(self.client)
                     while self.reader.step(self.client, None) and time.monotonic() < deadline:
                         pass
                     self.compactor.compact(self.client)
                     self.compactor.release(self.client)
+                    self._commit()
+                    self._answer(("sync", "compact", "stop"))
                     break
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     self.link.down(exc)
@@ -208,38 +264,41 @@ class Worker:
     def _wait_inbox(self, seconds: float) -> None:
         self.inbox.poll(max(1, int(seconds * 1000)))
 
-    def _drain(self) -> list[tuple[Any, ...]]:
+    def _drain(self) -> list[Message]:
         """What the service sent, bounded: while Redis answers, no more than the queue has
         room for (the rest waits in the socket); while it is away, everything, so the
         queue's bound drops batches rather than the service's memory growing."""
         room = self.config.buffer - len(self.appender.queue) if self.link.up else 20_000
-        out: list[tuple[Any, ...]] = []
+        out: list[Message] = []
         while len(out) < min(20_000, max(room, 100)):
             try:
-                out.extend(decode_group(self.inbox.recv(zmq.NOBLOCK)))
+                group = decode_group(self.inbox.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
+            if group.id > self.taken:  # not one sent again after a restart of this worker
+                out.extend(group.messages)
+                self.taken = group.id
         return out
 
-    def _take(self, messages: list[tuple[Any, ...]]) -> None:
+    def _take(self, messages: list[Message]) -> None:
         for message in messages:
-            kind = message[0]
-            if kind == "b":
-                _, instance, rank, seq, payload = message
-                self.appender.batch(SourceKey(instance, rank), seq, payload)
-            elif kind == "l":
-                _, instance, rank, first, last = message
-                self.appender.lost(SourceKey(instance, rank), first, last)
-            elif kind == "r":
-                self.appender.restart(SourceKey(message[1], message[2]))
-            elif kind == "s":
-                self.status.update(message[1])
-            elif kind in ("i", "x"):
-                self.membership.append(list(message))
-            elif kind == "stop":
+            if isinstance(message, AppliedBatch):
+                source = SourceKey(message.instance, message.rank)
+                self.appender.batch(source, message.seq, message.payload)
+            elif isinstance(message, LostMark):
+                source = SourceKey(message.instance, message.rank)
+                self.appender.lost(source, message.first, message.last)
+            elif isinstance(message, RestartMark):
+                self.appender.restart(SourceKey(message.instance, message.rank))
+            elif isinstance(message, StatusReport):
+                self.status.update(message.report)
+            elif isinstance(message, SaveInstance | RemoveInstance):
+                self.membership.append(message)
+            elif message.kind == "stop":
+                self.waiting.append((message.kind, message.token))
                 self.stopping = True
             else:
-                self.waiting.append((kind, message[1]))
+                self.waiting.append((message.kind, message.token))
 
     # -- to Redis -----------------------------------------------------------------------
 
@@ -247,11 +306,11 @@ class Worker:
         """Registrations and removals, before any append (an instance's first batch needs
         it registered). One that fails stays first in line for the next try."""
         while self.membership:
-            header = self.membership[0]
-            if header[0] == "i":
-                self.client.eval(REGISTER, 2, INSTANCES, CTL, header[1], header[2])
+            change = self.membership[0]
+            if isinstance(change, SaveInstance):
+                self.client.eval(REGISTER, 2, INSTANCES, CTL, change.name, change.spec)
             else:
-                self._remove(header[1])
+                self._remove(change.name)
             self.membership.pop(0)
 
     def _publish_status(self) -> None:
@@ -271,7 +330,7 @@ class Worker:
             keys += [cp_key(source), log_key(source), snap_key(source)]
         self.client.eval(REMOVE, len(keys), *keys, name, *(tag(s) for s in sources))
 
-    def _report(self) -> None:
+    def _report_stats(self) -> None:
         now = time.monotonic()
         if now - self.reported < REPORT_EVERY:
             return
@@ -303,17 +362,23 @@ class Worker:
         }
 
 
-def main() -> None:
+def worker_main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the service stops it (see the module)
     logging.basicConfig(level=logging.WARNING, format="kvindex store: %(levelname)s %(message)s")
     config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=WorkerConfig)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     worker = Worker(config, ctx)
+    worker._send_report([])  # here: the service may hand groups over
+    code = 0
     try:
         worker.run()
+    except Exception as exc:  # one line for the operator; the service restarts it
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        why = f"{type(exc).__name__}: {reason}"
+        worker.acks.send(encode_report(WorkerReport(worker.committed, [], why)))
+        log.error("the Redis worker failed: %s", why)
+        code = 1
     finally:
         for sock in (worker.inbox, worker.outbox, worker.acks):
             sock.close()
-
-
-if __name__ == "__main__":
-    main()
+    sys.exit(code)

@@ -38,7 +38,7 @@ from kvindex.wire import (
 )
 from kvindex.wire.tiers import TIER_GPU, tier_of
 
-__all__ = ["HASH_ONLY", "PLACED", "UNPLACED", "Changes", "Mirror", "Pool", "Run", "SourceState"]
+__all__ = ["HASH_ONLY", "PLACED", "UNPLACED", "Changes", "Mirror", "Pool", "PublisherRuns", "Run"]
 
 PoolKey = tuple[int, str]
 HASH_ONLY, UNPLACED, PLACED = 0, 1, 2  # run ranks: a block belongs to its best run
@@ -50,7 +50,7 @@ _decode_events = msgspec.msgpack.Decoder(list[BlockStored]).decode
 
 class Run(msgspec.Struct, gc=False, eq=False):
     """Blocks one BlockStored brought into a pool (some may have left or moved since:
-    `SourceState.members` says which still belong to it).
+    `PublisherRuns.members` says which still belong to it).
 
     A msgspec Struct: built in C (a store makes one), compared and hashed by identity, and
     not tracked by the cyclic GC (it holds no reference back to anything that holds it),
@@ -113,7 +113,7 @@ class Pool:
 
 
 @dataclass(slots=True)
-class SourceState:
+class PublisherRuns:
     """One publisher: its pools, its runs (by id) and the runs changed since a snapshot."""
 
     pools: dict[PoolKey, Pool] = field(default_factory=dict)
@@ -165,7 +165,7 @@ class Mirror:
     """The publishers' blocks as runs, fed raw batches; notes which runs changed."""
 
     def __init__(self) -> None:
-        self.sources: dict[SourceKey, SourceState] = {}
+        self.sources: dict[SourceKey, PublisherRuns] = {}
         self.cleared: set[SourceKey] = set()
         self.removed: set[str] = set()
         self.touched: set[SourceKey] = set()
@@ -233,17 +233,17 @@ class Mirror:
         self.touched = {s for s in self.touched if s.instance != name}
         self.removed.add(name)
 
-    def source(self, key: SourceKey) -> SourceState:
+    def source(self, key: SourceKey) -> PublisherRuns:
         src = self.sources.get(key)
         if src is None:
-            src = self.sources[key] = SourceState()
+            src = self.sources[key] = PublisherRuns()
         return src
 
     def new_run_id(self) -> int:
         self.next_id += 1
         return self.next_id - 1
 
-    def _store(self, src: SourceState, event: BlockStored, ts: float) -> None:
+    def _store(self, src: PublisherRuns, event: BlockStored, ts: float) -> None:
         hashes = event.block_hashes
         pool_key = (event.group_idx or 0, event.medium or DEFAULT_MEDIUM)
         pool = src.pool(pool_key)
@@ -280,7 +280,7 @@ class Mirror:
             self._take_over(src, pool_key, run)
 
     def _new_run(
-        self, src: SourceState, pool: PoolKey, event: BlockStored, ts: float, rank: int
+        self, src: PublisherRuns, pool: PoolKey, event: BlockStored, ts: float, rank: int
     ) -> Run:
         # The event's own lists are kept (no copy): most runs are gone before a snapshot.
         self.next_id += 1
@@ -292,7 +292,7 @@ class Mirror:
         src.dirty.add(run)
         return run
 
-    def _remove(self, src: SourceState, pool: Pool, hashes: list[BlockHash]) -> None:
+    def _remove(self, src: PublisherRuns, pool: Pool, hashes: list[BlockHash]) -> None:
         """Removals when the pool holds blocks more than once, or is one of several."""
         blocks, extra, dirty = pool.blocks, pool.extra, src.dirty
         for h in hashes:
@@ -309,7 +309,7 @@ class Mirror:
                 continue  # not known to be held: nothing to drop (as the index does)
             dirty.add(run)
 
-    def _take_over(self, src: SourceState, pool_key: PoolKey, run: Run) -> None:
+    def _take_over(self, src: PublisherRuns, pool_key: PoolKey, run: Run) -> None:
         """A GPU or LoRA-keyed chain was placed: the publisher's other pools that hold one
         of its blocks without a place, or on a lower tier in another namespace, now hold
         it at this place (as FleetIndex._take_over does), kept past this chain's own
@@ -333,7 +333,7 @@ class Mirror:
 
     def _new_run_of(
         self,
-        src: SourceState,
+        src: PublisherRuns,
         pool: PoolKey,
         parent: BlockHash | None,
         hashes: list[BlockHash],
@@ -349,8 +349,8 @@ class Mirror:
         src.dirty.add(run)
         return run
 
-    def _clear(self, source: SourceKey) -> SourceState:
-        src = self.sources[source] = SourceState()
+    def _clear(self, source: SourceKey) -> PublisherRuns:
+        src = self.sources[source] = PublisherRuns()
         self.cleared.add(source)
         return src
 
@@ -408,7 +408,7 @@ def _keyed(pool_key: PoolKey, event: BlockStored) -> bool:
     return tier_of(pool_key[1]) == TIER_GPU or lora_key(event) is not None
 
 
-def _rank(src: SourceState, pool: Pool, event: BlockStored) -> int:
+def _rank(src: PublisherRuns, pool: Pool, event: BlockStored) -> int:
     """How the index takes a store: hash-only, unplaced or placed in the prefix tree (as
     FleetIndex._anchor decides; token ids past 64 bits are found out when the run is
     first saved)."""

@@ -29,8 +29,9 @@ import msgspec
 import zmq
 
 from kvindex.runtime import MembershipChange
-from kvindex.store.redis_keys import Cursor, IngestPolicy, tag, unpack
-from kvindex.store.redis_load import snapshot_batches
+from kvindex.store.protocol import StatusReport
+from kvindex.store.redis.keys import ZERO, Cursor, IngestPolicy, StreamId, parse_id, tag, unpack
+from kvindex.store.redis.load import snapshot_batches
 from kvindex.subscriber import (
     Checkpoint,
     DecodeFailed,
@@ -62,12 +63,13 @@ class Remote:
     last_seq: int | None = None
     delivered: int = 0
     decode_errors: int = 0
+    pos: StreamId = ZERO  # the last log entry applied
 
     @classmethod
     def at(cls, cursor: Cursor | None) -> Remote:
         if cursor is None:
             return cls()
-        return cls(cursor.next_seq, cursor.lost, cursor.last_seq)
+        return cls(cursor.next_seq, cursor.lost, cursor.last_seq, pos=cursor.pos)
 
 
 class SharedSubscriber(Subscriber):
@@ -77,7 +79,7 @@ class SharedSubscriber(Subscriber):
     def __init__(
         self,
         ingest: IngestPolicy,
-        send: Callable[[tuple[Any, ...]], None],
+        send: Callable[[StatusReport], None],
         resume: Mapping[SourceKey, Checkpoint],
         cursors: Mapping[SourceKey, Cursor],
     ) -> None:
@@ -93,6 +95,14 @@ class SharedSubscriber(Subscriber):
         self._feed: zmq.Socket[bytes] | None = None
         self._decoder = BatchDecoder()
         self._status_at = 0.0
+        self.ctl_pos: StreamId | None = None  # the last membership change taken
+
+    def positions(self) -> dict[SourceKey, StreamId]:
+        """Where this replica stands in each publisher's log: the last entry applied of
+        those it does not ingest, the start of those it does (it applies their batches
+        from its own Subscriber). What a worker started again resumes forwarding from."""
+        remote = dict(self._remote)
+        return {s: remote[s].pos if s in remote else ZERO for s in self.sources()}
 
     def connect_feed(self, sock: zmq.Socket[bytes]) -> None:
         self._feed = sock
@@ -187,12 +197,20 @@ class SharedSubscriber(Subscriber):
 
     def _take_feed(self, header: list[Any], rest: list[bytes], items: list[Item]) -> None:
         kind = header[0]
-        if kind in ("b", "l", "r", "z"):
+        if kind in ("b", "l", "r"):
+            source = SourceKey(header[1], header[2])
+            remote = self._remote.get(source)
+            where = parse_id(header[-1])
+            if remote is not None and where > remote.pos:  # else forwarded twice
+                remote.pos = where
+                items.extend(self._entry(kind, source, remote, header, rest))
+        elif kind == "z":
             source = SourceKey(header[1], header[2])
             remote = self._remote.get(source)
             if remote is not None:
-                items.extend(self._entry(kind, source, remote, header, rest))
+                items.extend(self._reload(source, remote, header, rest))
         elif kind in ("a", "x"):
+            self.ctl_pos = parse_id(header[-1])
             self._membership(kind, header[1], header[2] if kind == "a" else "")
         elif kind == "S":
             self._published = header[1]
@@ -221,8 +239,6 @@ class SharedSubscriber(Subscriber):
             remote.next_seq = last + 1
             remote.lost += last - first + 1
             yield Lost(source, first, last, "lost in the shared log")
-        else:
-            yield from self._reload(source, remote, header, rest)
 
     def _reload(
         self, source: SourceKey, remote: Remote, header: list[Any], rest: list[bytes]
@@ -234,6 +250,7 @@ class SharedSubscriber(Subscriber):
             cursor.lost,
             cursor.last_seq,
         )
+        remote.pos = cursor.pos
         yield Restarted(source, reason="reloaded from the shared snapshot")
         seq = cursor.last_seq or 0
         for batch in snapshot_batches(source, msgspec.msgpack.decode(rest[0])):
@@ -259,7 +276,7 @@ class SharedSubscriber(Subscriber):
             tag(s): _published(Subscriber.stats(self, s), Subscriber.status(self, s)) for s in local
         }
         if report:
-            self._send(("s", report))
+            self._send(StatusReport(report))
 
 
 def _published(stats: SourceStats, status: Status) -> dict[str, Any]:

@@ -7,7 +7,7 @@ itself (default `all`: replicas ingesting the same instance append each batch on
 Instances given to any replica (flags, config, POST /v1/instances) are registered in
 Redis for all of them; an instance another replica removes is removed everywhere.
 
-How (the key layout is in redis_keys):
+How (the key layout is in keys.py):
 - each publisher has a shared, ordered log (a Redis Stream) of the batches as vLLM sent
   them, plus restart and lost markers. The replica ingesting it appends what it applied,
   through a Lua script that only appends the next seq, so the log stays gap-free and
@@ -17,27 +17,36 @@ How (the key layout is in redis_keys):
 - logs are compacted into per-publisher snapshots by one replica at a time, so a replica
   starting (or restarting after kill -9) loads snapshot + log tail, and its Subscriber
   resumes each publisher it ingests from the log's checkpoint, like the SQLite store;
-- all Redis traffic is in a worker process (redis_worker), fed over ZMQ: `record` never
-  blocks the service, and a Redis outage costs no lookup. While Redis is away the worker
-  queues (bounded) and retries with backoff; once it is back, the queue drains and any
-  seqs dropped past the bound are fetched again from the publisher's replay buffer.
+- all Redis traffic is in a worker process (worker.py), fed over its WorkerLink (bounded,
+  supervised: see kvindex.store.link): `record` never blocks the service, a Redis outage
+  costs no lookup, and a worker that dies is started again where the service stands.
+  While Redis is away the worker queues (bounded) and retries with backoff; once it is
+  back, the queue drains and any seqs dropped past the bound are fetched again from the
+  publisher's replay buffer.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import replace
 
+import msgspec
 import redis
 
 from kvindex.index import FleetIndex
-from kvindex.runtime import MembershipFeed
-from kvindex.store.base import LoadResult, SharedStore
-from kvindex.store.redis_feed import SharedSubscriber
-from kvindex.store.redis_keys import Cursor, RedisConfig, render_id, tag
-from kvindex.store.redis_load import (
+from kvindex.runtime import MembershipFeed, StoreHealth
+from kvindex.store.base import LoadResult, SharedStore, StoreError
+from kvindex.store.link import WorkerCommand, WorkerLink, WorkerStore
+from kvindex.store.mirror import Mirror
+from kvindex.store.protocol import (
+    SaveInstance,
+)
+from kvindex.store.redis.feed import SharedSubscriber
+from kvindex.store.redis.keys import Cursor, RedisConfig, render_id, tag
+from kvindex.store.redis.load import (
     advance,
     load_source,
     read_registry,
@@ -46,17 +55,14 @@ from kvindex.store.redis_load import (
 )
 from kvindex.store.rows import BlockRow
 from kvindex.store.snapshot import mirror_rows
-from kvindex.store.sqlite_db import StoreError
-from kvindex.store.state import Mirror
-from kvindex.store.worker import WorkerLink, WorkerStore
-from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted, SourceKey
+from kvindex.subscriber.messages import Item, SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 from kvindex.subscriber.state import Checkpoint
 
 __all__ = ["RedisStore", "current_rows"]
 
 
-class RedisStore(WorkerStore, SharedStore):
+class RedisStore(WorkerStore):
     """The service's side: load, hand applied items to the worker, feed the Fleet."""
 
     def __init__(self, url: str) -> None:
@@ -66,9 +72,8 @@ class RedisStore(WorkerStore, SharedStore):
         self._cursors: dict[SourceKey, Cursor] = {}
         self._ctl = "0-0"
         self._specs: list[InstanceSpec] = []
-        self._link = WorkerLink("the Redis store")
-        self._encode = self._link.encode
-        self._post = self._link.post
+        self._link = WorkerLink("the Redis worker")
+        self._base = ""
 
     @property
     def url(self) -> str:
@@ -104,7 +109,7 @@ class RedisStore(WorkerStore, SharedStore):
         self._ctl = render_id(registry.ctl_pos)
         checkpoints = {s: c.checkpoint() for s, c in self._cursors.items()}
         self._subscriber = SharedSubscriber(
-            self.config.ingest, self._post, checkpoints, self._cursors
+            self.config.ingest, self._link.post, checkpoints, self._cursors
         )
         return LoadResult(
             checkpoints, dict(registry.specs), rows, batches, time.monotonic() - started
@@ -124,62 +129,63 @@ class RedisStore(WorkerStore, SharedStore):
         """Register these instances for the other replicas, once the worker runs."""
         self._specs = list(specs)
 
+    def shared(self) -> SharedStore:
+        return self
+
     def start(self) -> None:
-        base = self._link.open(pulls=("feed",))
+        self._base = self._link.open(pulls=("feed",))
         if self._subscriber is not None:
             self._subscriber.connect_feed(self._link.sockets["feed"])
-        self._link.spawn(
-            [sys.executable, "-m", "kvindex.store.redis_worker"], stdin=self._worker_config(base)
-        )
+        self._link.start(self._command)
         for spec in self._specs:
-            self._post(("i", spec.name, spec.render()))
+            self._link.post(SaveInstance(spec.name, spec.render()))
 
-    def _worker_config(self, base: str) -> bytes:
-        import os
-
-        return self._encode(
-            {
-                "url": self.config.url,
-                "ingest": self.config.ingest.render(),
-                "buffer": self.config.buffer,
-                "compact": self.config.compact,
-                "inbox": f"{base}/in",
-                "outbox": f"{base}/feed",
-                "acks": f"{base}/acks",
-                "parent": os.getpid(),
-                "served": {tag(s): render_id(c.pos) for s, c in self._cursors.items()},
-                "mine": {tag(s): [c.next_seq, c.digest] for s, c in self._cursors.items()},
-                "ctl": self._ctl,
-            }
-        )
+    def _command(self, restarted: bool) -> WorkerCommand:
+        """The worker's command; started again, it resumes where the service stands now
+        (each log from the last entry applied, the appends from where each log stands)."""
+        base = self._base
+        served = {tag(s): render_id(c.pos) for s, c in self._cursors.items()}
+        mine = {tag(s): [c.next_seq, c.digest] for s, c in self._cursors.items()}
+        ctl = self._ctl
+        if restarted and self._subscriber is not None:
+            served = {tag(s): render_id(p) for s, p in self._subscriber.positions().items()}
+            mine = {}
+            if self._subscriber.ctl_pos is not None:
+                ctl = render_id(self._subscriber.ctl_pos)
+        config = {
+            "url": self.config.url,
+            "ingest": self.config.ingest.render(),
+            "buffer": self.config.buffer,
+            "compact": self.config.compact,
+            "inbox": f"{base}/in",
+            "outbox": f"{base}/feed",
+            "acks": f"{base}/acks",
+            "parent": os.getpid(),
+            "served": served,
+            "mine": mine,
+            "ctl": ctl,
+        }
+        argv = [sys.executable, "-m", "kvindex.store.redis"]
+        return WorkerCommand(argv, stdin=msgspec.msgpack.encode(config))
 
     # -- the hot path: one non-blocking send per item this replica ingests ---------------
 
     def record(self, item: Item) -> None:
-        source = item.source
-        if not self.config.ingest.ingests(source.instance):
-            return  # another replica's batch, read from its log: nothing to append
-        if isinstance(item, Delivery):
-            if item.payload is None:
-                raise StoreError("the Subscriber must keep payloads for a persistent store")
-            payload = item.payload
-            self._post(("b", source[0], source[1], item.seq, payload), len(payload))
-        elif isinstance(item, Restarted):
-            self._post(("r", source[0], source[1]))
-        elif isinstance(item, Lost):
-            self._post(("l", source[0], source[1], item.first, item.last))
-
-    def save_instance(self, spec: InstanceSpec) -> None:
-        self._post(("i", spec.name, spec.render()))
-
-    def remove_instance(self, name: str) -> None:
-        self._post(("x", name))
+        if self.config.ingest.ingests(item.source.instance):
+            super().record(item)
+        # else: another replica's batch, read from its log: nothing to append
 
     # -- control: sync, compact, close come from WorkerStore ----------------------------
 
-    def stats(self) -> dict[str, Any]:
+    def health(self) -> StoreHealth:
+        """The link's health, with the worker's own counters (Redis reachable, outages,
+        its queue, what it appended, read and compacted) as `detail`."""
+        health = self._link.health(self.url)
         worker = self._subscriber.worker_stats if self._subscriber is not None else {}
-        return {"url": self.url, "worker_alive": self._alive(), **worker}
+        if worker and not worker.get("connected", True) and health.up:
+            reason = f"Redis is unreachable: {worker.get('error', '')}"
+            return replace(health, up=False, reason=reason, detail=dict(worker))
+        return replace(health, detail=dict(worker))
 
 
 def current_rows(url: str) -> tuple[list[BlockRow], LoadResult]:

@@ -13,6 +13,11 @@ Tables (see docs/store.md):
 
 Schema 1 (kvindex before runs: one `blocks` row per block) is migrated in place the first
 time the service or its writer opens the file; reading it (export, stats) works as is.
+
+Nothing is written to a file before it is known to be a kvindex store (or new): a foreign
+SQLite file is refused as it is, and a damaged one is named with what to do about it.
+Seqs are whole numbers up to 2**64 - 1 and SQLite's integers stop at 2**63 - 1: the few
+that don't fit are stored as 9-byte big-endian blobs (see `sql_seq`), read back exactly.
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from kvindex.store.base import StoreError
 from kvindex.store.rows import BlockRow, key_hash
 from kvindex.subscriber.messages import SourceKey
 from kvindex.subscriber.state import Checkpoint
 
 if TYPE_CHECKING:
-    from kvindex.store.snapshot import MirrorRow, Plan, Stored
+    from kvindex.store.snapshot import MirrorRow, SnapshotPlan, Stored
 
 SCHEMA_VERSION = "2"
 
@@ -86,8 +92,65 @@ CREATE VIEW IF NOT EXISTS cache_blocks AS
 """
 
 
-class StoreError(RuntimeError):
-    """The store can't be opened or used; the message says why, in one line."""
+SQLITE_HEADER = b"SQLite format 3\x00"
+_MAX_SQL_INT = 2**63 - 1
+
+
+def sql_seq(value: int) -> int | bytes:
+    """A seq as SQLite can hold it exactly: an integer, or past 2**63 - 1 a 9-byte blob."""
+    return value if value <= _MAX_SQL_INT else value.to_bytes(9, "big")
+
+
+def seq_of(value: int | bytes | None) -> int:
+    """A seq stored by `sql_seq`, back."""
+    if isinstance(value, bytes):
+        return int.from_bytes(value, "big")
+    return 0 if value is None else value
+
+
+def damaged(path: Path | str, exc: BaseException) -> StoreError:
+    """The one-line error for a store SQLite can't read, with what to do about it."""
+    url = f"sqlite:///{path}"
+    return StoreError(
+        f"the store {path} is damaged ({exc}): see `kvindex store check {url}`, or set it "
+        f"aside and start empty with `kvindex store check --reset {url}`"
+    )
+
+
+def read_failure(path: Path | str, exc: sqlite3.DatabaseError) -> StoreError:
+    """A read that failed: the store is damaged, or (locked, unreadable) can't be read."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return StoreError(f"cannot read SQLite store {path}: {exc}")
+    return damaged(path, exc)
+
+
+def check_ours(path: Path) -> None:
+    """Refuse a file that is not a kvindex store (or empty, or new) without writing a byte
+    to it: its first bytes, then its tables through a read-only connection."""
+    try:
+        with path.open("rb") as f:
+            header = f.read(len(SQLITE_HEADER))
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StoreError(f"cannot open SQLite store {path}: {exc.strerror or exc}") from None
+    if not header:
+        return  # empty: SQLite makes a new database of it
+    if header != SQLITE_HEADER:
+        raise StoreError(f"{path} is not a kvindex store (not an SQLite file)")
+    try:
+        ro = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            rows = ro.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall()
+        finally:
+            ro.close()
+    except sqlite3.OperationalError as exc:
+        raise StoreError(f"cannot open SQLite store {path}: {exc}") from None
+    except sqlite3.DatabaseError as exc:
+        raise damaged(path, exc) from None
+    tables = {r[0] for r in rows}
+    if tables and "meta" not in tables:
+        raise StoreError(f"{path} is not a kvindex store (it has other tables)")
 
 
 def connect(path: Path | str, *, create: bool = True) -> sqlite3.Connection:
@@ -95,6 +158,7 @@ def connect(path: Path | str, *, create: bool = True) -> sqlite3.Connection:
     path = Path(path)
     if not create and not path.exists():
         raise StoreError(f"no store at {path}")
+    check_ours(path)
     try:
         if create:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,10 +166,6 @@ def connect(path: Path | str, *, create: bool = True) -> sqlite3.Connection:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA busy_timeout=30000")
-        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        if tables and "meta" not in tables:
-            db.close()
-            raise StoreError(f"{path} is not a kvindex store (it has other tables)")
         if create:
             db.executescript(SCHEMA)
             db.execute(
@@ -117,9 +177,12 @@ def connect(path: Path | str, *, create: bool = True) -> sqlite3.Connection:
             _migrate_v1(db)
         elif create:
             db.executescript(RUNS_SCHEMA)
-    except (sqlite3.Error, OSError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise StoreError(f"cannot open SQLite store {path}: {reason}") from None
+    except sqlite3.OperationalError as exc:
+        raise StoreError(f"cannot open SQLite store {path}: {exc}") from None
+    except sqlite3.DatabaseError as exc:
+        raise damaged(path, exc) from None
+    except OSError as exc:
+        raise StoreError(f"cannot open SQLite store {path}: {exc.strerror or exc}") from None
     return db
 
 
@@ -139,9 +202,9 @@ def schema_version(db: sqlite3.Connection, path: Path | str = "") -> str:
 def _migrate_v1(db: sqlite3.Connection) -> None:
     """Schema 1 -> 2: the `blocks` rows become runs, in one transaction (the log, the
     checkpoints and the snapshot's log position stay as they are)."""
+    from kvindex.store.mirror import Mirror
     from kvindex.store.rows import events_from_rows
     from kvindex.store.snapshot import plan_changes
-    from kvindex.store.state import Mirror
 
     mirror = Mirror()
     for source, batch in events_from_rows(read_blocks_v1(db)):
@@ -188,7 +251,10 @@ def read_mirror_runs(db: sqlite3.Connection) -> Iterator[tuple[str, int, MirrorR
 
 
 def write_snapshot(
-    db: sqlite3.Connection, removed: set[str], cleared: set[SourceKey], plans: dict[SourceKey, Plan]
+    db: sqlite3.Connection,
+    removed: set[str],
+    cleared: set[SourceKey],
+    plans: dict[SourceKey, SnapshotPlan],
 ) -> None:
     """The writes of a snapshot (inside the caller's transaction): the records of removed
     instances and cleared publishers go, then each publisher's plan."""
@@ -242,7 +308,7 @@ def read_checkpoints(db: sqlite3.Connection) -> dict[SourceKey, Checkpoint]:
     rows = db.execute(
         "SELECT instance, rank, next_seq, last_digest, lost_since_restart FROM sources"
     )
-    return {SourceKey(i, r): Checkpoint(n, d, lost) for i, r, n, d, lost in rows}
+    return {SourceKey(i, r): Checkpoint(seq_of(n), d, seq_of(lost)) for i, r, n, d, lost in rows}
 
 
 def read_instances(db: sqlite3.Connection) -> dict[str, str]:

@@ -23,7 +23,8 @@ from typing import Any, cast
 
 import redis
 
-from kvindex.store.redis_keys import (
+from kvindex.store.mirror import Mirror
+from kvindex.store.redis.keys import (
     CTL,
     STATUS,
     ZERO,
@@ -39,17 +40,15 @@ from kvindex.store.redis_keys import (
     parse_id,
     render_id,
     sources_of,
-    tag,
     unpack,
 )
-from kvindex.store.redis_load import (
+from kvindex.store.redis.load import (
     advance,
     read_registry,
     read_source,
     snapshot_into_mirror,
     trimmed_past,
 )
-from kvindex.store.state import Mirror
 from kvindex.subscriber.messages import SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 
@@ -68,7 +67,7 @@ class ReaderStats:
 
 
 @dataclass
-class Reader:
+class SharedLogReader:
     mirror: Mirror
     policy: IngestPolicy
     forward: Forward
@@ -120,7 +119,7 @@ class Reader:
         self.read_at[source] = snap.pos
         if not self.policy.ingests(source.instance):
             if len(state.fields) > (b"" in state.fields) or source in self.served:
-                header = pack(["z", source.instance, source.rank, snap.pack()])
+                header = pack(["z", source.instance, source.rank, snap.pack()])  # pos inside
                 self.forward([header, pack(state.fields)])
             self.served[source] = snap.pos
         self.stats.resyncs += 1
@@ -172,7 +171,7 @@ class Reader:
             spec = fields.get(b"spec", b"").decode()
             old = self.specs.get(name)
             self.specs[name] = spec
-            self.forward([pack(["a", name, spec])])
+            self.forward([pack(["a", name, spec, render_id(entry_id)])])
             for source in sources_of(spec):
                 if old is None or source not in self.cursors:
                     self.served.pop(source, None)
@@ -183,7 +182,7 @@ class Reader:
             for source in [s for s in self.cursors if s.instance == name]:
                 del self.cursors[source], self.read_at[source]
                 self.served.pop(source, None)
-            self.forward([pack(["x", name])])
+            self.forward([pack(["x", name, render_id(entry_id)])])
 
     def spec(self, name: str) -> InstanceSpec | None:
         text = self.specs.get(name)
@@ -219,12 +218,11 @@ class Reader:
 
 
 def _entry_frames(source: SourceKey, entry: Entry) -> list[bytes]:
+    """An entry for the service; its id comes last, so that the service knows where it
+    stands (and skips what a worker started again after a crash forwards twice)."""
+    where = render_id(entry.id)
     if entry.kind == "b":
-        return [pack(["b", source.instance, source.rank, entry.seq]), entry.payload]
+        return [pack(["b", source.instance, source.rank, entry.seq, where]), entry.payload]
     if entry.kind == "l":
-        return [pack(["l", source.instance, source.rank, entry.seq, entry.last])]
-    return [pack(["r", source.instance, source.rank])]
-
-
-def status_field(source: SourceKey) -> str:
-    return tag(source)
+        return [pack(["l", source.instance, source.rank, entry.seq, entry.last, where])]
+    return [pack(["r", source.instance, source.rank, where])]

@@ -19,7 +19,9 @@ from typing import Any, cast
 import redis
 
 from kvindex.index import FleetIndex
-from kvindex.store.redis_keys import (
+from kvindex.store.base import StoreError
+from kvindex.store.mirror import Mirror
+from kvindex.store.redis.keys import (
     CTL,
     INSTANCES,
     ZERO,
@@ -41,10 +43,8 @@ from kvindex.store.redis_keys import (
     sources_of,
 )
 from kvindex.store.rows import events_from_rows
-from kvindex.store.snapshot import IndexTarget, MirrorRow, Stored, Target, load_runs, replay
+from kvindex.store.snapshot import IndexTarget, LogTarget, MirrorRow, Stored, load_runs, replay
 from kvindex.store.snapshot import snapshot_batches as runs_batches
-from kvindex.store.sqlite_db import StoreError
-from kvindex.store.state import Mirror
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import EventBatch
 
@@ -74,7 +74,7 @@ def read_registry(client: redis.Redis) -> Registry:
 
 
 @dataclass(slots=True)
-class SourceState:
+class StoredPublisher:
     fields: dict[bytes, bytes]  # the snapshot as stored (forwarded as is to a service)
     cursor: Cursor  # the snapshot's position; `advance` moves it over `entries`
     entries: list[Entry]
@@ -84,14 +84,14 @@ class SourceState:
         return snapshot_id(self.fields.get(b""))
 
 
-def read_source(client: redis.Redis, source: SourceKey, attempts: int = 5) -> SourceState:
+def read_source(client: redis.Redis, source: SourceKey, attempts: int = 5) -> StoredPublisher:
     """One publisher's snapshot and the log after it (read again if trimmed meanwhile)."""
     for _ in range(attempts):
         snap = cast(Fields, client.hgetall(snap_key(source)))
         cursor = Cursor.unpack(snap[b""]) if b"" in snap else Cursor()
         entries = list(read_log(client, source, cursor.pos))
         if not trimmed_past(client, source, cursor.pos):
-            return SourceState(snap, cursor, entries)
+            return StoredPublisher(snap, cursor, entries)
     raise StoreError(f"the log of {source!r} kept being compacted while it was read")
 
 
@@ -146,7 +146,7 @@ def snapshot_into_index(index: FleetIndex, source: SourceKey, fields: dict[bytes
     return replay(index, source, [_stored(r) for r in decode_records(fields)])
 
 
-def snapshot_into_mirror(mirror: Mirror, source: SourceKey, state: SourceState) -> int:
+def snapshot_into_mirror(mirror: Mirror, source: SourceKey, state: StoredPublisher) -> int:
     """Load a snapshot into a mirror, and note which snapshot its saved runs are."""
     fields = state.fields
     if snapshot_format(fields) == 2:
@@ -165,7 +165,7 @@ def _stored(row: MirrorRow) -> Stored:
     return rank, keys, events, n, ts
 
 
-def advance(target: Target, source: SourceKey, cursor: Cursor, entry: Entry) -> None:
+def advance(target: LogTarget, source: SourceKey, cursor: Cursor, entry: Entry) -> None:
     """Apply one log entry to a mirror (or an index) and move the cursor over it."""
     if entry.kind == "b":
         target.apply_payload(source, entry.payload)

@@ -26,9 +26,9 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import msgspec
 
+from kvindex.store.base import StoreError
 from kvindex.store.rows import BlockRow
 from kvindex.store.snapshot import MirrorRow, Record
-from kvindex.store.sqlite_db import StoreError
 from kvindex.subscriber.messages import SourceKey
 from kvindex.subscriber.spec import InstanceSpec, SpecError
 from kvindex.subscriber.state import Checkpoint
@@ -329,46 +329,74 @@ def unpack(data: bytes) -> Any:
 # per item: kind, a, b, prev, payload. Returns {items done, code (0 done, -1 gap,
 # -2 unregistered), next seq, conflicts, diverged}.
 APPEND = """
-if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 0 then return {0, -2, 0, 0, 0} end
+-- Seqs and counts are u64: past 2**53 a Lua number (a double) would round them, so they
+-- stay decimal strings here, compared and added digit by digit.
+local function lt(a, b)
+  if #a ~= #b then return #a < #b end
+  return a < b
+end
+local function add(a, b)
+  local out, carry, i, j = {}, 0, #a, #b
+  while i > 0 or j > 0 or carry > 0 do
+    local d = carry + (i > 0 and a:byte(i) - 48 or 0) + (j > 0 and b:byte(j) - 48 or 0)
+    table.insert(out, 1, string.char(48 + d % 10))
+    carry = math.floor(d / 10)
+    i, j = i - 1, j - 1
+  end
+  local r = table.concat(out):gsub('^0+', '')
+  return r == '' and '0' or r
+end
+local function sub(a, b)  -- a - b, a >= b
+  local out, borrow, i, j = {}, 0, #a, #b
+  while i > 0 do
+    local d = a:byte(i) - 48 - borrow - (j > 0 and b:byte(j) - 48 or 0)
+    borrow = d < 0 and 1 or 0
+    table.insert(out, 1, string.char(48 + d + 10 * borrow))
+    i, j = i - 1, j - 1
+  end
+  local r = table.concat(out):gsub('^0+', '')
+  return r == '' and '0' or r
+end
+if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 0 then return {0, -2, '0', 0, 0} end
 local cp = redis.call('HMGET', KEYS[1], 'n', 'd', 'l')
-local n = tonumber(cp[1]) or 0
+local n = cp[1] or '0'
 local d = cp[2] or ''
-local lost = tonumber(cp[3]) or 0
+local lost = cp[3] or '0'
 local done = 0
 local code = 0
 local conflicts = 0
 local diverged = ARGV[2] == '1'
 for i = 3, #ARGV, 5 do
-  local kind, a, b = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
+  local kind, a, b = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   if diverged and kind ~= 'r' then
     conflicts = conflicts + 1
   elseif kind == 'b' then
-    if a > n then code = -1 break end
+    if lt(n, a) then code = -1 break end
     if a == n and d ~= '' and ARGV[i + 3] ~= d then
       conflicts = conflicts + 1
       diverged = true
     elseif a == n then
-      redis.call('XADD', KEYS[2], '*', 'k', 'b', 's', ARGV[i + 1], 'p', ARGV[i + 4])
-      n = a + 1
+      redis.call('XADD', KEYS[2], '*', 'k', 'b', 's', a, 'p', ARGV[i + 4])
+      n = add(a, '1')
       d = b
     end
   elseif kind == 'l' then
-    local last = tonumber(b)
-    if a > n then code = -1 break end
-    if last >= n then
+    local last = b
+    if lt(n, a) then code = -1 break end
+    if not lt(last, n) then
       redis.call('XADD', KEYS[2], '*', 'k', 'l', 'f', n, 't', last)
-      lost = lost + last - n + 1
-      n = last + 1
+      lost = add(lost, add(sub(last, n), '1'))
+      n = add(last, '1')
       d = ''
     end
   elseif kind == 'r' then
-    if a > n and not diverged then code = -1 break end
+    if lt(n, a) and not diverged then code = -1 break end
     diverged = false
     if a == n and b == d then
       redis.call('XADD', KEYS[2], '*', 'k', 'r')
-      n = 0
+      n = '0'
       d = ''
-      lost = 0
+      lost = '0'
     end
   end
   done = done + 1

@@ -1,0 +1,124 @@
+"""What the service and a store's worker process say to each other: one set of messages
+for both backends (SQLite's writer, Redis's worker).
+
+Service -> worker, in `Group`s (one ZMQ message each, numbered in sending order): what the
+index applied (`AppliedBatch`, `RestartMark`, `LostMark`), the fleet's membership
+(`SaveInstance`, `RemoveInstance`), the status of the publishers this replica ingests
+(`StatusReport`, Redis only) and control (`ControlRequest`: sync, compact, stop).
+
+Worker -> service: `WorkerReport`s, saying up to which group everything is durable
+(`committed`), which requests are done, and why the worker can't write, if it can't. The
+service keeps every group not yet committed, so that a worker started again after a crash
+is handed them again: each message is applied idempotently (a batch by its seq, a
+restart and a lost run by where the log stands), so a group applied twice changes nothing.
+
+Every field is exact: seqs are whole numbers of any size up to 2**64 - 1 (msgpack holds
+them as they are).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "AppliedBatch",
+    "ControlRequest",
+    "Group",
+    "LostMark",
+    "Message",
+    "RemoveInstance",
+    "RestartMark",
+    "SaveInstance",
+    "StatusReport",
+    "WorkerReport",
+    "decode_group",
+    "decode_report",
+    "encode_report",
+]
+
+
+class AppliedBatch(msgspec.Struct, tag="b", array_like=True, gc=False):
+    """A batch the index applied, as the publisher sent it (`payload`: raw msgpack)."""
+
+    instance: str
+    rank: int
+    seq: int
+    payload: bytes
+
+
+class RestartMark(msgspec.Struct, tag="r", array_like=True, gc=False):
+    """The publisher restarted: what the store holds of it goes."""
+
+    instance: str
+    rank: int
+
+
+class LostMark(msgspec.Struct, tag="l", array_like=True, gc=False):
+    """Seqs `first..last` of the publisher could not be had (counted, never applied)."""
+
+    instance: str
+    rank: int
+    first: int
+    last: int
+
+
+class SaveInstance(msgspec.Struct, tag="i", array_like=True, gc=False):
+    """An instance added (its spec, as `InstanceSpec.render` writes it)."""
+
+    name: str
+    spec: str
+
+
+class RemoveInstance(msgspec.Struct, tag="x", array_like=True, gc=False):
+    """An instance removed: everything of it goes."""
+
+    name: str
+
+
+class StatusReport(msgspec.Struct, tag="s", array_like=True):
+    """How the publishers this replica ingests are doing (tag -> fields), for the other
+    replicas (Redis only)."""
+
+    report: dict[str, Any]
+
+
+class ControlRequest(msgspec.Struct, tag="q", array_like=True, gc=False):
+    """Control: `sync` (answered once everything before it is durable), `compact` (once a
+    snapshot is written), `stop` (finish, then exit)."""
+
+    kind: Literal["sync", "compact", "stop"]
+    token: int
+
+
+Message = (
+    AppliedBatch
+    | RestartMark
+    | LostMark
+    | SaveInstance
+    | RemoveInstance
+    | StatusReport
+    | ControlRequest
+)
+
+
+class Group(msgspec.Struct, array_like=True):
+    """Messages handed over together; `id` counts groups from 1 for the worker's life."""
+
+    id: int
+    messages: list[Message]
+
+
+class WorkerReport(msgspec.Struct, array_like=True, gc=False):
+    """The worker's news: every group up to `committed` is durable; `done` lists the
+    tokens of requests answered; `error` is why it can't write now ("" when it can)."""
+
+    committed: int
+    done: list[int] = []
+    error: str = ""
+
+
+decode_group = msgspec.msgpack.Decoder(Group).decode
+decode_report = msgspec.msgpack.Decoder(WorkerReport).decode
+encode_report = msgspec.msgpack.Encoder().encode

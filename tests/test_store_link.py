@@ -1,0 +1,78 @@
+"""The service's link to a store worker (kvindex.store.link), on real sockets: it never
+blocks, keeps what the worker has not made durable within its bound, and past the bound
+drops batches as one LostMark per publisher's run (the store then says it is incomplete
+rather than hold a state with a hole in it)."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kvindex.store.link import PIPE_GROUPS, WorkerLink
+from kvindex.store.protocol import AppliedBatch, Group, LostMark, WorkerReport
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_worker_that_takes_nothing_never_blocks_and_memory_stays_bounded() -> None:
+    link = WorkerLink("the test worker", max_bytes=1 << 20)
+    link.open()  # no worker connected: every send finds no peer
+    try:
+        payload = b"x" * 1000
+        started = time.monotonic()
+        for seq in range(20_000):  # 20 MB of batches
+            link.post(AppliedBatch("a", 0, seq, payload), len(payload))
+        link.flush()
+        assert time.monotonic() - started < 5  # never waited on the missing worker
+        kept = link._kept_bytes
+        assert kept <= (1 << 20) + 70 * 1024  # the bound, plus the group that crossed it
+        assert link.dropped_batches > 15_000
+        health = link.health("test://")
+        assert not health.up and "batches are dropped" in (health.reason or "")
+        # The worker catches up: room again, and the next batch comes after a LostMark
+        # for the run that was dropped.
+        last_kept = link._kept[-1].id
+        link._take(WorkerReport(last_kept))
+        link.post(AppliedBatch("a", 0, 20_000, payload), len(payload))
+        link.flush()
+        group = msgspec.msgpack.decode(link._kept[-1].data, type=Group)
+        first_dropped = 20_000 - link.dropped_batches
+        assert group.messages == [
+            LostMark("a", 0, first_dropped, 19_999),
+            AppliedBatch("a", 0, 20_000, payload),
+        ]
+    finally:
+        link.close(1)
+
+
+def test_groups_go_to_a_worker_in_order_and_come_again_after_a_restart() -> None:
+    link = WorkerLink("the test worker")
+    base = link.open()
+    ctx = zmq.Context.instance()
+    worker = ctx.socket(zmq.PULL)
+    worker.setsockopt(zmq.RCVHWM, PIPE_GROUPS)  # as a worker does
+    worker.connect(f"{base}/in")
+    try:
+        time.sleep(0.2)  # connected
+        for seq in range(4 * PIPE_GROUPS):
+            link.post(AppliedBatch("a", 0, seq, b"p"), 1)
+            link.flush()
+        got = []
+        while worker.poll(500):
+            got.append(msgspec.msgpack.decode(worker.recv(), type=Group).id)
+        sent = link._sent
+        assert got == list(range(1, len(got) + 1)) and len(got) == sent  # in order
+        assert sent < 4 * PIPE_GROUPS  # the rest wait in the link, not in ZMQ
+        link._take(WorkerReport(10))  # durable up to group 10
+        assert link._kept[0].id == 11
+        link._sent = link._committed  # what a restart does: everything not durable again
+        with link._lock:
+            link._send_waiting()
+        again = msgspec.msgpack.decode(worker.recv(), type=Group)
+        assert again.id == 11
+    finally:
+        worker.close(linger=0)
+        link.close(1)

@@ -3,8 +3,9 @@
 A block is identified by what it holds, not by its hash: (its parent block, LoRA name,
 cache salt (SGLang's field), extra keys, its tokens). Hashes depend on a per-process seed
 in some vLLM setups, so two instances (or one instance before and after a restart) can give
-one block two hashes; content ids make them one. A hash-only event (CPU offloading) stores the block the source
-stored with its tokens under that hash, or, if it never did, a block known by hash alone.
+one block two hashes; content ids make them one. A hash-only event (CPU offloading) stores
+the block the source stored with its tokens under that hash, or, if it never did, a block
+known by hash alone.
 
 Each content id is a node of one prefix tree for the whole fleet. A node's children are
 the different blocks that followed it, so a node with several children is a prefix that

@@ -216,6 +216,10 @@ class InstanceOut(BaseModel):
     topic: str
     spec: str
     blocks_by_medium: dict[str, int]
+    blocks_by_tier: dict[str, int] = Field(
+        description="The same blocks per tier: gpu, cpu, disk, external (every engine's "
+        "medium names map to these)."
+    )
     stored: int
     removed: int
     clears: int
@@ -304,6 +308,7 @@ def _instance_dict(view: InstanceView) -> dict[str, Any]:
         "topic": spec.topic,
         "spec": spec.render(),
         "blocks_by_medium": view.blocks_by_medium,
+        "blocks_by_tier": view.blocks_by_tier,
         "stored": view.stored,
         "removed": view.removed,
         "clears": view.clears,
@@ -527,6 +532,7 @@ def _stats(fleet: Fleet, metrics: ServiceMetrics) -> dict[str, Any]:
         "statuses": {s.value: n for s, n in fleet_totals.statuses.items()},
         "blocks": fleet_totals.blocks,
         "blocks_by_medium": fleet_totals.blocks_by_medium,
+        "blocks_by_tier": fleet_totals.blocks_by_tier,
         "entries": fleet_totals.entries,
         "stored": fleet_totals.stored,
         "removed": fleet_totals.removed,

@@ -87,9 +87,7 @@ def test_metrics_follow_the_fleet_and_lookups() -> None:
         assert value(s, "kvindex_lookup_hits_total", kind="hashes") == 1
 
         pub.publish([BlockStored([b"\x02" * 32], None, [], 0, medium="CPU")])
-        assert wait_until(
-            lambda: ("kvindex_engine_blocks", cpu) in scrape(client)
-        )
+        assert wait_until(lambda: ("kvindex_engine_blocks", cpu) in scrape(client))
 
 
 def test_two_apps_have_separate_registries() -> None:

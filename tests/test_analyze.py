@@ -10,6 +10,7 @@ the analysis must recover it exactly; the shared-prefix share must match what wa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -412,6 +413,37 @@ def test_prefixes_of_offloaded_blocks_are_the_blocks_not_zero_token_nodes(tmp_pa
     assert (first.tokens, first.first_tokens[:3]) == (BLOCK, [0, 1, 2])
     assert first.continuations == 4  # 21, 22, and 20's two hash-only children
     assert [row.tokens for row in rows] == [BLOCK, 2 * BLOCK]
+
+
+def test_sglang_namespaces_and_sessions(tmp_path: Path) -> None:
+    """SGLang's `cache_salt`, `lora_name` and `session_id` reach the report: equal tokens
+    under another salt are another block (no false sharing), each namespace's stores and
+    sessions are counted, and the salt is only ever shown as its digest."""
+    path = tmp_path / "sgl.kvr"
+    tokens = list(range(2 * BLOCK))
+    salt = "tenant-secret-salt"
+    with Writer(path) as w:
+        for i, (name, ns) in enumerate([("a", {}), ("b", {"cache_salt": salt})]):
+            events: list[Event] = [
+                BlockStored([10 + i], None, tokens[:BLOCK], BLOCK, session_id="s1", **ns),
+                BlockStored([20 + i], 10 + i, tokens[BLOCK:], BLOCK, session_id="s2", **ns),
+                BlockStored([30 + i], 10 + i, [7] * BLOCK, BLOCK, lora_name="ad", **ns),
+            ]
+            w.batch(SourceKey(name), 0, encode_batch(events, T0 + i), received=T0 + i)
+    report = analyze(path)
+    digest = "salt:" + hashlib.sha256(salt.encode()).hexdigest()[:12]
+    rows = {(n.lora_name, n.cache_salt): (n.stored_blocks, n.sessions) for n in report.namespaces}
+    assert rows == {(None, None): (2, 2), ("ad", None): (1, 0), (None, digest): (2, 2),
+                    ("ad", digest): (1, 0)}  # fmt: skip
+    assert report.prefixes.cross_instance_blocks == 0  # the salted chain is another one
+    assert {(p.cache_salt, p.instances[0]) for p in report.prefixes.top} == {
+        (None, "a"), (digest, "b")
+    }  # fmt: skip
+    out = tmp_path / "r.html"
+    cli = kvindex("analyze", str(path), "--html", str(out), "--json", str(tmp_path / "r.json"))
+    assert cli.finish(60) == 0, cli.err
+    for text in (out.read_text(), (tmp_path / "r.json").read_text(), "\n".join(cli.out)):
+        assert digest in text and salt not in text
 
 
 def test_an_empty_recording_is_refused_in_one_line(tmp_path: Path) -> None:

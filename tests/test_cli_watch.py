@@ -8,6 +8,7 @@ published after it reports the connection arrive live.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import signal
@@ -112,6 +113,33 @@ def test_json_lines_equal_what_was_published(pub: Publisher) -> None:
     assert any("replayed 1 batches (seq 0..0)" in line for line in cli.err)
     assert summary_of(cli.err).startswith("summary: 4 batches in ")
     assert "BlockStored 2, BlockRemoved 2, AllBlocksCleared 1, BlockMoved 1;" in cli.err[-1]
+
+
+def test_json_lines_of_sglang_events(pub: Publisher) -> None:
+    """SGLang's own fields: `session_id` and `lora_name` as sent, the salt as its short
+    digest (never the salt itself), a bigram page's pairs as its `token_ids`; no decode
+    error for the pairs."""
+    salted = {
+        "type": "BlockStored", "block_hashes": [-5, 6], "parent_block_hash": None,
+        "token_ids": [1, 2], "block_size": 1, "lora_id": None, "medium": "CPU_PINNED",
+        "cache_salt": "tenant-secret", "session_id": "sess-1", "lora_name": "adapter-0",
+    }  # fmt: skip
+    bigram = {**salted, "block_hashes": [7], "token_ids": [[1, 2]], "medium": "GPU"}
+    del bigram["cache_salt"], bigram["session_id"], bigram["lora_name"]
+    pub.publish_payload(msgspec.msgpack.encode([TS, [salted], 0]))
+    pub.publish_payload(msgspec.msgpack.encode([TS, [bigram], 0]))
+    cli = watch(pub, "--json", "--max-batches", "2")
+    assert cli.finish() == 0
+    first, second = json_lines(cli)
+    digest = "salt:" + hashlib.sha256(b"tenant-secret").hexdigest()[:12]
+    assert first["cache_salt"] == digest
+    assert (first["session_id"], first["lora_name"], first["medium"]) == (
+        "sess-1", "adapter-0", "CPU_PINNED"
+    )  # fmt: skip
+    assert not any("tenant-secret" in line for line in cli.out + cli.err)
+    assert second["token_ids"] == [[1, 2]] and second["block_hashes"] == ["7"]
+    assert second["cache_salt"] is None and "token_pairs" not in second
+    assert "decode errors 0" in summary_of(cli.err)
 
 
 def test_gaps_are_filled_by_replay_in_order(pub: Publisher) -> None:

@@ -153,7 +153,14 @@ def snapshot_disagreements(url: str) -> list[str]:
     wrong = [
         f"{row['name']}.{key}: {row[key]} != {api[row['name']][key]}"
         for row in snapshot["instances"]
-        for key in ("blocks", "blocks_by_medium", "last_seq", "gaps", "lost_batches")
+        for key in (
+            "blocks",
+            "blocks_by_medium",
+            "blocks_by_tier",
+            "last_seq",
+            "gaps",
+            "lost_batches",
+        )
         if row[key] != api[row["name"]][key]
     ]
     if snapshot["fleet"]["blocks"] != sum(i["blocks"] for i in api.values()):

@@ -65,8 +65,9 @@ def test_metrics_follow_the_fleet_and_lookups() -> None:
         client.post("/v1/lookup/hashes", json={"block_hashes": ["1"]})
 
         s = scrape(client)
-        assert value(s, "kvindex_engine_blocks", engine="m", medium="GPU") == 2
-        assert ("kvindex_engine_blocks", frozenset({("engine", "m"), ("medium", "CPU")})) not in s
+        assert value(s, "kvindex_engine_blocks", engine="m", medium="GPU", tier="gpu") == 2
+        cpu = frozenset({("engine", "m"), ("medium", "CPU"), ("tier", "cpu")})
+        assert ("kvindex_engine_blocks", cpu) not in s
         # Blocks and events apart: 1 + 2 + 3 blocks stored, 1 removed, and one clear event.
         assert value(s, "kvindex_blocks_stored_total", engine="m") == 6
         assert value(s, "kvindex_blocks_removed_total", engine="m") == 1
@@ -86,12 +87,7 @@ def test_metrics_follow_the_fleet_and_lookups() -> None:
         assert value(s, "kvindex_lookup_hits_total", kind="hashes") == 1
 
         pub.publish([BlockStored([b"\x02" * 32], None, [], 0, medium="CPU")])
-        assert wait_until(
-            lambda: (
-                ("kvindex_engine_blocks", frozenset({("engine", "m"), ("medium", "CPU")}))
-                in scrape(client)
-            )
-        )
+        assert wait_until(lambda: ("kvindex_engine_blocks", cpu) in scrape(client))
 
 
 def test_two_apps_have_separate_registries() -> None:

@@ -58,13 +58,10 @@ MEDIA = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
 
 # -- why checks fail today ---------------------------------------------------------------
 
-BIGRAM_DECODE = (
-    "issue 19: bigram pages (token pairs) fail the typed decode: missing from the pools, "
-    "their removals ignored"
-)
 BIGRAM_LOOKUP = (
-    "issue 19: bigram pages are not in the token tree; SGLang's match_prefix finds them "
-    "from the raw tokens (page i = (t[i], t[i+1]))"
+    "bigram pages are held by hash, out of the token tree (issue 19): a lookup by tokens "
+    "never walks pairs; SGLang's match_prefix finds them from the raw tokens (page i = "
+    "(t[i], t[i+1]))"
 )
 
 # (engine, scenario) -> why kvindex's lookups differ from SGLang's today.
@@ -77,10 +74,7 @@ LOOKUP_XFAIL: dict[tuple[str, str], str] = {
     ("sgl-bigram", "tier"): BIGRAM_LOOKUP,
 }
 # (engine, rank) -> why the pages kvindex holds differ from SGLang's today.
-HELD_XFAIL: dict[tuple[str, int], str] = {
-    ("sgl-bigram", 0): BIGRAM_DECODE,
-    ("sgl-bigram", 1): BIGRAM_DECODE,
-}
+HELD_XFAIL: dict[tuple[str, int], str] = {}
 
 
 # -- the recording, replayed ---------------------------------------------------------------
@@ -223,6 +217,30 @@ def test_held_pages_equal_sglang(replayed: FleetIndex, engine: str, rank: int) -
             f"{medium}: {len(missing)} pages differ or are missing "
             f"(e.g. {list(missing.items())[:3]}), {len(extra)} extra"
         )
+
+
+def test_bigram_pages_as_serve_takes_them() -> None:
+    """The payloads as `kvindex serve` applies them (the compiled parser declines pairs,
+    the Python decoder takes them): no decode error, every rank's pages equal SGLang's,
+    each held by hash and counted as having no place in the token tree."""
+    index = FleetIndex()
+    malformed = unknown = 0
+    for item in recording.read(DATA / "fleet.kvr"):
+        if item.source.instance != "sgl-bigram":
+            continue
+        if isinstance(item, recording.RecordedBatch) and item.payload is not None:
+            result = index.apply_payload(item.source, item.payload, item.seq)
+            malformed += result.malformed_events
+            unknown += result.unknown_events
+        else:
+            index.handle(item)
+    assert (malformed, unknown) == (0, 0)
+    for rank in (0, 1):
+        got = held_by_index(index, SourceKey("sgl-bigram", rank))
+        assert got == held_by_sglang("sgl-bigram", rank)
+    stats = index.cache_stats("sgl-bigram")
+    assert stats.active > 0 and stats.unplaced >= stats.active
+    assert index.tree_nodes() == 0  # every page of this engine is a bigram page
 
 
 # -- lookups against SGLang's match_prefix ---------------------------------------------------

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvindex.wire import (
     AllBlocksCleared,
     BatchDecoder,
+    BigramBlockStored,
     BlockRemoved,
     BlockStored,
     UnknownEvent,
@@ -122,6 +123,45 @@ def test_malformed_event_is_skipped_and_counted() -> None:
     batch = decode_batch(enc([0.0, events]))
     assert batch.malformed_events == 2
     assert [type(e) for e in batch.events] == [type(decode_batch(enc([0, [events[2]]])).events[0])]
+
+
+def _sglang_stored(tokens: list, **fields: object) -> dict[str, object]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": [-7, 9],
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": 1,
+        "lora_id": None,
+        "medium": "GPU",
+        **fields,
+    }
+
+
+def test_sglang_bigram_pages_decode_as_pairs_beside_ordinary_events() -> None:
+    """SGLang's EAGLE bigram pages (token ids as pairs) are BlockStored events whose pairs
+    are kept aside (`token_pairs`) and whose `token_ids` stay empty (held by hash); the
+    ordinary events of the same batch decode as ever; nothing is malformed."""
+    events = [
+        _sglang_stored([[1, 2], [2, 3]], cache_salt="tenant-a", session_id="s1"),
+        _sglang_stored([1, 2]),
+        {"type": "BlockRemoved", "block_hashes": [-7], "medium": "GPU"},
+    ]
+    batch = decode_batch(enc([1.0, events, 1]))
+    assert batch.malformed_events == 0 and batch.unknown_events == 0
+    bigram, plain, removed = batch.events
+    assert isinstance(bigram, BigramBlockStored) and isinstance(bigram, BlockStored)
+    assert bigram.token_pairs == [(1, 2), (2, 3)] and bigram.token_ids == []
+    assert bigram.block_hashes == [-7, 9] and bigram.block_size == 1
+    assert (bigram.cache_salt, bigram.session_id, bigram.medium) == ("tenant-a", "s1", "GPU")
+    assert type(plain) is BlockStored and plain.token_ids == [1, 2]
+    assert isinstance(removed, BlockRemoved)
+
+
+@pytest.mark.parametrize("tokens", [[[1, 2, 3]], [[1]], [[1, "x"]], [[1, 2], 3]])
+def test_token_lists_that_are_neither_ids_nor_pairs_stay_malformed(tokens: list) -> None:
+    batch = decode_batch(enc([1.0, [_sglang_stored(tokens)]]))
+    assert batch.events == [] and batch.malformed_events == 1
 
 
 @pytest.mark.parametrize(

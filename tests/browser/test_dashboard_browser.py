@@ -106,6 +106,7 @@ def rows(page: Page) -> dict[str, dict[str, Any]]:
             blocks: Number(tr.dataset.blocks),
             last_seq: tr.dataset.lastSeq === '' ? null : Number(tr.dataset.lastSeq),
             gpu: tr.querySelector('[data-col=gpu]').textContent,
+            lower: tr.querySelector('[data-col=lower]').textContent,
             status: tr.querySelector('.pill').textContent,
         }))"""
     )
@@ -148,6 +149,12 @@ def test_dashboard_live_numbers_lookup_and_screenshot(page: Page, demo: tuple[Pr
     check_lookup_matches_the_api(page, url)
 
 
+def _lower_tiers(tiers: dict[str, int]) -> str:
+    """The page's lower-tier cell: the cpu, disk and external blocks, or a dash."""
+    lower = [tiers[t] for t in ("cpu", "disk", "external") if t in tiers]
+    return f"{sum(lower):,}" if lower else "\u2013"  # an en dash
+
+
 def disagreements(page: Page, url: str) -> list[str]:
     """Where the page differs from /v1/instances (empty: nowhere)."""
     api = {i["name"]: i for i in httpx.get(url + "v1/instances").json()["instances"]}
@@ -158,7 +165,8 @@ def disagreements(page: Page, url: str) -> list[str]:
         expected = {
             "blocks": want["blocks"],
             "last_seq": want["last_seq"],
-            "gpu": f"{want['blocks_by_medium'].get('GPU', 0):,}",
+            "gpu": f"{want['blocks_by_tier'].get('gpu', 0):,}",
+            "lower": _lower_tiers(want["blocks_by_tier"]),
             "status": want["status"],
         }
         wrong += [f"{name}.{k}: {row[k]} != {v}" for k, v in expected.items() if row[k] != v]

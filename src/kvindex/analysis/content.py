@@ -1,10 +1,11 @@
 """Block identity by content, and the fleet's prefix tree, for the analysis.
 
 A block is identified by what it holds, not by its hash: (its parent block, LoRA name,
-extra keys, its tokens). Hashes depend on a per-process seed in some vLLM setups, so two
-instances (or one instance before and after a restart) can give one block two hashes;
-content ids make them one. A hash-only event (CPU offloading) stores the block the source
-stored with its tokens under that hash, or, if it never did, a block known by hash alone.
+cache salt (SGLang's field), extra keys, its tokens). Hashes depend on a per-process seed
+in some vLLM setups, so two instances (or one instance before and after a restart) can give
+one block two hashes; content ids make them one. A hash-only event (CPU offloading) stores
+the block the source stored with its tokens under that hash, or, if it never did, a block
+known by hash alone.
 
 Each content id is a node of one prefix tree for the whole fleet. A node's children are
 the different blocks that followed it, so a node with several children is a prefix that
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from kvindex.index.namespaces import salt_digest
 from kvindex.wire import BlockHash, BlockStored
 
 __all__ = ["NO_PARENT", "ContentIds", "Node", "token_count"]
@@ -35,6 +37,10 @@ class Node:
     stores: int = 0  # BlockStored of this block, on any instance, re-stores included
     children: int = 0
     instances: set[str] = field(default_factory=set)
+    # The namespace it was stored under: LoRA name, the cache salt's digest (never the
+    # salt itself, which isolates a tenant's cache).
+    lora_name: str | None = None
+    salt: str | None = None
 
 
 class ContentIds:
@@ -45,7 +51,13 @@ class ContentIds:
         self.nodes: list[Node] = []
 
     def _intern(
-        self, key: Hashable, parent: int, tokens: tuple[int, ...], h: BlockHash, size: int
+        self,
+        key: Hashable,
+        parent: int,
+        tokens: tuple[int, ...],
+        h: BlockHash,
+        size: int,
+        namespace: tuple[str | None, str | None] = (None, None),
     ) -> int:
         cid = self._ids.get(key)
         if cid is not None:
@@ -53,7 +65,7 @@ class ContentIds:
         cid = len(self.nodes)
         self._ids[key] = cid
         depth = 1 if parent == NO_PARENT else self._child_depth(parent)
-        self.nodes.append(Node(parent, depth, size, tokens, h))
+        self.nodes.append(Node(parent, depth, size, tokens, h, 0, 0, set(), *namespace))
         if parent != NO_PARENT:
             self.nodes[parent].children += 1
         return cid
@@ -78,12 +90,14 @@ class ContentIds:
         parent = self.parent_id(event.parent_block_hash, known)
         size, tokens = _block_size(event), event.token_ids
         extra = event.extra_keys if event.extra_keys is not None else ()
+        cache_salt = event.cache_salt
+        namespace = (event.lora_name, salt_digest(cache_salt))
         ids: list[int] = []
         for i, h in enumerate(event.block_hashes):
             block = tuple(tokens[i * size : (i + 1) * size]) if size else ()
             if block and len(block) == size:
                 salt = repr(extra[i]) if i < len(extra) and extra[i] is not None else None
-                key: Hashable = (parent, event.lora_name, salt, block)
+                key: Hashable = (parent, event.lora_name, cache_salt, salt, block)
             elif h in known:
                 # Stored by hash only (an offloaded copy): the block this source stored with
                 # its tokens, not a block of unknown content.
@@ -92,7 +106,7 @@ class ContentIds:
                 continue
             else:
                 key, block = ("hash", h), ()
-            parent = self._intern(key, parent, block, h, size)
+            parent = self._intern(key, parent, block, h, size, namespace)
             known[h] = parent
             ids.append(parent)
         return ids

@@ -14,7 +14,7 @@ from html import escape
 
 from kvindex import __version__
 from kvindex.analysis.plots import colors, render_all
-from kvindex.analysis.report import LOW_RATE, Report, SourceRow
+from kvindex.analysis.report import LOW_RATE, Report, SourceRow, namespace_label
 
 __all__ = ["render_html"]
 
@@ -214,6 +214,7 @@ def _prefix_table(r: Report) -> str:
                 _td(_num(p.branches)),
                 _td(_num(p.stores)),
                 _td(", ".join(p.instances), "text"),
+                _td(namespace_label(p.lora_name, p.cache_salt), "text"),
                 _td(f"[{first}, …]" if first else NONE, "text"),
                 _td(p.block_hash[:20] + ("…" if len(p.block_hash) > 20 else ""), "text"),
             ]
@@ -227,10 +228,33 @@ def _prefix_table(r: Report) -> str:
         "branches",
         "stores",
         "instances",
+        "namespace",
         "first tokens",
         "last block hash",
     )
     return _table(head, rows)
+
+
+def _namespace_section(r: Report) -> str:
+    """Stores per namespace (LoRA adapter, cache salt as its digest) and their sessions:
+    shown when the stream has any but plain requests."""
+    rows = r.namespaces
+    if not any(n.lora_name or n.cache_salt or n.sessions for n in rows):
+        return ""
+    body = [
+        [
+            _td(namespace_label(n.lora_name, n.cache_salt), "text"),
+            _td(_num(n.stored_blocks)),
+            _td(_num(n.sessions) if n.sessions else NONE),
+        ]
+        for n in rows
+    ]
+    return _section(
+        "Namespaces",
+        "Blocks stored per namespace: a LoRA adapter, a cache salt (shown as a digest, "
+        "never the salt), or plain requests; and the distinct sessions that stored them.",
+        _table(("namespace", "stored blocks", "sessions"), body),
+    )
 
 
 def _figures(pngs: dict[str, bytes], names: Sequence[str]) -> str:
@@ -330,6 +354,7 @@ def render_html(report: Report) -> str:
             "sequences branch apart, most shared first.",
             _figures(pngs, ("prefixes", "duplication")) + _prefix_table(report),
         ),
+        _namespace_section(report),
         _notices(report),
         f"<footer>{escape(_FOOTER)}<br>kvindex {escape(__version__)}</footer>",
     ]

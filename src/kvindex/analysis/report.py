@@ -68,6 +68,19 @@ class PrefixRow:
     instances: list[str]
     first_tokens: list[int]
     block_hash: str
+    lora_name: str | None = None
+    cache_salt: str | None = None  # its digest (`salt:...`), never the salt
+
+
+@dataclass(slots=True)
+class NamespaceRow:
+    """What one namespace stored: a LoRA adapter and/or a cache salt (shown as its digest),
+    or neither (plain requests); `sessions` counts the distinct `session_id`s seen."""
+
+    lora_name: str | None
+    cache_salt: str | None
+    stored_blocks: int
+    sessions: int
 
 
 @dataclass(slots=True)
@@ -130,6 +143,7 @@ class Report:
     lifetimes: Lifetimes
     whatif: dict[str, Curve]
     notices: dict[str, dict[str, int]]
+    namespaces: list[NamespaceRow] = field(default_factory=list)
     damage: str | None = None
     truncated: bool = False
 
@@ -184,7 +198,23 @@ def build_report(tracker: Tracker, file: str, top: int = 15) -> Report:
         lifetimes=_lifetimes(tracker),
         whatif=curves,
         notices={},
+        namespaces=_namespaces(tracker),
     )
+
+
+def namespace_label(lora_name: str | None, cache_salt: str | None) -> str:
+    """How a namespace is shown: `plain`, the adapter, the salt's digest, or both."""
+    parts = [p for p in (lora_name, cache_salt) if p is not None]
+    return " + ".join(parts) if parts else "plain"
+
+
+def _namespaces(tracker: Tracker) -> list[NamespaceRow]:
+    rows = [
+        NamespaceRow(lora, salt, track.stored, len(track.sessions))
+        for (lora, salt), track in tracker.namespaces.items()
+    ]
+    rows.sort(key=lambda r: (-r.stored_blocks, r.lora_name or "", r.cache_salt or ""))
+    return rows
 
 
 def _source_row(src: SourceTrack) -> tuple[SourceRow, Curve]:
@@ -255,6 +285,8 @@ def _prefix_row(content: ContentIds, cid: int, continuations: int) -> PrefixRow:
         instances=sorted(node.instances),
         first_tokens=content.prefix_tokens(cid) if known else [],
         block_hash=render_hash(node.block_hash),
+        lora_name=node.lora_name,
+        cache_salt=node.salt,
     )
 
 

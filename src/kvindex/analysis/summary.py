@@ -8,7 +8,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from kvindex.analysis.report import LOW_RATE, Report
+from kvindex.analysis.report import LOW_RATE, Report, namespace_label
 
 __all__ = ["print_summary"]
 
@@ -78,18 +78,40 @@ def _prefixes(r: Report, top: int = 5) -> Table | Text:
         pad_edge=False,
         collapse_padding=True,
     )
-    for col in ("#", "tokens", "sequences", "stores", "instances"):
-        table.add_column(col, justify="left" if col == "instances" else "right")
+    for col in ("#", "tokens", "sequences", "stores", "instances", "namespace"):
+        table.add_column(col, justify="left" if col in ("instances", "namespace") else "right")
     for i, p in enumerate(rows):
         tokens = "?" if p.tokens is None else _n(p.tokens)
-        table.add_row(str(i + 1), tokens, _n(p.continuations), _n(p.stores), ", ".join(p.instances))
+        table.add_row(
+            str(i + 1),
+            tokens,
+            _n(p.continuations),
+            _n(p.stores),
+            ", ".join(p.instances),
+            namespace_label(p.lora_name, p.cache_salt),
+        )
+    return table
+
+
+def _namespaces(r: Report) -> Table | Text:
+    """Stores per namespace (the salt as its digest) and sessions, when there are any but
+    plain requests."""
+    rows = r.namespaces
+    if not any(n.lora_name or n.cache_salt or n.sessions for n in rows):
+        return Text("")
+    table = Table(title="namespaces", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("namespace", "stored", "sessions"):
+        table.add_column(col, justify="left" if col == "namespace" else "right")
+    for n in rows:
+        label = namespace_label(n.lora_name, n.cache_salt)
+        table.add_row(label, _n(n.stored_blocks), _n(n.sessions) if n.sessions else "-")
     return table
 
 
 def print_summary(report: Report, console: Console) -> None:
     title = f"KV-cache analysis of {report.file}"
     console.print(Panel(_overview(report), title=title, title_align="left", expand=False))
-    console.print(Group(_instances(report), _prefixes(report)))
+    console.print(Group(_instances(report), _prefixes(report), _namespaces(report)))
     if report.truncated:
         console.print(
             "note: the file ends mid-segment; read up to its last whole segment", style="yellow"

@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvindex.analysis.content import ContentIds
+from kvindex.index.namespaces import salt_digest
 from kvindex.recording import BatchRec, NoticeRec, Record
 from kvindex.subscriber import SourceKey
 from kvindex.wire import (
@@ -30,9 +31,18 @@ from kvindex.wire import (
     WireError,
 )
 
-__all__ = ["SourceTrack", "Tracker"]
+__all__ = ["NamespaceTrack", "SourceTrack", "Tracker"]
 
 Pool = tuple[int, str]  # (group_idx, medium)
+Namespace = tuple[str | None, str | None]  # (LoRA name, the cache salt's digest)
+
+
+@dataclass(slots=True)
+class NamespaceTrack:
+    """What one namespace (LoRA adapter, cache salt) stored, and in how many sessions."""
+
+    stored: int = 0
+    sessions: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -100,6 +110,7 @@ class Tracker:
             array("q"),
         )
         self.decoder = BatchDecoder()
+        self.namespaces: dict[Namespace, NamespaceTrack] = {}
         self.t0: float | None = None
         self.t1: float | None = None
         self.decode_failures = 0
@@ -163,6 +174,7 @@ class Tracker:
         gpu = pool[1] == MEDIUM_GPU
         ids = self.content.blocks(event, src.known)
         step.media.add(pool[1])
+        self._namespace(event)
         for h, cid in zip(event.block_hashes, ids, strict=True):
             node = self.content.nodes[cid]
             node.stores += 1
@@ -178,6 +190,15 @@ class Tracker:
                     src.gpu_held[(pool, h)] = cid
                     self._hold(src.key, cid)
         step.stored += len(event.block_hashes)
+
+    def _namespace(self, event: BlockStored) -> None:
+        namespace = (event.lora_name, salt_digest(event.cache_salt))
+        track = self.namespaces.get(namespace)
+        if track is None:
+            track = self.namespaces[namespace] = NamespaceTrack()
+        track.stored += len(event.block_hashes)
+        if event.session_id is not None:
+            track.sessions.add(event.session_id)
 
     def _access(self, src: SourceTrack, cid: int, absent: bool, size: int, step: _Step) -> None:
         restore = absent and cid in src.ever

@@ -3,6 +3,9 @@
 JSON follows interface.md: vLLM's field names, block hashes through `render_hash` (an int as
 decimal, bytes as lowercase hex), and any other bytes (inside `extra_keys`, or in an unknown
 event) as hex too, since JSON has no bytes and base64 would read as a different hash.
+SGLang's fields are there under their own names: `session_id`, `lora_name`, and
+`cache_salt` as a short digest (`salt:` + 12 hex digits: the salt itself isolates a
+tenant's cache and is never printed); a bigram page's `token_ids` are its pairs.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from typing import Any
 import msgspec
 from rich.text import Text
 
+from kvindex.index.namespaces import salt_digest
 from kvindex.subscriber import Delivery
 from kvindex.wire import (
     AllBlocksCleared,
+    BigramBlockStored,
     BlockHash,
     BlockRemoved,
     BlockStored,
@@ -86,9 +91,15 @@ def event_fields(event: Event) -> dict[str, Any]:
             value = [render_hash(h) for h in value]
         elif name == "parent_block_hash":
             value = None if value is None else render_hash(value)
+        elif name == "cache_salt":
+            value = salt_digest(value)
+        elif name == "token_pairs":
+            continue  # shown as the event's token_ids, below
         elif name not in _PLAIN_FIELDS:
             value = _hexify(value)
         out[name] = value
+    if isinstance(event, BigramBlockStored):
+        out["token_ids"] = [list(pair) for pair in event.token_pairs]
     return out
 
 
@@ -161,13 +172,20 @@ def _event_text(event: Event) -> Text:
         text.append("stored", style="green")
         _append_hashes(text, event.block_hashes)
         parent = "-" if event.parent_block_hash is None else short_hash(event.parent_block_hash)
-        text.append(f" parent={parent} tokens={len(event.token_ids)}")
+        if isinstance(event, BigramBlockStored):
+            text.append(f" parent={parent} bigram pairs={len(event.token_pairs)}")
+        else:
+            text.append(f" parent={parent} tokens={len(event.token_ids)}")
         if event.medium is not None:
             text.append(f" medium={event.medium}")
         if event.lora_name is not None:
             text.append(f" lora={event.lora_name}")
         elif event.lora_id is not None:  # before vLLM 0.14 only the process-local id
             text.append(f" lora_id={event.lora_id}")
+        if event.cache_salt is not None:
+            text.append(f" {salt_digest(event.cache_salt)}")
+        if event.session_id is not None:
+            text.append(f" session={event.session_id}")
         return text
     if isinstance(event, BlockRemoved):
         return _removed_text([event])

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from kvindex.subscriber import InstanceSpec, Status
+from kvindex.wire.tiers import tier_counts
 
 __all__ = [
     "RECOVERY_COUNTERS",
@@ -101,6 +102,11 @@ class InstanceView:
         return self.spec.name
 
     @property
+    def blocks_by_tier(self) -> dict[str, int]:
+        """`blocks_by_medium` in the tier vocabulary (`gpu`, `cpu`, `disk`, `external`)."""
+        return tier_counts(self.blocks_by_medium)
+
+    @property
     def last_seq(self) -> int | None:
         seqs = [r.last_seq for r in self.ranks if r.last_seq is not None]
         return max(seqs) if seqs else None
@@ -153,6 +159,10 @@ class FleetSummary:
     ingest_lag_seconds: float | None  # the largest
     entries: int  # (rank, pool, hash) entries in the index
     backlog: int  # items read but not applied yet
+
+    @property
+    def blocks_by_tier(self) -> dict[str, int]:
+        return tier_counts(self.blocks_by_medium)
 
     @classmethod
     def of(cls, views: list[InstanceView], *, entries: int, backlog: int) -> FleetSummary:

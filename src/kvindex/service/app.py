@@ -265,6 +265,7 @@ def _stats(fleet: Fleet, metrics: ServiceMetrics) -> dict[str, Any]:
         "statuses": {s.value: n for s, n in fleet_totals.statuses.items()},
         "blocks": fleet_totals.blocks,
         "blocks_by_medium": fleet_totals.blocks_by_medium,
+        "blocks_by_tier": fleet_totals.blocks_by_tier,
         "entries": fleet_totals.entries,
         "stored": fleet_totals.stored,
         "removed": fleet_totals.removed,

@@ -112,7 +112,7 @@ class Dashboard:
             "t": now,
             "stores": header["stores_per_s"],
             "removes": header["removes_per_s"],
-            "blocks": header["blocks_by_medium"],
+            "blocks": header["blocks_by_tier"],
         }
         self.history.append(point)
         self.latest = {"t": now, "fleet": header, "instances": rows, "point": point}
@@ -133,6 +133,7 @@ class Dashboard:
             "dp": view.spec.dp,
             "blocks": view.blocks,
             "blocks_by_medium": view.blocks_by_medium,
+            "blocks_by_tier": view.blocks_by_tier,
             "stores_per_s": round(track.stores_per_s, 2),
             "removes_per_s": round(track.removes_per_s, 2),
             **view.totals(),
@@ -282,6 +283,7 @@ def _header(fleet: FleetSummary, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "statuses": {s.value: n for s, n in fleet.statuses.items() if n},
         "blocks": fleet.blocks,
         "blocks_by_medium": fleet.blocks_by_medium,
+        "blocks_by_tier": fleet.blocks_by_tier,
         "stores_per_s": round(stores, 2),
         "removes_per_s": round(removes, 2),
         "events_per_s": round(stores + removes, 2),

@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from kvindex.runtime import STATUS_ORDER, Fleet, InstanceView, StoreHealth
+from kvindex.wire.tiers import tier_of
 
 __all__ = ["FleetCollector", "LookupMetrics", "ServiceMetrics"]
 
@@ -193,8 +194,9 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 def _engine_metrics(views: list[InstanceView]) -> Iterator[Metric]:
     blocks = GaugeMetricFamily(
         "kvindex_engine_blocks",
-        "Distinct block hashes the engine holds now, by medium.",
-        labels=[ENGINE, "medium"],
+        "Distinct block hashes the engine holds now, by medium (as the engine names it) "
+        "and tier (gpu, cpu, disk, external: one vocabulary for every engine).",
+        labels=[ENGINE, "medium", "tier"],
     )
     stored = CounterMetricFamily(
         "kvindex_blocks_stored", "Blocks stored (BlockStored, block by block).", labels=[ENGINE]
@@ -223,7 +225,7 @@ def _engine_metrics(views: list[InstanceView]) -> Iterator[Metric]:
     for view in views:
         name = view.name
         for medium, count in view.blocks_by_medium.items():
-            blocks.add_metric([name, medium], count)
+            blocks.add_metric([name, medium, tier_of(medium)], count)
         stored.add_metric([name], view.stored)
         removed.add_metric([name], view.removed)
         clears.add_metric([name], view.clears)

@@ -136,6 +136,9 @@ class InstanceAnswer(msgspec.Struct):
     topic: str
     spec: str
     blocks_by_medium: dict[str, int]
+    # The same blocks per tier: gpu, cpu, disk, external (every engine's medium names map
+    # to these).
+    blocks_by_tier: dict[str, int]
     stored: int
     removed: int
     clears: int
@@ -181,6 +184,7 @@ def instance_answer(view: InstanceView) -> InstanceAnswer:
         topic=spec.topic,
         spec=spec.render(),
         blocks_by_medium=view.blocks_by_medium,
+        blocks_by_tier=view.blocks_by_tier,
         stored=view.stored,
         removed=view.removed,
         clears=view.clears,

@@ -6,7 +6,9 @@ generation that worked last first, so a steady stream costs one decode call per 
 
 Only when neither typed decoder accepts a payload does the slow path run: it splits the
 batch into raw events and decodes them one by one, so that one unknown event type (a newer
-vLLM) or one malformed event costs that event, not the batch.
+vLLM) or one malformed event costs that event, not the batch. SGLang's bigram pages (token
+ids as pairs) are taken there too (`BigramBlockStored`): a stream of them costs the slow
+path, ordinary batches nothing.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from kvindex.wire.events import (
     MapEvent,
     UnknownEvent,
     _ArrayWireBatch,
+    _BigramWireBatch,
     _MapWireBatch,
     _RawWireBatch,
+    _WireBigramBlockStored,
 )
 
 __all__ = ["BatchDecoder", "WireError", "decode_batch"]
@@ -58,6 +62,8 @@ class BatchDecoder:
     __slots__ = (
         "_any",
         "_array",
+        "_bigram",
+        "_bigram_batch",
         "_event_array",
         "_event_map",
         "_map",
@@ -72,6 +78,8 @@ class BatchDecoder:
         self._raw = msgspec.msgpack.Decoder(_RawWireBatch)
         self._event_map = msgspec.msgpack.Decoder(MapEvent)
         self._event_array = msgspec.msgpack.Decoder(ArrayEvent)
+        self._bigram = msgspec.msgpack.Decoder(_WireBigramBlockStored)
+        self._bigram_batch = msgspec.msgpack.Decoder(_BigramWireBatch)
         self._any = msgspec.msgpack.Decoder()
         self._max = max_payload
         self._prefer_map = True
@@ -88,9 +96,21 @@ class BatchDecoder:
         try:
             batch = _batch(second.decode(payload))
         except _FAILED:
-            return self._decode_slowly(payload)
+            return self._decode_bigram(payload)
         self._prefer_map = not self._prefer_map
         return batch
+
+    def _decode_bigram(self, payload: bytes | memoryview) -> EventBatch:
+        """A batch of SGLang bigram pages (and removals) in one typed decode; else the
+        slow path, event by event."""
+        try:
+            wire = self._bigram_batch.decode(payload)
+        except _FAILED:
+            return self._decode_slowly(payload)
+        events: list[Event] = [
+            e.event() if isinstance(e, _WireBigramBlockStored) else e for e in wire.events
+        ]
+        return EventBatch(wire.ts, events, wire.data_parallel_rank)
 
     def _decode_slowly(self, payload: bytes | memoryview) -> EventBatch:
         try:
@@ -122,6 +142,11 @@ class BatchDecoder:
             return None
         if tag is not None and tag not in KNOWN_TYPES:
             return UnknownEvent(tag, data)
+        if tag == "BlockStored":
+            try:
+                return self._bigram.decode(data).event()
+            except _FAILED:
+                return None
         return None
 
 

@@ -64,6 +64,20 @@ class BlockStored(
     type_name: ClassVar[str] = "BlockStored"
 
 
+class BigramBlockStored(BlockStored, omit_defaults=True):
+    """A `BlockStored` of SGLang's EAGLE bigram cache: its pages' tokens are pairs
+    (`token_ids` of `[a, b]` items, page i covering `(t[i], t[i+1])`; `block_size` counts
+    pairs). The pairs are kept in `token_pairs`; `token_ids` stays empty, so every layer
+    holds these pages by hash, out of the token tree (a lookup by tokens can't name a
+    pair), as it holds any page that comes without tokens.
+
+    Made by the decoder's slow path only (`kvindex.wire.decode`): ordinary batches never
+    pay for it. Never decoded or encoded as such: the wire calls it `BlockStored`.
+    """
+
+    token_pairs: list[tuple[int, int]] = []
+
+
 class BlockRemoved(
     msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False, omit_defaults=True
 ):
@@ -127,6 +141,39 @@ class _ArrayAllBlocksCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCl
     pass
 
 
+class _WireBigramBlockStored(
+    msgspec.Struct, tag="BlockStored", tag_field="type", gc=False, forbid_unknown_fields=False
+):
+    """How SGLang sends a bigram page (map form): BlockStored's fields, `token_ids` pairs."""
+
+    block_hashes: list[_WireHash]
+    parent_block_hash: _WireHash | None = None
+    token_ids: list[tuple[int, int]] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    session_id: str | None = None
+    cache_salt: str | None = None
+
+    def event(self) -> BigramBlockStored:
+        return BigramBlockStored(
+            block_hashes=self.block_hashes,
+            parent_block_hash=self.parent_block_hash,
+            block_size=self.block_size,
+            lora_id=self.lora_id,
+            medium=self.medium,
+            lora_name=self.lora_name,
+            extra_keys=self.extra_keys,
+            group_idx=self.group_idx,
+            session_id=self.session_id,
+            cache_salt=self.cache_salt,
+            token_pairs=self.token_ids,
+        )
+
+
 MapEvent = BlockStored | BlockRemoved | AllBlocksCleared
 ArrayEvent = _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared
 
@@ -140,6 +187,12 @@ class _MapWireBatch(msgspec.Struct, array_like=True, gc=False):
 class _ArrayWireBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[ArrayEvent]
+    data_parallel_rank: int | None = None
+
+
+class _BigramWireBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_WireBigramBlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
 
 

@@ -15,9 +15,10 @@ metrics and the dashboard speak tiers; the raw medium stays available where it i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Final
 
-__all__ = ["TIERS", "TIER_GPU", "is_gpu", "tier_of"]
+__all__ = ["TIERS", "TIER_GPU", "is_gpu", "tier_counts", "tier_of"]
 
 TIER_GPU: Final = "gpu"
 TIERS: Final = ("gpu", "cpu", "disk", "external")
@@ -49,3 +50,13 @@ def tier_of(medium: str | None) -> str:
 
 def is_gpu(medium: str | None) -> bool:
     return medium is None or tier_of(medium) == TIER_GPU
+
+
+def tier_counts(by_medium: Mapping[str, int]) -> dict[str, int]:
+    """Counts per medium as counts per tier, fastest tier first (tiers with none left
+    out). Two media of one tier add up: an engine names each tier one way."""
+    out: dict[str, int] = {}
+    for medium, count in by_medium.items():
+        tier = tier_of(medium)
+        out[tier] = out.get(tier, 0) + count
+    return {tier: out[tier] for tier in TIERS if tier in out}

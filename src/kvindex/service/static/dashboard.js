@@ -38,8 +38,14 @@
     if (seconds < 1) return { value: Math.max(0, seconds * 1000).toFixed(seconds < 0.01 ? 1 : 0), unit: "ms" };
     return { value: seconds.toFixed(1), unit: "s" };
   }
-  function mediumOrder(m) {
-    return m === "GPU" ? 0 : m === "CPU" ? 1 : 2;
+  // Tiers: one vocabulary for every engine (vLLM's and SGLang's medium names map to these).
+  const TIERS = ["gpu", "cpu", "disk", "external"];
+  function tierColor(t) {
+    return t === "gpu" ? "var(--gpu)" : t === "cpu" ? "var(--cpu)" : "var(--muted)";
+  }
+  function lowerTiers(tiers) {
+    const parts = TIERS.slice(1).filter((t) => tiers[t] !== undefined);
+    return { parts, total: parts.reduce((n, t) => n + tiers[t], 0) };
   }
   function fmtTime(t, span) {
     const opts = { hour: "2-digit", minute: "2-digit", hourCycle: "h23" };
@@ -142,9 +148,10 @@
 
     $("kpi-blocks").textContent = fmtInt(f.blocks);
     $("kpi-blocks").dataset.value = f.blocks;
-    const media = Object.entries(f.blocks_by_medium || {}).sort((a, b) => mediumOrder(a[0]) - mediumOrder(b[0]));
-    $("kpi-media").innerHTML = media.length
-      ? media.map(([m, n]) => `<span><span class="swatch" style="background:var(--${m === "CPU" ? "cpu" : "gpu"})"></span>${esc(m)} <b>${fmtInt(n)}</b></span>`).join("")
+    const tiers = f.blocks_by_tier || {};
+    const held = TIERS.filter((t) => tiers[t] !== undefined);
+    $("kpi-media").innerHTML = held.length
+      ? held.map((t) => `<span><span class="swatch" style="background:${tierColor(t)}"></span>${esc(t)} <b>${fmtInt(tiers[t])}</b></span>`).join("")
       : "<span>nothing cached yet</span>";
 
     $("kpi-events").textContent = fmtRate(f.events_per_s);
@@ -182,13 +189,16 @@
   function renderInstances(rows) {
     const body = $("instances-body");
     const html = rows.map((r) => {
-      const media = r.blocks_by_medium || {};
-      const cpu = media.CPU === undefined ? `<td class="num zero">–</td>` : `<td class="num">${fmtInt(media.CPU)}</td>`;
+      const tiers = r.blocks_by_tier || {};
+      const lower = lowerTiers(tiers);
+      const cpu = lower.parts.length
+        ? `<td class="num" data-col="lower" title="${esc(lower.parts.map((t) => `${t} ${fmtInt(tiers[t])}`).join(" · "))}">${fmtInt(lower.total)}</td>`
+        : `<td class="num zero" data-col="lower">–</td>`;
       const dp = r.dp > 1 ? `<span class="dp">dp ${r.dp}</span>` : "";
       return `<tr data-instance="${esc(r.name)}" data-blocks="${r.blocks}" data-last-seq="${r.last_seq === null ? "" : r.last_seq}">
         <td class="name">${esc(r.name)}${dp}</td>
         <td><span class="pill ${esc(r.status)}">${esc(r.status)}</span></td>
-        <td class="num" data-col="gpu">${fmtInt(media.GPU || 0)}</td>${cpu}
+        <td class="num" data-col="gpu">${fmtInt(tiers.gpu || 0)}</td>${cpu}
         <td>${sparkline(state.trends[r.name])}</td>
         <td class="num">${fmtRate(r.stores_per_s)}</td>
         <td class="num">${fmtRate(r.removes_per_s)}</td>
@@ -238,7 +248,7 @@
       if (charts[key]) charts[key].destroy();
     }
     charts.rates = makeChart($("chart-rates"), [series("stores/s", cssVar("--store"), true), series("removes/s", cssVar("--remove"), false)], fmtCompact);
-    const blockSeries = [series("GPU", cssVar("--gpu"), true), series("CPU", cssVar("--cpu"), true)];
+    const blockSeries = [series("gpu", cssVar("--gpu"), true), series("lower tiers", cssVar("--cpu"), true)];
     blockSeries.forEach((s) => (s.value = (u, v) => (v === null ? "–" : fmtInt(v))));
     charts.blocks = makeChart($("chart-blocks"), blockSeries, fmtCompact);
     renderCharts();
@@ -249,8 +259,10 @@
     const h = state.history;
     const t = h.map((p) => p.t);
     charts.rates.setData([t, h.map((p) => p.stores), h.map((p) => p.removes)]);
-    const hasCpu = h.some((p) => p.blocks && p.blocks.CPU !== undefined);
-    charts.blocks.setData([t, h.map((p) => (p.blocks && p.blocks.GPU) || 0), h.map((p) => (hasCpu ? (p.blocks && p.blocks.CPU) || 0 : null))]);
+    // A point's blocks are per tier (gpu, cpu, disk, external); the lower ones drawn as one.
+    const lower = h.map((p) => lowerTiers(p.blocks || {}));
+    const hasLower = lower.some((l) => l.parts.length);
+    charts.blocks.setData([t, h.map((p) => (p.blocks && p.blocks.gpu) || 0), lower.map((l) => (hasLower ? l.total : null))]);
   }
 
   const resize = new ResizeObserver(() => {

@@ -202,7 +202,7 @@ def serve(flowing: Flowing, store: str, *extra: str) -> tuple[Proc, int]:
 
 def get(port: int, path: str) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
         chunks = []
         while chunk := s.recv(65536):
             chunks.append(chunk)
@@ -235,7 +235,7 @@ def test_a_second_signal_ends_a_stop_that_hangs(flowing: Flowing) -> None:
     # A request whose body never comes: a graceful stop waits for it (uvicorn, 5 s).
     held = socket.create_connection(("127.0.0.1", port), timeout=5)
     try:
-        held.sendall(b"POST /v1/lookup HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        held.sendall(b"POST /v1/lookup HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{")
         time.sleep(0.3)
         proc.interrupt(signal.SIGTERM)
         proc.wait_for(proc.err, lambda line: "SIGTERM: stopping" in line)

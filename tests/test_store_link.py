@@ -57,8 +57,11 @@ def test_groups_go_to_a_worker_in_order_and_come_again_after_a_restart() -> None
     worker.connect(f"{base}/in")
     try:
         time.sleep(0.2)  # connected
+        # Payloads large enough that the two pipes' high-water marks, not the kernel's
+        # socket buffer (which holds thousands of tiny messages), bound what is in flight.
+        payload = bytes(64 << 10)
         for seq in range(4 * PIPE_GROUPS):
-            link.post(AppliedBatch("a", 0, seq, b"p"), 1)
+            link.post(AppliedBatch("a", 0, seq, payload), 1)
             link.flush()
         got = []
         while worker.poll(500):

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from test_store_redis import Harness, Replica
-from test_store_sqlite import B1, PROMPTS, A, apply_rich, matches, nonempty
+from test_store_sqlite import B1, NAMESPACES, PROMPTS, A, apply_rich, nonempty, ns_lookup, rows_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,5 +95,7 @@ def test_a_restart_puts_every_entry_back_in_place(redis_server: Any, steps: list
     for source in {op[1] for op, _, _ in steps}:
         assert nonempty(loaded.copies(source)) == nonempty(h.reference.copies(source))
     for prompt in PROMPTS:
-        for lora in (None, "x"):
-            assert matches(loaded, prompt, lora) == matches(h.reference, prompt, lora)
+        for ns in NAMESPACES:
+            assert rows_of(ns_lookup(loaded, prompt, ns)) == rows_of(
+                ns_lookup(h.reference, prompt, ns)
+            )

@@ -84,21 +84,41 @@ def matches(index: FleetIndex, prompt: list[int], lora: str | None) -> dict:
     }
 
 
+# A rich plan's namespaces: None (plain), "x" (LoRA x), "s" (vLLM's salt: block 0's extra
+# keys), "g" (SGLang's cache_salt on every block), "m" (a multimodal key on block 1).
+NAMESPACES = (None, "x", "s", "g", "m")
+
+
+def ns_lookup(index: FleetIndex, prompt: list[int], ns: str | None) -> list[Any]:
+    if ns == "x":
+        return index.lookup(prompt, "x")
+    if ns in ("s", "g"):
+        return index.lookup(prompt, cache_salt="salt-" + ns)
+    return index.lookup(prompt)
+
+
 def same_state(a: FleetIndex, b: FleetIndex, prompts: list[list[int]]) -> None:
     for name in ("a", "b"):
         assert a.block_hashes(name) == b.block_hashes(name), name
         for source in (A, B0, B1):
             assert nonempty(a.copies(source)) == nonempty(b.copies(source)), source
     for prompt in prompts:
-        for lora in (None, "x"):
-            assert matches(a, prompt, lora) == matches(b, prompt, lora)
+        for ns in NAMESPACES:
+            got, want = ns_lookup(a, prompt, ns), ns_lookup(b, prompt, ns)
+            assert rows_of(got) == rows_of(want), (prompt, ns)
+
+
+def rows_of(rows: list[Any]) -> dict[Any, Any]:
+    return {(r.instance, rank): (n, r.by_tier) for r in rows for rank, n in r.ranks.items() if n}
 
 
 PROMPTS = [list(range(16)), [*range(8), 50, 51, 52, 53, 54, 55, 56, 57], list(range(100, 112))]
 
 
-def chain_hash(prompt: list[int], n: int, lora: str | None) -> int:
-    return hash((lora, tuple(prompt[: (n + 1) * BS]))) & (2**64 - 1)
+def chain_hash(prompt: list[int], n: int, ns: str | None) -> int:
+    """Block n's hash: a multimodal chain ("m") shares block 0 with the plain one."""
+    key = None if ns == "m" and n == 0 else ns
+    return hash((key, tuple(prompt[: (n + 1) * BS]))) & (2**64 - 1)
 
 
 ops = st.lists(
@@ -290,7 +310,7 @@ rich_ops = st.lists(
         st.integers(0, 2),  # prompt
         st.integers(0, 3),  # first block
         st.integers(1, 4),  # blocks
-        st.sampled_from([None, "x"]),
+        st.sampled_from(NAMESPACES),
         st.sampled_from(["GPU", "CPU"]),
         st.booleans(),  # with tokens
     ),
@@ -298,17 +318,27 @@ rich_ops = st.lists(
 )
 
 
-def rich_store(p: int, start: int, n: int, lora: str | None, medium: str, tokens: bool) -> Any:
+def rich_store(p: int, start: int, n: int, ns: str | None, medium: str, tokens: bool) -> Any:
+    """Blocks start..start+n-1 of a prompt, in namespace `ns` (see NAMESPACES) as each
+    engine announces it: vLLM's lower tiers send no extra keys (its offload tracker)."""
     prompt = PROMPTS[p]
     end = min(start + n, len(prompt) // BS)
     start = min(start, end - 1)
-    hashes = [chain_hash(prompt, i, lora) for i in range(start, end)]
-    parent = chain_hash(prompt, start - 1, lora) if start else None
+    hashes = [chain_hash(prompt, i, ns) for i in range(start, end)]
+    parent = chain_hash(prompt, start - 1, ns) if start else None
     own = prompt[start * BS : end * BS] if tokens else []
-    extra = [[lora]] * len(hashes) if lora and tokens else None
-    return BlockStored(
-        hashes, parent, own, BS if tokens else 0, medium=medium, lora_name=lora, extra_keys=extra
-    )
+    fields: dict[str, Any] = {"medium": medium}
+    keyed = tokens and medium == "GPU"
+    if ns == "x":
+        fields["lora_name"] = "x"
+        fields["extra_keys"] = [["x"]] * len(hashes) if tokens else None
+    elif ns == "g":
+        fields["cache_salt"] = "salt-g"
+    elif ns == "s" and keyed:
+        fields["extra_keys"] = [["salt-s"] if i == 0 else None for i in range(start, end)]
+    elif ns == "m" and keyed:
+        fields["extra_keys"] = [[["img", 0]] if i == 1 else None for i in range(start, end)]
+    return BlockStored(hashes, parent, own, BS if tokens else 0, **fields)
 
 
 def apply_rich(h: Harness, plan: list[Any]) -> None:

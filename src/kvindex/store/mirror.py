@@ -20,12 +20,12 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import msgspec
 
-from kvindex.index.fleet import DEFAULT_MEDIUM
-from kvindex.index.namespaces import lora_key
+from kvindex.index.fleet import DEFAULT_MEDIUM, is_keyed, is_plain
+from kvindex.index.namespaces import chain_keys, lora_key
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import (
     AllBlocksCleared,
@@ -38,14 +38,65 @@ from kvindex.wire import (
 )
 from kvindex.wire.tiers import TIER_GPU, tier_of
 
-__all__ = ["HASH_ONLY", "PLACED", "UNPLACED", "Changes", "Mirror", "Pool", "PublisherRuns", "Run"]
+__all__ = [
+    "HASH_ONLY",
+    "PLACED",
+    "UNPLACED",
+    "Changes",
+    "Mirror",
+    "Pool",
+    "PublisherRuns",
+    "Run",
+    "RunKeys",
+]
 
 PoolKey = tuple[int, str]
 HASH_ONLY, UNPLACED, PLACED = 0, 1, 2  # run ranks: a block belongs to its best run
 # A store's own token list until its run is saved, then int64 (a fifth of the memory).
 Tokens: TypeAlias = "list[int] | array[int]"
 
-_decode_events = msgspec.msgpack.Decoder(list[BlockStored]).decode
+# A record's events: its chain first (then copies, and the blocks gone since: snapshot.py).
+_decode_events = msgspec.msgpack.Decoder(list[BlockStored | BlockRemoved]).decode
+
+
+class RunKeys(msgspec.Struct, frozen=True, gc=False):
+    """What a store said beside its tokens that decides where its blocks go in the prefix
+    tree (kvindex.index.namespaces): per-block extra keys (vLLM's salt, LoRA name,
+    multimodal and prompt-embeds keys), SGLang's cache salt, per-block lookahead tokens,
+    pre-0.14 vLLM's LoRA id, and whether the event was of 0.17-0.19 vLLM (no `group_idx`:
+    a bare string in block 0 is read differently). A snapshot writes them back as they
+    came, so a restart places every block where the live index had it."""
+
+    extra: list[Any] | None = None
+    salt: str | None = None
+    lookahead: list[list[int]] | None = None
+    lora_id: int | None = None
+    legacy: bool = False
+
+    def part(self, start: int, stop: int) -> RunKeys:
+        """The keys of blocks start..stop-1 (for a run cut into pieces)."""
+        extra, lookahead = self.extra, self.lookahead
+        return RunKeys(
+            None if extra is None else extra[start:stop],
+            self.salt,
+            None if lookahead is None else lookahead[start:stop],
+            self.lora_id,
+            self.legacy,
+        )
+
+
+def run_keys(event: BlockStored) -> RunKeys | None:
+    """The keys a run of this store must keep (None: a plain store, or LoRA by name only,
+    which the run's `lora` says)."""
+    if is_plain(event) and event.lora_id is None:
+        return None
+    return RunKeys(
+        event.extra_keys,
+        event.cache_salt,
+        event.lookahead_token_ids,
+        event.lora_id if event.lora_name is None else None,
+        event.group_idx is None,
+    )
 
 
 class Run(msgspec.Struct, gc=False, eq=False):
@@ -72,18 +123,33 @@ class Run(msgspec.Struct, gc=False, eq=False):
     rank: int
     blob: bytes | None = None
     saved: bool = False  # a record of it is in the snapshot
+    # The store's keys beside its tokens (placed and unplaced runs only; None: plain). A
+    # loaded run has them in `blob` until it must be rewritten.
+    keys: RunKeys | None = None
 
     @property
     def content(self) -> bool:
         return self.rank > HASH_ONLY
 
+    def _unpack(self) -> None:
+        """Tokens and keys out of `blob` (the record's events as a msgpack array: the
+        chain comes first)."""
+        if self.blob is not None and self.rank:
+            chain = _decode_events(self.blob)[0]
+            assert isinstance(chain, BlockStored)
+            self.tokens = array("q", chain.token_ids)
+            self.keys = run_keys(chain)
+            self.blob = None
+
+    def event_keys(self) -> RunKeys | None:
+        self._unpack()
+        return self.keys
+
     def flat_tokens(self) -> list[int] | None:
         """The blocks' tokens, `size` per block (None for hash-only runs)."""
+        if self.tokens is None:
+            self._unpack()
         tokens = self.tokens
-        if tokens is None and self.blob is not None and self.rank:
-            # `blob` is the record's events as a msgpack array: the chain comes first.
-            tokens = self.tokens = array("q", _decode_events(self.blob)[0].token_ids)
-            self.blob = None
         if tokens is None:
             return None
         n = self.size * len(self.hashes)
@@ -254,8 +320,8 @@ class Mirror:
             before = len(blocks)
             blocks.update(zip(hashes, repeat(run)))
             if len(blocks) - before == len(hashes):
-                if run.rank == PLACED and len(src.pools) > 1 and _keyed(pool_key, event):
-                    self._take_over(src, pool_key, run)
+                if run.rank == PLACED and len(src.pools) > 1:
+                    self._across_pools(src, pool_key, run, event)
                 return
             for h in dict.fromkeys(hashes):
                 del blocks[h]  # undone: the one-by-one way below counts the copies
@@ -276,8 +342,8 @@ class Mirror:
             del src.runs[run.id]
             dirty.discard(run)
             return
-        if run.rank == PLACED and len(src.pools) > 1 and _keyed(pool_key, event):
-            self._take_over(src, pool_key, run)
+        if run.rank == PLACED and len(src.pools) > 1:
+            self._across_pools(src, pool_key, run, event)
 
     def _new_run(
         self, src: PublisherRuns, pool: PoolKey, event: BlockStored, ts: float, rank: int
@@ -287,6 +353,7 @@ class Mirror:
         run = Run(
             self.next_id - 1, pool[0], pool[1], event.parent_block_hash, event.block_hashes,
             event.block_size, event.lora_name, ts, event.token_ids if rank else None, rank,
+            keys=run_keys(event) if rank else None,
         )  # fmt: skip
         src.runs[run.id] = run
         src.dirty.add(run)
@@ -309,11 +376,22 @@ class Mirror:
                 continue  # not known to be held: nothing to drop (as the index does)
             dirty.add(run)
 
+    def _across_pools(
+        self, src: PublisherRuns, pool_key: PoolKey, run: Run, event: BlockStored
+    ) -> None:
+        """A placed chain of a publisher with several pools: a GPU or keyed one takes the
+        other pools' copies of its blocks over, an unkeyed lower-tier one keeps the places
+        its blocks have elsewhere (FleetIndex._insert_chain_in_several)."""
+        if _keyed(pool_key, event):
+            self._take_over(src, pool_key, run)
+        else:
+            self._keep_places(src, pool_key, run)
+
     def _take_over(self, src: PublisherRuns, pool_key: PoolKey, run: Run) -> None:
-        """A GPU or LoRA-keyed chain was placed: the publisher's other pools that hold one
-        of its blocks without a place, or on a lower tier in another namespace, now hold
-        it at this place (as FleetIndex._take_over does), kept past this chain's own
-        copies: each moves to a run of its own with the tokens and parent it has here."""
+        """A GPU or keyed chain was placed: the publisher's other pools that hold one of
+        its blocks without a place, or on a lower tier in another namespace, now hold it
+        at this place (as FleetIndex._take_over does), kept past this chain's own copies:
+        each moves to a run of its own with the tokens, parent and keys it has here."""
         for key, other in src.pools.items():
             if key == pool_key:
                 continue
@@ -322,28 +400,42 @@ class Mirror:
                 held = other.blocks.get(h)
                 if held is None or held is run or (held.size and held.size != run.size):
                     continue
-                if held.rank == PLACED and (gpu or held.lora == run.lora):
+                if held.rank == PLACED and (gpu or _same_namespace(held, run)):
                     continue  # a GPU group's own place stands; the same namespace: same node
-                flat = run.flat_tokens()
-                size = run.size
-                own = None if flat is None else flat[i * size : (i + 1) * size]
-                parent = run.hashes[i - 1] if i else run.parent
-                other.blocks[h] = self._new_run_of(src, key, parent, [h], run, own)
+                other.blocks[h] = self._place_of(src, key, run, i)
                 src.dirty.add(held)
 
-    def _new_run_of(
-        self,
-        src: PublisherRuns,
-        pool: PoolKey,
-        parent: BlockHash | None,
-        hashes: list[BlockHash],
-        like: Run,
-        tokens: list[int] | None,
-    ) -> Run:
+    def _keep_places(self, src: PublisherRuns, pool_key: PoolKey, run: Run) -> None:
+        """An unkeyed lower-tier chain (vLLM's offload events carry no keys): each block
+        the publisher holds placed in another pool keeps that place (its namespace), and
+        the chain goes on from there, as the index has it. Such a block moves to a run of
+        its own made from the other copy's place; the rest of the chain is cut after it
+        and so hangs from it when loaded."""
+        pool = src.pools[pool_key]
+        for h in run.hashes:
+            if pool.blocks.get(h) is not run:
+                continue
+            for key, other in src.pools.items():
+                held = other.blocks.get(h) if key != pool_key else None
+                if held is None or held.rank != PLACED or held.size != run.size:
+                    continue
+                if held.lora is None and held.event_keys() is None:
+                    break  # placed plain, where this chain puts it too
+                j = held.hashes.index(h)
+                pool.blocks[h] = self._place_of(src, pool_key, held, j)
+                break
+
+    def _place_of(self, src: PublisherRuns, pool: PoolKey, like: Run, i: int) -> Run:
+        """A one-block run in `pool` at the place block `i` of `like` has."""
+        flat = like.flat_tokens()
+        size = like.size
+        own = None if flat is None else flat[i * size : (i + 1) * size]
+        parent = like.hashes[i - 1] if i else like.parent
+        keys = like.event_keys()
         self.next_id += 1
         run = Run(
-            self.next_id - 1, pool[0], pool[1], parent, hashes, like.size, like.lora, like.ts,
-            tokens, like.rank,
+            self.next_id - 1, pool[0], pool[1], parent, [like.hashes[i]], size, like.lora,
+            like.ts, own, like.rank, keys=None if keys is None else keys.part(i, i + 1),
         )  # fmt: skip
         src.runs[run.id] = run
         src.dirty.add(run)
@@ -390,22 +482,17 @@ class Mirror:
             self.snapshot_of[source] = None
 
 
-def only_lora(extra_keys: list[object], lora_name: str | None) -> bool:
-    """Whether the per-block extra keys hold nothing but the LoRA name. Until runs persist
-    their keys and namespace (issue 20), a run with other keys is saved hash-only: after a
-    warm restart it is held but not found by tokens (never a false hit)."""
-    return all(
-        k is None
-        or (lora_name is not None and isinstance(k, list | tuple) and list(k) == [lora_name])
-        for k in extra_keys
-    )
-
-
 def _keyed(pool_key: PoolKey, event: BlockStored) -> bool:
     """A store whose place decides its blocks' namespace on every tier (FleetIndex's
-    `keyed`): a GPU store, or one naming a LoRA adapter (salted and other keyed runs are
-    saved hash-only for now, see only_lora)."""
-    return tier_of(pool_key[1]) == TIER_GPU or lora_key(event) is not None
+    `keyed`): a GPU store, or one naming a LoRA adapter, a salt or own keys."""
+    if tier_of(pool_key[1]) == TIER_GPU or lora_key(event) is not None:
+        return True
+    return not is_plain(event) and is_keyed(event, chain_keys(event))
+
+
+def _same_namespace(a: Run, b: Run) -> bool:
+    """Whether two placed runs are surely in one namespace (then one hash is one node)."""
+    return a.lora == b.lora and a.event_keys() is None and b.event_keys() is None
 
 
 def _rank(src: PublisherRuns, pool: Pool, event: BlockStored) -> int:
@@ -415,9 +502,12 @@ def _rank(src: PublisherRuns, pool: Pool, event: BlockStored) -> int:
     size = event.block_size
     if size <= 0 or len(event.token_ids) < size * len(event.block_hashes):
         return HASH_ONLY
-    if event.extra_keys and not only_lora(event.extra_keys, event.lora_name):
-        return HASH_ONLY
-    if event.cache_salt is not None or event.lookahead_token_ids is not None:
+    n = len(event.block_hashes)
+    extra, lookahead = event.extra_keys, event.lookahead_token_ids
+    if (extra is not None and len(extra) != n) or (lookahead is not None and len(lookahead) != n):
+        # Keys not one per block: the index gives every block an own key made of its
+        # position in this event, which a run cut into pieces can't keep. Such blocks are
+        # never found by a lookup; saved by hash, they still count.
         return HASH_ONLY
     parent = event.parent_block_hash
     if parent is None:

@@ -26,10 +26,18 @@ from typing import Any, Protocol
 import msgspec
 
 from kvindex.index import FleetIndex
-from kvindex.store.mirror import PLACED, UNPLACED, Changes, Mirror, PublisherRuns, Run
+from kvindex.store.mirror import PLACED, UNPLACED, Changes, Mirror, PublisherRuns, Run, RunKeys
 from kvindex.store.rows import BlockRow
 from kvindex.subscriber.messages import SourceKey
-from kvindex.wire import BatchDecoder, BlockHash, BlockStored, EventBatch, WireError, render_hash
+from kvindex.wire import (
+    BatchDecoder,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    WireError,
+    render_hash,
+)
 
 __all__ = [
     "IndexTarget",
@@ -52,8 +60,22 @@ CHUNK_BYTES = 8 << 20  # and bytes (well under BatchDecoder's payload limit)
 
 _encode = msgspec.msgpack.Encoder().encode
 _json = msgspec.json.Encoder().encode
-Keys = tuple[BlockHash | None, list[BlockHash], list[tuple[int, int]] | None]
-_decode_keys = msgspec.msgpack.Decoder(Keys).decode  # type: ignore[arg-type]
+# A record's keys: [parent, hashes, [[position, copies], ...] or nil, [gone position, ...]
+# or nil]; records written before gone blocks were kept have the first three.
+Keys = tuple[BlockHash | None, list[BlockHash], list[tuple[int, int]] | None, list[int] | None]
+_decode_key_list = msgspec.msgpack.Decoder(list[Any]).decode
+
+
+def _decode_keys(raw: bytes) -> Keys:
+    fields = _decode_key_list(raw)
+    parent, hashes, extras = fields[0], fields[1], fields[2]
+    return parent, hashes, extras, fields[3] if len(fields) > 3 else None
+
+
+def _held(keys: Keys) -> Iterator[BlockHash]:
+    """The hashes a record holds (its gone blocks left out)."""
+    gone = set(keys[3] or ())
+    return (h for i, h in enumerate(keys[1]) if i not in gone)
 
 
 @dataclass(slots=True)
@@ -67,7 +89,7 @@ class Record:
     size: int
     lora: str | None
     ts: float
-    keys: bytes  # msgpack [parent, hashes, [[position, copies], ...] or nil]
+    keys: bytes  # msgpack Keys (below)
     events: bytes  # msgpack BlockStored maps, concatenated
     n_events: int
     blocks_json: str | None = None  # [[hash, parent, tokens|null, copies], ...] for SQL
@@ -139,32 +161,52 @@ def plan_source(
 
 
 def _cut(mirror: Mirror, src: PublisherRuns, run: Run) -> list[Run]:
-    """The run cut down to the blocks it still holds: [] if none, several runs if they are
-    no longer contiguous (the first keeps the run's id)."""
+    """The run cut down to what its record must say: [] if it holds no block any more.
+
+    A block that left the pool stays in the record, up to the run's last block still
+    held, as one the record stores and then removes: the index keeps a node while blocks
+    hang from it, so the blocks after it come back under the same node (a parent hash
+    nobody holds any more could not place them). A block that moved to another run of
+    the pool (re-placed, see Mirror._take_over) cuts the run instead: the piece after it
+    hangs from its new run. The first piece keeps the run's id.
+    """
     hashes = run.hashes
-    live = src.members(run)
-    if len(live) == len(hashes) or not live:
-        return [run] if live else []
-    tokens, size = run.flat_tokens(), run.size
-    pieces = []
-    start = prev = live[0]
-    for i in [*live[1:], -1]:
-        if i != prev + 1:
-            parent = hashes[start - 1] if start else run.parent
-            cut = None if tokens is None else tokens[start * size : (prev + 1) * size]
-            pieces.append((parent, hashes[start : prev + 1], cut))
-            start = i
-        prev = i
-    run.parent, run.hashes, run.tokens = pieces[0]
-    parts = [run]
     blocks = src.pools[(run.group, run.medium)].blocks
-    for parent, part_hashes, cut in pieces[1:]:
+    owners = [blocks.get(h) for h in hashes]
+    if all(o is run for o in owners):
+        return [run]
+    segments: list[tuple[int, int]] = []
+    start, last = 0, -1
+    for i, owner in enumerate([*owners, False]):
+        if owner is run:
+            last = i
+        elif owner is not None:  # moved elsewhere (or the end): a segment ends here
+            if last >= start:
+                segments.append((start, last + 1))
+            start, last = i + 1, i
+    if not segments:
+        return []
+    tokens, size, keys = run.flat_tokens(), run.size, run.event_keys()
+    pieces = [
+        (
+            hashes[a - 1] if a else run.parent,
+            hashes[a:b],
+            None if tokens is None else tokens[a * size : b * size],
+            None if keys is None else keys.part(a, b),
+        )
+        for a, b in segments
+    ]
+    run.parent, run.hashes, run.tokens, run.keys = pieces[0]
+    parts = [run]
+    for parent, part_hashes, cut, part_keys in pieces[1:]:
         part = Run(
             mirror.new_run_id(), run.group, run.medium, parent, part_hashes, size, run.lora,
-            run.ts, cut, run.rank,
+            run.ts, cut, run.rank, keys=part_keys,
         )  # fmt: skip
         src.runs[part.id] = part
-        blocks.update(zip(part_hashes, repeat(part)))
+        for h in part_hashes:
+            if blocks.get(h) is run:
+                blocks[h] = part
         parts.append(part)
     return parts
 
@@ -172,29 +214,47 @@ def _cut(mirror: Mirror, src: PublisherRuns, run: Run) -> list[Run]:
 def _record(src: PublisherRuns, run: Run, view: bool) -> Record:
     hashes = run.hashes
     pool = src.pools[(run.group, run.medium)]
-    copies = [pool.copies(h) for h in hashes] if pool.extra else [1] * len(hashes)
+    held = [pool.blocks.get(h) is run for h in hashes]
+    gone = [i for i, here in enumerate(held) if not here] or None
+    copies = [pool.copies(h) if here else 0 for h, here in zip(hashes, held, strict=True)]
     extras = [(i, c) for i, c in enumerate(copies) if c > 1] or None
     run.compact()
     flat = run.flat_tokens()
+    keys = run.event_keys() if flat else None
     chain = BlockStored(
         hashes, run.parent, flat or [], run.size if flat else 0, medium=run.medium,
-        lora_name=run.lora, group_idx=run.group,
-        # vLLM names the LoRA in each block's extra keys; the index accepts exactly that.
-        extra_keys=[[run.lora]] * len(hashes) if flat and run.lora is not None else None,
+        lora_name=run.lora, group_idx=None if keys is not None and keys.legacy else run.group,
+        extra_keys=_extra_keys(run, keys, len(hashes)) if flat else None,
+        cache_salt=None if keys is None else keys.salt,
+        lookahead_token_ids=None if keys is None else keys.lookahead,
+        lora_id=None if keys is None else keys.lora_id,
     )  # fmt: skip
     events, n = _encode(chain), 1
     if extras:
         more = [hashes[i] for i, c in extras for _ in range(c - 1)]
         events += _encode(BlockStored(more, None, [], 0, medium=run.medium, group_idx=run.group))
-        n = 2
+        n += 1
+    if gone:
+        left = BlockRemoved([hashes[i] for i in gone], medium=run.medium, group_idx=run.group)
+        events += _encode(left)
+        n += 1
     return Record(
         run.id, run.rank, run.group, run.medium, run.size, run.lora, run.ts,
-        _encode((run.parent, hashes, extras)), events, n,
+        _encode((run.parent, hashes, extras, gone)), events, n,
         _blocks_json(run, copies, flat) if view else None,
     )  # fmt: skip
 
 
+def _extra_keys(run: Run, keys: RunKeys | None, n: int) -> list[Any] | None:
+    """The chain's extra keys as the store sent them; a run saved before runs kept their
+    keys has only its LoRA name, which vLLM puts in each block's extra keys."""
+    if keys is not None:
+        return keys.extra
+    return [[run.lora]] * n if run.lora is not None else None
+
+
 def _blocks_json(run: Run, copies: list[int], flat: list[int] | None) -> str:
+    """The blocks the run holds (copies > 0) as [hash, parent, tokens, copies] rows."""
     texts = [render_hash(h) for h in run.hashes]
     parents = [None if run.parent is None else render_hash(run.parent), *texts[:-1]]
     size = run.size
@@ -203,7 +263,8 @@ def _blocks_json(run: Run, copies: list[int], flat: list[int] | None) -> str:
         if flat is None
         else [flat[i * size : (i + 1) * size] for i in range(len(texts))]
     )
-    return _json(list(zip(texts, parents, tokens, copies, strict=True))).decode()
+    rows = zip(texts, parents, tokens, copies, strict=True)
+    return _json([row for row in rows if row[3]]).decode()
 
 
 # -- loading into an index ----------------------------------------------------------------
@@ -268,7 +329,8 @@ def _payloads(stored: list[Stored]) -> Iterator[tuple[bytes, int]]:
     for i in _parents_first(stored, keys):
         record = stored[i]
         chunk.append(record[2])
-        events, size, blocks = events + record[3], size + len(record[2]), blocks + len(keys[i][1])
+        held = len(keys[i][1]) - len(keys[i][3] or ())
+        events, size, blocks = events + record[3], size + len(record[2]), blocks + held
         if events >= CHUNK_EVENTS or size >= CHUNK_BYTES:
             yield b"\x92" + ts + array_header(events) + b"".join(chunk), blocks
             chunk, events, size, blocks = [], 0, 0, 0
@@ -328,19 +390,21 @@ def load_runs(mirror: Mirror, source: SourceKey, rows: Iterable[MirrorRow]) -> i
     src = mirror.source(source)
     blocks = 0
     for run_id, rank, group, medium, size, lora, ts, keys, events, n in rows:
-        parent, hashes, extras = _decode_keys(keys)
+        decoded = _decode_keys(keys)
+        parent, hashes, extras = decoded[0], decoded[1], decoded[2]
         run = Run(
             run_id, group, medium, parent, hashes, size, lora, ts, None, rank,
             array_header(n) + events if rank else None,
         )  # fmt: skip
         run.saved = True
         pool = src.pool((group, medium))
-        pool.blocks.update(zip(hashes, repeat(run)))
+        held = list(_held(decoded))
+        pool.blocks.update(zip(held, repeat(run)))
         for i, copies in extras or ():
             pool.extra[hashes[i]] = copies - 1
         src.runs[run_id] = run
         mirror.next_id = max(mirror.next_id, run_id + 1)
-        blocks += len(hashes)
+        blocks += len(held)
     return blocks
 
 

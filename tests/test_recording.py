@@ -344,15 +344,17 @@ def test_record_from_now_still_fills_gaps_after_its_start() -> None:
                 assert time.monotonic() < deadline
                 pub.publish_payload(payload(pub.next_seq))
                 got += [d.seq for d in sub.poll(0.05) if isinstance(d, Delivery)]
-            start = got[0]
-            pub.publish_payload(payload(start + 1))
-            pub.drop = lambda seq: seq == start + 2  # lost on the wire, kept for replay
-            pub.publish_payload(payload(start + 2))
+            # The loop may have sent more than the first batch it saw: go on after them.
+            start, base = got[0], pub.next_seq
+            pub.publish_payload(payload(base))
+            pub.drop = lambda seq: seq == base + 1  # lost on the wire, kept for replay
+            pub.publish_payload(payload(base + 1))
             pub.drop = None
-            pub.publish_payload(payload(start + 3))
-            while len(got) < 4 and time.monotonic() < deadline:
+            pub.publish_payload(payload(base + 2))
+            end = base + 3
+            while len(got) < end - start and time.monotonic() < deadline:
                 got += [d.seq for d in sub.poll(0.05) if isinstance(d, Delivery)]
-            assert start >= 10 and got == list(range(start, start + 4))
+            assert start >= 10 and got == list(range(start, end))
             assert sub.stats(SourceKey("vllm")).lost_batches == 0
 
 

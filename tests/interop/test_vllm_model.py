@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 from driver_proc import spawn
-from follow import caught_up, run_until
+from follow import caught_up, restarted_through_store, run_until
 
 from kvindex.index import FleetIndex
 from kvindex.subscriber import InstanceSpec, Lost, ReplayPolicy, SourceKey, Subscriber
@@ -70,12 +70,14 @@ DETAIL_CASES = [
 
 @dataclass
 class Fleet:
-    index: FleetIndex
+    live: FleetIndex
+    restarted: FleetIndex  # the same stream through the SQLite store and a warm restart
     ref: dict[str, Any]  # scenario -> the driver's reference for it
+    index: FleetIndex  # the one a test asks (see `fleet`)
 
 
 @pytest.fixture(scope="module")
-def fleet(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def followed(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     out = tmp_path_factory.mktemp("vllm-model") / "reference.json"
     driver = spawn(vllm_python, DRIVER, out, "--wait-go", "--linger", "120")
     try:
@@ -98,9 +100,18 @@ def fleet(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             behind = [n for n, r in ref.items() if not caught_up(sub, n, r["published_batches"])]
             assert not behind, f"the subscriber did not catch up with {behind}"
         assert not [i for i in items if isinstance(i, Lost)]
-        yield Fleet(index, ref)
+        restarted = restarted_through_store(items, out.with_name("store.sqlite"))
+        yield Fleet(index, restarted, ref, index)
     finally:
         driver.stop()
+
+
+@pytest.fixture(params=["live", "restarted"])
+def fleet(followed: Fleet, request: pytest.FixtureRequest) -> Fleet:
+    """Each check on the live index, then on the one a warm restart from the SQLite store
+    rebuilt (issue 20: the same answers before and after a restart)."""
+    index = followed.live if request.param == "live" else followed.restarted
+    return Fleet(followed.live, followed.restarted, followed.ref, index)
 
 
 def scenario_ref(fleet: Fleet, scenario: str) -> dict[str, Any]:

@@ -72,9 +72,25 @@ class RunKeys(msgspec.Struct, frozen=True, gc=False):
     lookahead: list[list[int]] | None = None
     lora_id: int | None = None
     legacy: bool = False
+    # The KV cache group's kind and window as the event said (0.22+): what a hybrid
+    # lookup follows (FleetIndex's group specs).
+    spec_kind: str | None = None
+    spec_window: int | None = None
+
+    @property
+    def plain(self) -> bool:
+        """No keys beside the tokens (the group's spec aside)."""
+        return (
+            self.extra is None
+            and self.salt is None
+            and self.lookahead is None
+            and (self.lora_id is None)
+        )
 
     def part(self, start: int, stop: int) -> RunKeys:
         """The keys of blocks start..stop-1 (for a run cut into pieces)."""
+        if self.plain:
+            return self
         extra, lookahead = self.extra, self.lookahead
         return RunKeys(
             None if extra is None else extra[start:stop],
@@ -82,20 +98,53 @@ class RunKeys(msgspec.Struct, frozen=True, gc=False):
             None if lookahead is None else lookahead[start:stop],
             self.lora_id,
             self.legacy,
+            self.spec_kind,
+            self.spec_window,
         )
 
 
+def keys_with_spec(keys: RunKeys | None, spec: RunKeys | None) -> RunKeys | None:
+    """`keys` (a run's placement keys) with the group spec `spec` says (another pool's)."""
+    kind = None if spec is None else spec.spec_kind
+    window = None if spec is None else spec.spec_window
+    if keys is None or keys.plain:
+        legacy = keys.legacy if keys is not None else spec is not None and spec.legacy
+        if kind is None and window is None:
+            return None if keys is None or not legacy else RunKeys(legacy=True)
+        return _spec_only(kind, window, legacy)
+    return msgspec.structs.replace(keys, spec_kind=kind, spec_window=window)
+
+
+# Keys with nothing but a group's spec, made once each (nearly every run of a 0.22+ engine
+# has such keys: one shared object, not one per run).
+_SPEC_ONLY: dict[tuple[str | None, int | None, bool], RunKeys] = {}
+
+
+def _spec_only(kind: str | None, window: int | None, legacy: bool) -> RunKeys:
+    keys = _SPEC_ONLY.get((kind, window, legacy))
+    if keys is None:
+        keys = _SPEC_ONLY[(kind, window, legacy)] = RunKeys(
+            legacy=legacy, spec_kind=kind, spec_window=window
+        )
+    return keys
+
+
 def run_keys(event: BlockStored) -> RunKeys | None:
-    """The keys a run of this store must keep (None: a plain store, or LoRA by name only,
-    which the run's `lora` says)."""
+    """The keys a run of this store must keep (None: a plain store of an engine that names
+    no group spec; LoRA by name only is the run's `lora`)."""
+    kind, window = event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window
     if is_plain(event) and event.lora_id is None:
-        return None
+        if kind is None and window is None:
+            return None
+        return _spec_only(kind, window, event.group_idx is None)
     return RunKeys(
         event.extra_keys,
         event.cache_salt,
         event.lookahead_token_ids,
         event.lora_id if event.lora_name is None else None,
         event.group_idx is None,
+        kind,
+        window,
     )
 
 
@@ -134,10 +183,11 @@ class Run(msgspec.Struct, gc=False, eq=False):
     def _unpack(self) -> None:
         """Tokens and keys out of `blob` (the record's events as a msgpack array: the
         chain comes first)."""
-        if self.blob is not None and self.rank:
+        if self.blob is not None:
             chain = _decode_events(self.blob)[0]
             assert isinstance(chain, BlockStored)
-            self.tokens = array("q", chain.token_ids)
+            if self.rank:
+                self.tokens = array("q", chain.token_ids)
             self.keys = run_keys(chain)
             self.blob = None
 
@@ -185,6 +235,46 @@ class PublisherRuns:
     pools: dict[PoolKey, Pool] = field(default_factory=dict)
     runs: dict[int, Run] = field(default_factory=dict)
     dirty: set[Run] = field(default_factory=set)
+    # Hash -> how many runs hang from it (their `parent`). A block gone from its pool is
+    # kept in its run's record while some run hangs from it, as the index keeps its node
+    # while blocks hang from it (snapshot._cut); `kept_for` says which run keeps it.
+    parents: dict[BlockHash, int] = field(default_factory=dict)
+    kept_for: dict[BlockHash, Run] = field(default_factory=dict)
+
+    def add(self, run: Run, dirty: bool = True) -> None:
+        self.runs[run.id] = run
+        if run.parent is not None:
+            self.parents[run.parent] = self.parents.get(run.parent, 0) + 1
+        if dirty:
+            self.dirty.add(run)
+
+    def drop(self, run: Run) -> None:
+        del self.runs[run.id]
+        self.unhang(run.parent)
+
+    def rehang(self, run: Run, parent: BlockHash | None) -> None:
+        """`run` hangs from `parent` now."""
+        if parent != run.parent:
+            old, run.parent = run.parent, parent
+            if parent is not None:
+                self.parents[parent] = self.parents.get(parent, 0) + 1
+            self.unhang(old)
+
+    def unhang(self, parent: BlockHash | None) -> None:
+        """One run less hangs from `parent`: the run keeping it may let it go."""
+        if parent is None:
+            return
+        left = self.parents.get(parent, 0) - 1
+        if left > 0:
+            self.parents[parent] = left
+            return
+        self.parents.pop(parent, None)
+        keeper = self.kept_for.pop(parent, None)
+        if keeper is not None and self.runs.get(keeper.id) is keeper:
+            self.dirty.add(keeper)
+
+    def hung_from(self, h: BlockHash) -> bool:
+        return h in self.parents
 
     def pool(self, key: PoolKey) -> Pool:
         pool = self.pools.get(key)
@@ -320,7 +410,7 @@ class Mirror:
             before = len(blocks)
             blocks.update(zip(hashes, repeat(run)))
             if len(blocks) - before == len(hashes):
-                if run.rank == PLACED and len(src.pools) > 1:
+                if len(src.pools) > 1 and run.rank != UNPLACED:
                     self._across_pools(src, pool_key, run, event)
                 return
             for h in dict.fromkeys(hashes):
@@ -339,10 +429,10 @@ class Mirror:
             blocks[h] = run
             joined = True
         if not joined:  # only more copies: no run of its own
-            del src.runs[run.id]
+            src.drop(run)
             dirty.discard(run)
             return
-        if run.rank == PLACED and len(src.pools) > 1:
+        if len(src.pools) > 1 and run.rank != UNPLACED:
             self._across_pools(src, pool_key, run, event)
 
     def _new_run(
@@ -353,10 +443,9 @@ class Mirror:
         run = Run(
             self.next_id - 1, pool[0], pool[1], event.parent_block_hash, event.block_hashes,
             event.block_size, event.lora_name, ts, event.token_ids if rank else None, rank,
-            keys=run_keys(event) if rank else None,
+            keys=run_keys(event),
         )  # fmt: skip
-        src.runs[run.id] = run
-        src.dirty.add(run)
+        src.add(run)
         return run
 
     def _remove(self, src: PublisherRuns, pool: Pool, hashes: list[BlockHash]) -> None:
@@ -382,7 +471,10 @@ class Mirror:
         """A placed chain of a publisher with several pools: a GPU or keyed one takes the
         other pools' copies of its blocks over, an unkeyed lower-tier one keeps the places
         its blocks have elsewhere (FleetIndex._insert_chain_in_several)."""
-        if _keyed(pool_key, event):
+        if run.rank == HASH_ONLY:
+            if run.size:
+                self._keep_places(src, pool_key, run)
+        elif _keyed(pool_key, event):
             self._take_over(src, pool_key, run)
         else:
             self._keep_places(src, pool_key, run)
@@ -390,28 +482,35 @@ class Mirror:
     def _take_over(self, src: PublisherRuns, pool_key: PoolKey, run: Run) -> None:
         """A GPU or keyed chain was placed: the publisher's other pools that hold one of
         its blocks without a place, or on a lower tier in another namespace, now hold it
-        at this place (as FleetIndex._take_over does), kept past this chain's own copies:
-        each moves to a run of its own with the tokens, parent and keys it has here."""
+        at this place (as FleetIndex._take_over does), kept past this chain's own copies."""
         for key, other in src.pools.items():
             if key == pool_key:
                 continue
             gpu = tier_of(key[1]) == TIER_GPU
+            moved, spec = [], None
             for i, h in enumerate(run.hashes):
                 held = other.blocks.get(h)
                 if held is None or held is run or (held.size and held.size != run.size):
                     continue
                 if held.rank == PLACED and (gpu or _same_namespace(held, run)):
                     continue  # a GPU group's own place stands; the same namespace: same node
-                other.blocks[h] = self._place_of(src, key, run, i)
+                moved.append(i)
+                spec = held
                 src.dirty.add(held)
+            if spec is not None:
+                self._place_like(src, key, run, moved, spec)
 
     def _keep_places(self, src: PublisherRuns, pool_key: PoolKey, run: Run) -> None:
-        """An unkeyed lower-tier chain (vLLM's offload events carry no keys): each block
-        the publisher holds placed in another pool keeps that place (its namespace), and
-        the chain goes on from there, as the index has it. Such a block moves to a run of
-        its own made from the other copy's place; the rest of the chain is cut after it
-        and so hangs from it when loaded."""
+        """A chain the index places where the publisher holds its blocks elsewhere: an
+        unkeyed lower-tier chain (vLLM's offload events carry no keys) keeps the keyed
+        places its blocks have, and goes on from there; a store that can't say where its
+        blocks go (no tokens, a window group's skipped blocks) takes any place they have
+        (FleetIndex._store_elsewhere_placed). Such blocks move to a run that has those
+        places; the rest of a chain is cut after them, and so hangs from them when
+        loaded."""
         pool = src.pools[pool_key]
+        placed = run.rank == PLACED
+        found: dict[int, tuple[Run, list[int]]] = {}
         for h in run.hashes:
             if pool.blocks.get(h) is not run:
                 continue
@@ -419,27 +518,34 @@ class Mirror:
                 held = other.blocks.get(h) if key != pool_key else None
                 if held is None or held.rank != PLACED or held.size != run.size:
                     continue
-                if held.lora is None and held.event_keys() is None:
+                if placed and held.lora is None and _plain(held.event_keys()):
                     break  # placed plain, where this chain puts it too
-                j = held.hashes.index(h)
-                pool.blocks[h] = self._place_of(src, pool_key, held, j)
+                found.setdefault(held.id, (held, []))[1].append(held.hashes.index(h))
                 break
+        for like, positions in found.values():
+            self._place_like(src, pool_key, like, positions, run)
 
-    def _place_of(self, src: PublisherRuns, pool: PoolKey, like: Run, i: int) -> Run:
-        """A one-block run in `pool` at the place block `i` of `like` has."""
-        flat = like.flat_tokens()
-        size = like.size
-        own = None if flat is None else flat[i * size : (i + 1) * size]
-        parent = like.hashes[i - 1] if i else like.parent
-        keys = like.event_keys()
+    def _place_like(
+        self, src: PublisherRuns, pool: PoolKey, like: Run, positions: list[int], own: Run
+    ) -> None:
+        """A run of `pool` holding blocks `positions` of `like` at the places they have
+        there. It is `like`'s chain up to the last of them, the blocks of it this pool does
+        not hold stored and removed again when loaded (snapshot.py): they hang where
+        `like`'s do even once `like`'s blocks are gone. Its group spec is `own`'s (a run
+        of `pool`)."""
+        last = max(positions) + 1
+        flat, size = like.flat_tokens(), like.size
+        keys = keys_with_spec(like.event_keys(), own.event_keys())
         self.next_id += 1
         run = Run(
-            self.next_id - 1, pool[0], pool[1], parent, [like.hashes[i]], size, like.lora,
-            like.ts, own, like.rank, keys=None if keys is None else keys.part(i, i + 1),
+            self.next_id - 1, pool[0], pool[1], like.parent, like.hashes[:last], size,
+            like.lora, like.ts, None if flat is None else flat[: last * size], like.rank,
+            keys=None if keys is None else keys.part(0, last),
         )  # fmt: skip
-        src.runs[run.id] = run
-        src.dirty.add(run)
-        return run
+        blocks = src.pools[pool].blocks
+        for i in positions:
+            blocks[like.hashes[i]] = run
+        src.add(run)
 
     def _clear(self, source: SourceKey) -> PublisherRuns:
         src = self.sources[source] = PublisherRuns()
@@ -475,8 +581,10 @@ class Mirror:
             src = self.sources.get(source)
             if src is not None:
                 for run in runs:
-                    if src.runs.get(run.id) is run and not src.members(run):
-                        del src.runs[run.id]
+                    if src.runs.get(run.id) is not run or src.members(run):
+                        continue
+                    if not any(src.hung_from(h) for h in run.hashes):
+                        src.drop(run)
             self.snapshot_of[source] = None
         for source in changes.cleared:
             self.snapshot_of[source] = None
@@ -492,7 +600,11 @@ def _keyed(pool_key: PoolKey, event: BlockStored) -> bool:
 
 def _same_namespace(a: Run, b: Run) -> bool:
     """Whether two placed runs are surely in one namespace (then one hash is one node)."""
-    return a.lora == b.lora and a.event_keys() is None and b.event_keys() is None
+    return a.lora == b.lora and _plain(a.event_keys()) and _plain(b.event_keys())
+
+
+def _plain(keys: RunKeys | None) -> bool:
+    return keys is None or keys.plain
 
 
 def _rank(src: PublisherRuns, pool: Pool, event: BlockStored) -> int:
@@ -500,7 +612,10 @@ def _rank(src: PublisherRuns, pool: Pool, event: BlockStored) -> int:
     FleetIndex._anchor decides; token ids past 64 bits are found out when the run is
     first saved)."""
     size = event.block_size
-    if size <= 0 or len(event.token_ids) < size * len(event.block_hashes):
+    if size <= 0 or len(event.token_ids) != size * len(event.block_hashes):
+        # No tokens, a partial block, or a window group's skipped blocks (their tokens
+        # are in the event, their hashes not): the index places each block where the
+        # publisher holds its hash elsewhere, which a restart finds again by hash.
         return HASH_ONLY
     n = len(event.block_hashes)
     extra, lookahead = event.extra_keys, event.lookahead_token_ids

@@ -61,15 +61,18 @@ CHUNK_BYTES = 8 << 20  # and bytes (well under BatchDecoder's payload limit)
 _encode = msgspec.msgpack.Encoder().encode
 _json = msgspec.json.Encoder().encode
 # A record's keys: [parent, hashes, [[position, copies], ...] or nil, [gone position, ...]
-# or nil]; records written before gone blocks were kept have the first three.
-Keys = tuple[BlockHash | None, list[BlockHash], list[tuple[int, int]] | None, list[int] | None]
+# or nil, bytes of its events that are the gone blocks' removal (the last event)]; records
+# written before gone blocks were kept have the first three.
+Keys = tuple[BlockHash | None, list[BlockHash], list[tuple[int, int]] | None, list[int] | None, int]
 _decode_key_list = msgspec.msgpack.Decoder(list[Any]).decode
 
 
 def _decode_keys(raw: bytes) -> Keys:
     fields = _decode_key_list(raw)
     parent, hashes, extras = fields[0], fields[1], fields[2]
-    return parent, hashes, extras, fields[3] if len(fields) > 3 else None
+    if len(fields) < 5:
+        return parent, hashes, extras, None, 0
+    return parent, hashes, extras, fields[3], fields[4]
 
 
 def _held(keys: Keys) -> Iterator[BlockHash]:
@@ -151,7 +154,7 @@ def plan_source(
             continue  # gone with a clear, or already cut
         parts = _cut(mirror, src, run)
         if not parts:
-            del src.runs[run.id]
+            src.drop(run)
             if run.saved:
                 plan.deletes.append(run.id)
         for part in parts:
@@ -161,14 +164,14 @@ def plan_source(
 
 
 def _cut(mirror: Mirror, src: PublisherRuns, run: Run) -> list[Run]:
-    """The run cut down to what its record must say: [] if it holds no block any more.
+    """The run cut down to what its record must say: [] if nothing any more.
 
-    A block that left the pool stays in the record, up to the run's last block still
-    held, as one the record stores and then removes: the index keeps a node while blocks
-    hang from it, so the blocks after it come back under the same node (a parent hash
-    nobody holds any more could not place them). A block that moved to another run of
-    the pool (re-placed, see Mirror._take_over) cuts the run instead: the piece after it
-    hangs from its new run. The first piece keeps the run's id.
+    A block that left the pool stays in the record (stored, then removed when loaded) up
+    to the run's last block still held or hung from: the index keeps a block's node while
+    blocks hang from it, so what hangs from it comes back under the same node (a parent
+    hash nobody holds could not place it). A block that moved to another run of the pool
+    (re-placed, see Mirror._take_over) cuts the run instead: the piece after it hangs from
+    its new run. The first piece keeps the run's id.
     """
     hashes = run.hashes
     blocks = src.pools[(run.group, run.medium)].blocks
@@ -178,7 +181,7 @@ def _cut(mirror: Mirror, src: PublisherRuns, run: Run) -> list[Run]:
     segments: list[tuple[int, int]] = []
     start, last = 0, -1
     for i, owner in enumerate([*owners, False]):
-        if owner is run:
+        if owner is run or (owner is None and src.hung_from(hashes[i])):
             last = i
         elif owner is not None:  # moved elsewhere (or the end): a segment ends here
             if last >= start:
@@ -196,14 +199,15 @@ def _cut(mirror: Mirror, src: PublisherRuns, run: Run) -> list[Run]:
         )
         for a, b in segments
     ]
-    run.parent, run.hashes, run.tokens, run.keys = pieces[0]
+    parent, run.hashes, run.tokens, run.keys = pieces[0]
+    src.rehang(run, parent)
     parts = [run]
     for parent, part_hashes, cut, part_keys in pieces[1:]:
         part = Run(
             mirror.new_run_id(), run.group, run.medium, parent, part_hashes, size, run.lora,
             run.ts, cut, run.rank, keys=part_keys,
         )  # fmt: skip
-        src.runs[part.id] = part
+        src.add(part, dirty=False)
         for h in part_hashes:
             if blocks.get(h) is run:
                 blocks[h] = part
@@ -220,29 +224,51 @@ def _record(src: PublisherRuns, run: Run, view: bool) -> Record:
     extras = [(i, c) for i, c in enumerate(copies) if c > 1] or None
     run.compact()
     flat = run.flat_tokens()
-    keys = run.event_keys() if flat else None
+    keys = run.event_keys()
+    named = keys if flat else None  # a hash-only run's keys place nothing
+    stored = hashes if not gone else _stand_ins(src, run, gone)
     chain = BlockStored(
-        hashes, run.parent, flat or [], run.size if flat else 0, medium=run.medium,
-        lora_name=run.lora, group_idx=None if keys is not None and keys.legacy else run.group,
-        extra_keys=_extra_keys(run, keys, len(hashes)) if flat else None,
-        cache_salt=None if keys is None else keys.salt,
-        lookahead_token_ids=None if keys is None else keys.lookahead,
-        lora_id=None if keys is None else keys.lora_id,
+        stored, run.parent, flat or [], run.size, medium=run.medium, lora_name=run.lora,
+        group_idx=None if keys is not None and keys.legacy else run.group,
+        extra_keys=_extra_keys(run, named, len(hashes)) if flat else None,
+        cache_salt=None if named is None else named.salt,
+        lookahead_token_ids=None if named is None else named.lookahead,
+        lora_id=None if named is None else named.lora_id,
+        kv_cache_spec_kind=None if keys is None else keys.spec_kind,
+        kv_cache_spec_sliding_window=None if keys is None else keys.spec_window,
     )  # fmt: skip
     events, n = _encode(chain), 1
     if extras:
         more = [hashes[i] for i, c in extras for _ in range(c - 1)]
         events += _encode(BlockStored(more, None, [], 0, medium=run.medium, group_idx=run.group))
         n += 1
+    tail = 0
     if gone:
-        left = BlockRemoved([hashes[i] for i in gone], medium=run.medium, group_idx=run.group)
-        events += _encode(left)
-        n += 1
+        for i in gone:
+            src.kept_for[hashes[i]] = run
+        left = _encode(
+            BlockRemoved([stored[i] for i in gone], medium=run.medium, group_idx=run.group)
+        )
+        events, n, tail = events + left, n + 1, len(left)
     return Record(
         run.id, run.rank, run.group, run.medium, run.size, run.lora, run.ts,
-        _encode((run.parent, hashes, extras, gone)), events, n,
+        _encode((run.parent, hashes, extras, gone, tail)), events, n,
         _blocks_json(run, copies, flat) if view else None,
     )  # fmt: skip
+
+
+def _stand_ins(src: PublisherRuns, run: Run, gone: list[int]) -> list[BlockHash]:
+    """The run's hashes as its record stores them: a gone block nothing hangs from by hash
+    is stored under a stand-in (32 bytes no engine makes, one per run and position), so
+    that storing and removing it can't touch a copy of its hash the pool holds again."""
+    stored = list(run.hashes)
+    for i in gone:
+        if not src.hung_from(stored[i]):
+            stored[i] = _STAND_IN + run.id.to_bytes(8, "big") + i.to_bytes(8, "big")
+    return stored
+
+
+_STAND_IN = b"\x00kvindex-gone\x00\x00"  # 16 bytes, then run id and position
 
 
 def _extra_keys(run: Run, keys: RunKeys | None, n: int) -> list[Any] | None:
@@ -326,16 +352,26 @@ def _payloads(stored: list[Stored]) -> Iterator[tuple[bytes, int]]:
     ts = _encode(max(s[4] for s in stored))
     chunk: list[bytes] = []
     events = size = blocks = 0
+    # Blocks gone from their pools are removed once every record is in: until then they
+    # hold the nodes that the blocks hanging from them, in any record, are placed under.
+    removals: list[bytes] = []
     for i in _parents_first(stored, keys):
-        record = stored[i]
-        chunk.append(record[2])
+        record, tail = stored[i], keys[i][4]
+        data, n = record[2], record[3]
+        if tail:
+            data, n = data[:-tail], n - 1
+            removals.append(record[2][-tail:])
+        chunk.append(data)
         held = len(keys[i][1]) - len(keys[i][3] or ())
-        events, size, blocks = events + record[3], size + len(record[2]), blocks + held
+        events, size, blocks = events + n, size + len(data), blocks + held
         if events >= CHUNK_EVENTS or size >= CHUNK_BYTES:
             yield b"\x92" + ts + array_header(events) + b"".join(chunk), blocks
             chunk, events, size, blocks = [], 0, 0, 0
     if chunk:
         yield b"\x92" + ts + array_header(events) + b"".join(chunk), blocks
+    for start in range(0, len(removals), CHUNK_EVENTS):
+        part = removals[start : start + CHUNK_EVENTS]
+        yield b"\x92" + ts + array_header(len(part)) + b"".join(part), 0
 
 
 def _parents_first(stored: list[Stored], keys: list[Keys]) -> list[int]:
@@ -353,7 +389,7 @@ def _parents_first(stored: list[Stored], keys: list[Keys]) -> list[int]:
     if wanted:
         for i, (k, r) in enumerate(zip(keys, ranks, strict=True)):
             if r == PLACED:
-                for h in wanted.intersection(k[1]):
+                for h in wanted.intersection(k[1]):  # gone blocks too: see _payloads
                     holder.setdefault(h, i)
     order = [i for i, r in enumerate(ranks) if r == UNPLACED]
     done = bytearray(len(stored))
@@ -394,15 +430,17 @@ def load_runs(mirror: Mirror, source: SourceKey, rows: Iterable[MirrorRow]) -> i
         parent, hashes, extras = decoded[0], decoded[1], decoded[2]
         run = Run(
             run_id, group, medium, parent, hashes, size, lora, ts, None, rank,
-            array_header(n) + events if rank else None,
+            array_header(n) + events,
         )  # fmt: skip
         run.saved = True
         pool = src.pool((group, medium))
         held = list(_held(decoded))
         pool.blocks.update(zip(held, repeat(run)))
+        for i in decoded[3] or ():
+            src.kept_for[hashes[i]] = run
         for i, copies in extras or ():
             pool.extra[hashes[i]] = copies - 1
-        src.runs[run_id] = run
+        src.add(run, dirty=False)
         mirror.next_id = max(mirror.next_id, run_id + 1)
         blocks += len(held)
     return blocks

@@ -38,6 +38,7 @@ from typing import Any
 import enginevenv
 import msgspec
 import pytest
+from warm_restart import restarted_through_store
 
 import kvindex.recording as recording
 from kvindex.index import FleetIndex
@@ -87,10 +88,24 @@ def reference(engine: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def replayed() -> FleetIndex:
+def live() -> FleetIndex:
     index = FleetIndex()
     for item in recording.read(DATA / "fleet.kvr"):
         index.handle(item)
+    return index
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory: pytest.TempPathFactory) -> FleetIndex:
+    """The same stream through the SQLite store and a warm restart (issue 20: the same
+    answers before and after)."""
+    items = list(recording.read(DATA / "fleet.kvr"))
+    return restarted_through_store(items, tmp_path_factory.mktemp("sglang") / "s.sqlite")
+
+
+@pytest.fixture(params=["live", "restarted"])
+def replayed(request: pytest.FixtureRequest) -> FleetIndex:
+    index: FleetIndex = request.getfixturevalue(request.param)
     return index
 
 

@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 from driver_proc import spawn
-from follow import caught_up, restarted_through_store, run_until
+from follow import caught_up, run_until
+from warm_restart import restarted_through_store
 
 from kvindex.index import FleetIndex
 from kvindex.subscriber import InstanceSpec, Lost, ReplayPolicy, SourceKey, Subscriber

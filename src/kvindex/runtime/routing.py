@@ -40,7 +40,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -116,7 +116,7 @@ class Weights:
     def tier(self, name: str) -> float:
         return float(self.tiers.get(name, 0.0))
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "prefix": self.prefix,
             "queue": self.queue,
@@ -175,7 +175,7 @@ class ScoredAnswer(msgspec.Struct, frozen=True, gc=False):
     best_rank: int | None
     why: str
     prompt_tokens: int
-    weights: dict[str, object]
+    weights: dict[str, Any]
     instances: list[ScoredMatch]
 
     @property
@@ -200,7 +200,7 @@ class RouteAnswer(msgspec.Struct, frozen=True, gc=False):
     why: str
     prompt_tokens: int
     predicted: Prediction
-    weights: dict[str, object]
+    weights: dict[str, Any]
     instances: list[ScoredMatch]
 
 

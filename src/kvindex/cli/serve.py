@@ -208,7 +208,7 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     if shared is not None:
         shared.share(fleet.specs.values())
     try:
-        routing = Routing.of(fleet, _tokenizers(fleet, getattr(args, "tokenizer", [])))
+        routing = Routing.of(fleet, _tokenizers(fleet, settings.tokenizers))
     except UsageError:
         fleet.close()
         sock.close()

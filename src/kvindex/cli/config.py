@@ -62,7 +62,7 @@ _INT_KEYS = {"max_body_bytes", "max_lookup_tokens"}
 _FLOAT_KEYS = {"request_timeout"}
 _LIST_KEYS = {"allowed_hosts"}
 SERVER_KEYS = (
-    {"http", "store", "ingest_workers", "sub_hwm"}
+    {"http", "store", "ingest_workers", "sub_hwm", "tokenizer"}
     | _SECRET_KEYS
     | _PATH_KEYS
     | _INT_KEYS
@@ -84,6 +84,8 @@ class Settings:
     http_options: dict[str, Any] = field(default_factory=dict)
     ingest_workers: int | None = None  # None: one per core (kvindex.runtime.ingest)
     sub_hwm: int | None = None  # None: the Subscriber's default (100,000)
+    # `MODEL=PATH|vllm`: how each model's prompts become token ids (lookups by text)
+    tokenizers: list[str] = field(default_factory=list)
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
@@ -99,6 +101,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
         settings.ingest_workers = args.ingest_workers
     if getattr(args, "sub_hwm", None) is not None:
         settings.sub_hwm = args.sub_hwm
+    settings.tokenizers += getattr(args, "tokenizer", None) or []
     names = [spec.name for spec in settings.instances]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -139,6 +142,11 @@ def read_config(path: Path) -> Settings:
         if not isinstance(hwm, int) or isinstance(hwm, bool) or hwm < 1:
             raise UsageError(f"{path}: server.sub_hwm must be a whole number of at least 1")
         settings.sub_hwm = hwm
+    if "tokenizer" in server:
+        listed = server["tokenizer"]
+        if not isinstance(listed, list) or not all(isinstance(t, str) for t in listed):
+            raise UsageError(f'{path}: server.tokenizer must be a list of "MODEL=PATH|vllm"')
+        settings.tokenizers = list(listed)
     instances = data.get("instances", [])
     if not isinstance(instances, list):
         raise UsageError(f"{path}: 'instances' must be an array of tables ([[instances]])")

@@ -72,6 +72,15 @@ def add_parser(subparsers: Any) -> None:
         help="live messages queued per publisher before ZMQ drops new ones (then replayed, "
         "or counted lost); default 100000 (docs/configuration.md)",
     )
+    p.add_argument(
+        "--tokenizer",
+        metavar="MODEL=PATH|vllm",
+        action="append",
+        default=[],
+        help="how MODEL's prompts become token ids for lookups by text: a Hugging Face model "
+        "directory or tokenizer.json (the tokenize extra), or 'vllm' for the instance's own "
+        "POST /tokenize (its spec's http=); repeatable",
+    )
     add_http_arguments(p)
     p.set_defaults(run=run)
 
@@ -161,6 +170,7 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     from kvindex.runtime import Fleet
     from kvindex.service.app import create_app
     from kvindex.service.fastpath import lookup_protocol
+    from kvindex.service.routing import Routing
 
     # Ingest threads and the HTTP loop share the GIL: a lookup waiting for it would wait up
     # to a whole switch interval (5 ms by default) behind an ingest thread's Python work.
@@ -197,9 +207,20 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     fleet.add_link_hook(_warn_link)  # can't follow a publisher; its replay refused
     if shared is not None:
         shared.share(fleet.specs.values())
+    try:
+        routing = Routing.of(fleet, _tokenizers(fleet, settings.tokenizers))
+    except UsageError:
+        fleet.close()
+        sock.close()
+        store.close()
+        raise
     store.start()
     app = create_app(
-        fleet, guard=http.guard, max_body_bytes=http.max_body_bytes, store_health=store.health
+        fleet,
+        guard=http.guard,
+        max_body_bytes=http.max_body_bytes,
+        store_health=store.health,
+        routing=routing,
     )
     protocol = lookup_protocol(app.state.lookup_answerer, http.guard, http.max_body_bytes)
     config = uvicorn.Config(
@@ -223,6 +244,19 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     finally:
         store.close()
     return 0
+
+
+def _tokenizers(fleet: Any, options: list[str]) -> Any:
+    """`--tokenizer MODEL=PATH|vllm` options, loaded (a bad one is a UsageError)."""
+    from kvindex.runtime.tokenize import TokenizerError, Tokenizers, parse_tokenizer_option
+
+    tokenizers = Tokenizers(fleet)
+    try:
+        for option in options:
+            tokenizers.add(*parse_tokenizer_option(option))
+    except TokenizerError as exc:
+        raise UsageError(str(exc)) from None
+    return tokenizers
 
 
 def _warn_link(notice: Notice) -> None:

@@ -396,24 +396,41 @@ class Fleet:
 
     # -- lookups -----------------------------------------------------------------------
 
+    def models(self) -> dict[str, list[str]]:
+        """The models the instances serve (`model=` in their specs), each with its
+        instances by name."""
+        out: dict[str, list[str]] = {}
+        for name, spec in sorted(self._specs.items()):
+            if spec.model is not None:
+                out.setdefault(spec.model, []).append(name)
+        return out
+
+    def serves(self, model: str) -> bool:
+        """Whether any instance followed serves `model`."""
+        return any(spec.model == model for spec in list(self._specs.values()))
+
     def lookup(
         self,
         token_ids: Sequence[int],
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        model: str | None = None,
     ) -> LookupAnswer:
         """Per instance, what the engine would reuse of the prompt, in whole blocks from
         its first token (the chains of the namespace its LoRA adapter and salt name); rows
-        best first."""
+        best first. With `model`, only the instances serving that model answer (none if no
+        instance does: see `serves`)."""
         with self._guard():
             rows = self.index.lookup(token_ids, lora_name, cache_salt)
-        return self._answer(rows, by_tokens=True)
+        return self._answer(rows, by_tokens=True, model=model)
 
-    def lookup_hashes(self, block_hashes: Sequence[BlockHash]) -> LookupAnswer:
+    def lookup_hashes(
+        self, block_hashes: Sequence[BlockHash], model: str | None = None
+    ) -> LookupAnswer:
         """Per instance, how many of these block hashes, from the first, it holds now."""
         with self._guard():
             rows = self.index.lookup_hashes(block_hashes)
-        return self._answer(rows, by_tokens=False)
+        return self._answer(rows, by_tokens=False, model=model)
 
     def lookup_json(
         self,
@@ -447,7 +464,7 @@ class Fleet:
         for name in sorted(self._specs):
             bits = known.get(name, {})
             flat: list[int] = []
-            for rank in sorted(set(range(self._specs[name].dp)) | bits.keys()):
+            for rank in sorted(set(self._specs[name].ranks()) | bits.keys()):
                 flat += (rank, bits.get(rank, -1))
             slots.append((msgspec.json.encode(name), flat))
         self._slots = (layout, self._specs_version, slots)
@@ -481,17 +498,24 @@ class Fleet:
         self._status_readers = (slots, readers)
         return readers
 
-    def _answer(self, rows: list[LookupRow], by_tokens: bool) -> LookupAnswer:
+    def _answer(
+        self, rows: list[LookupRow], by_tokens: bool, model: str | None = None
+    ) -> LookupAnswer:
         """One row per followed instance (0 where it holds nothing yet), best first; `best`
-        is never a `down` instance (its engine is unreachable)."""
+        is never a `down` instance (its engine is unreachable). With `model`, only that
+        model's instances."""
         found = {row.instance: row for row in rows}
-        out = [self._match(spec, found.get(name), by_tokens) for name, spec in self._specs.items()]
+        out = [
+            self._match(spec, found.get(name), by_tokens)
+            for name, spec in self._specs.items()
+            if model is None or spec.model == model
+        ]
         out.sort(key=lambda r: (-r.matched_blocks, r.name))
         best = next((r.name for r in out if r.matched_blocks > 0 and r.status != Status.DOWN), None)
         return LookupAnswer(best, out)
 
     def _match(self, spec: InstanceSpec, row: LookupRow | None, by_tokens: bool) -> InstanceMatch:
-        ranks = dict.fromkeys(range(spec.dp), 0)
+        ranks = dict.fromkeys(spec.ranks(), 0)
         if row is not None:
             ranks.update(row.ranks)
         size = row.block_size if row is not None and row.matched_blocks else None

@@ -33,26 +33,29 @@ from kvindex.runtime import (
     StoreHealth,
     UnknownInstance,
 )
+from kvindex.runtime.routing import RouteAnswer
 from kvindex.security.http import METRICS_PATH, OPEN_PATHS, HttpGuard
 from kvindex.service.dashboard import install_dashboard
 from kvindex.service.docs import install_docs
 from kvindex.service.fastpath import LookupAnswerer, LookupFastPath
 from kvindex.service.metrics import ServiceMetrics
 from kvindex.service.middleware import BodyLimit, CompleteAllow, LookupPriority
+from kvindex.service.routing import Routing, decode_any_lookup, install_routing, lookup_answer
 from kvindex.service.schema import (
     MAX_LOOKUP_ITEMS,
     AddInstanceByFields,
     AddInstanceBySpec,
     BadBody,
     BlocksAnswer,
+    ChatLookupRequest,
     ErrorAnswer,
     HashLookupRequest,
     HealthAnswer,
     InstanceAnswer,
     InstancesAnswer,
     LookupRequest,
+    PromptLookupRequest,
     decode_body,
-    decode_lookup,
     encode,
     error_body,
     instance_answer,
@@ -102,20 +105,26 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     guard: HttpGuard | None = None,
     store_health: Callable[[], StoreHealth] | None = None,
+    routing: Routing | None = None,
 ) -> FastAPI:
     """The API over `fleet`. With `manage_fleet`, the app's lifespan starts its ingest in
     the server's loop and stops it (closing the sockets) at shutdown. `guard` sets bearer
     tokens, the lookup size limit and the request body deadline; `store_health` says how
-    the state store is doing (for /healthz, /v1/stats and /metrics)."""
+    the state store is doing (for /healthz, /v1/stats and /metrics); `routing` the
+    tokenizers, routing weights and predictions (kvindex.service.routing)."""
     guard = guard or HttpGuard()
+    routing = routing or Routing.of(fleet)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if manage_fleet:
             await fleet.start()
+        routing.scraper.start()  # the engines' /metrics: load for the score
         try:
             yield
         finally:
+            routing.scraper.stop()
+            await routing.tokenizers.aclose()
             if manage_fleet:
                 await fleet.stop()
 
@@ -134,6 +143,12 @@ def create_app(
     app.state.max_lookup_items = guard.max_lookup_items
     _add_error_handlers(app)
     _add_routes(app, fleet, metrics, health)
+    route_doc = operation_doc(
+        RouteAnswer,
+        body=[LookupRequest, PromptLookupRequest, ChatLookupRequest],
+        errors=[400, 404, 409, 413, 422, 502, 503],
+    )
+    install_routing(app, routing, metrics, route_doc)  # /v1/route, the peers' API
     install_dashboard(app, fleet)  # GET /, its assets and /v1/dashboard/*
     install_docs(app)  # GET /docs and its assets
     _document(app, guard)
@@ -150,8 +165,13 @@ def create_app(
     return app
 
 
-def _check_items(request: Request, count: int, what: str) -> None:
+def _limit(request: Request) -> int:
     limit: int = request.app.state.max_lookup_items
+    return limit
+
+
+def _check_items(request: Request, count: int, what: str) -> None:
+    limit = _limit(request)
     if count > limit:
         raise BadBody(422, f"{what} has {count} items, over the limit of {limit}")
 
@@ -345,12 +365,21 @@ def _add_lookup_routes(app: FastAPI, fleet: Fleet, metrics: ServiceMetrics) -> N
     # The dashboard's lookup box posts under /v1/dashboard/, where its session cookie goes.
     @app.post("/v1/dashboard/lookup", include_in_schema=False)
     @app.post(
-        "/v1/lookup", **operation_doc(LookupAnswer, body=[LookupRequest], errors=lookup_errors)
+        "/v1/lookup",
+        **operation_doc(
+            LookupAnswer,
+            body=[LookupRequest, PromptLookupRequest, ChatLookupRequest],
+            errors=[*lookup_errors, 404, 502, 503],
+        ),
     )
     async def lookup(request: Request) -> Response:
         """Per instance, the longest cached prefix of the prompt, in whole blocks from its
-        first token; rows best first, `best` = where a router should send it."""
-        body = decode_lookup(await request.body())
+        first token; rows best first, `best` = where a router should send it. The prompt
+        as token ids, text or chat messages (tokenized by the model's tokenizer); with
+        `model`, only its instances; with `score`, the routing score's answer."""
+        body = decode_any_lookup(await request.body())
+        if not isinstance(body, LookupRequest) or body.model is not None or body.score:
+            return await lookup_answer(request.app.state.routing, metrics, body, _limit(request))
         _check_items(request, len(body.token_ids), "token_ids")
         start = time.perf_counter()
         answer = fleet.lookup(body.token_ids, body.lora_name, body.cache_salt)

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvindex.runtime import InstanceMatch, InstanceView, LookupAnswer, RankMatch, RankView
+from kvindex.runtime.routing import RouteAnswer, ScoredAnswer
 from kvindex.subscriber import InstanceSpec, SpecError, Status
 
 __all__ = [
@@ -26,12 +27,14 @@ __all__ = [
     "AddInstanceBySpec",
     "BadBody",
     "BlocksAnswer",
+    "ChatLookupRequest",
     "ErrorAnswer",
     "HashLookupRequest",
     "HealthAnswer",
     "InstanceAnswer",
     "InstancesAnswer",
     "LookupRequest",
+    "PromptLookupRequest",
     "decode_body",
     "decode_lookup",
     "encode",
@@ -45,6 +48,7 @@ MAX_LOOKUP_ITEMS = 1_000_000  # token ids or block hashes in one lookup
 # Token ids are vocabulary indices; the bound is JSON's largest exact integer, so that the
 # documented maximum means the same to every JSON parser (a client's, a schema checker's).
 MAX_TOKEN_ID = 2**53 - 1
+MAX_PROMPT_CHARS = 16 * 1024 * 1024  # a prompt to tokenize (the body limit bounds it too)
 # A hash as `render_hash` writes it: decimal (an int) or lowercase hex (bytes).
 HASH_PATTERN = r"^([0-9]{1,20}|-[0-9]{1,18}|([0-9a-f]{2}){1,128})$"
 
@@ -63,6 +67,39 @@ class LookupRequest(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_LOOKUP_ITEMS)]
     lora_name: Name | None = None
     cache_salt: Name | None = None
+    # Only that model's instances answer (`model=` in their specs); a model no instance
+    # serves is a 404.
+    model: Name | None = None
+    # Answer with the routing score (kvindex.runtime.routing): `best` follows it, `why`
+    # says how it won, predicted blocks counted.
+    score: bool = False
+
+
+class PromptLookupRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """`POST /v1/lookup` by text: the model's tokenizer (`serve --tokenizer`) makes the
+    token ids, with the special tokens a completion gets (vLLM's default)."""
+
+    prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)]
+    model: Name | None = None  # may be left out when one model has a tokenizer
+    lora_name: Name | None = None
+    cache_salt: Name | None = None
+    add_special_tokens: bool = True
+    score: bool = False
+
+
+class ChatLookupRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """`POST /v1/lookup` by OpenAI chat messages, rendered by the model's chat template as
+    vLLM's `/tokenize` renders them (the same switches and defaults)."""
+
+    messages: Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1, max_length=100_000)]
+    model: Name | None = None
+    lora_name: Name | None = None
+    cache_salt: Name | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    score: bool = False
 
 
 class HashLookupRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -77,6 +114,77 @@ class HashLookupRequest(msgspec.Struct, forbid_unknown_fields=True):
         ],
         msgspec.Meta(max_length=MAX_LOOKUP_ITEMS),
     ]
+
+
+# -- the peers' API (Dynamo's standalone indexer: docs/peers.md) ---------------------------
+
+_U32 = 2**32 - 1
+_I64 = 2**63 - 1
+_ENDPOINT = r"^(tcp|ipc|inproc)://\S+$"
+
+
+class RegisterRequest(msgspec.Struct):
+    """Dynamo's `POST /register`: one worker's DP rank."""
+
+    instance_id: Annotated[int, msgspec.Meta(ge=0)]
+    endpoint: Annotated[str, msgspec.Meta(max_length=1024, pattern=_ENDPOINT)]
+    model_name: Annotated[str, msgspec.Meta(pattern=r"^[^\s,=]{1,256}$")]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    replay_endpoint: Annotated[str, msgspec.Meta(max_length=1024, pattern=_ENDPOINT)] | None = None
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, le=1023)] = 0
+    routing_group: Annotated[str, msgspec.Meta(max_length=256)] = "default"
+    tenant_id: Any = None  # accepted and ignored, as Dynamo does
+    additional_salt: str | None = None
+    additionalsalt: str | None = None
+
+
+class UnregisterRequest(msgspec.Struct):
+    instance_id: Annotated[int, msgspec.Meta(ge=0)]
+    model_name: Annotated[str, msgspec.Meta(max_length=256)]
+    routing_group: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, le=1023)] | None = None
+
+
+class QueryRequest(msgspec.Struct):
+    token_ids: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=0, le=_U32)]], msgspec.Meta(max_length=MAX_LOOKUP_ITEMS)
+    ]
+    model_name: Annotated[str, msgspec.Meta(max_length=256)]
+    routing_group: Annotated[str, msgspec.Meta(max_length=256)] = "default"
+    lora_name: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    cache_salt: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    tenant_id: Any = None
+
+
+class QueryByHashRequest(msgspec.Struct):
+    block_hashes: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=-_I64 - 1, le=_I64)]],
+        msgspec.Meta(max_length=MAX_LOOKUP_ITEMS),
+    ]
+    model_name: Annotated[str, msgspec.Meta(max_length=256)]
+    routing_group: Annotated[str, msgspec.Meta(max_length=256)] = "default"
+    lora_name: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    cache_salt: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+
+
+class PeerInstance(msgspec.Struct):
+    """The Mooncake RFC's per-worker detail: matched tokens, cumulative over tiers."""
+
+    longest_matched: int
+    gpu: int
+    dp: dict[str, int]
+    cpu: int
+    disk: int
+
+
+class QueryAnswer(msgspec.Struct):
+    scores: dict[str, dict[str, int]]
+    frequencies: list[int]
+    instances: dict[str, PeerInstance]
+
+
+class PeerStatus(msgspec.Struct):
+    status: str
 
 
 class AddInstanceBySpec(msgspec.Struct, forbid_unknown_fields=True):
@@ -233,6 +341,8 @@ class _LenientLookup(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: Annotated[list[int | float], msgspec.Meta(max_length=MAX_LOOKUP_ITEMS)]
     lora_name: Name | None = None
     cache_salt: Name | None = None
+    model: Name | None = None
+    score: bool = False
 
 
 def decode_lookup(raw: bytes) -> LookupRequest:
@@ -262,7 +372,7 @@ def _integral(raw: bytes) -> LookupRequest | None:
         if not 0 <= value <= MAX_TOKEN_ID:
             return None
         tokens.append(int(value))
-    return LookupRequest(tokens, body.lora_name, body.cache_salt)
+    return LookupRequest(tokens, body.lora_name, body.cache_salt, body.model, body.score)
 
 
 class _AddInstanceAny(msgspec.Struct, forbid_unknown_fields=True):
@@ -307,10 +417,12 @@ def error_body(message: str) -> bytes:
 
 ANSWERS: tuple[type[Any], ...] = (
     ErrorAnswer, HealthAnswer, InstancesAnswer, InstanceAnswer, BlocksAnswer, LookupAnswer,
-    InstanceMatch, RankMatch,
+    InstanceMatch, RankMatch, ScoredAnswer, RouteAnswer, QueryAnswer, PeerInstance, PeerStatus,
 )  # fmt: skip
 REQUESTS: tuple[type[Any], ...] = (
-    LookupRequest, HashLookupRequest, AddInstanceBySpec, AddInstanceByFields,
+    LookupRequest, PromptLookupRequest, ChatLookupRequest, HashLookupRequest,
+    AddInstanceBySpec, AddInstanceByFields, RegisterRequest, UnregisterRequest, QueryRequest,
+    QueryByHashRequest,
 )  # fmt: skip
 REF = "#/components/schemas/{name}"
 

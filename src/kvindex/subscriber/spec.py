@@ -1,5 +1,15 @@
 """Which publishers to follow: `NAME=PUB[,replay=REPLAY][,topic=TOPIC][,dp=RANKS]`, plus
-`curve=SERVER_KEY_OR_FILE[,client_key=FILE]` for a CURVE-encrypted link (`kvindex relay`)."""
+`curve=SERVER_KEY_OR_FILE[,client_key=FILE]` for a CURVE-encrypted link (`kvindex relay`).
+
+What a router needs beside the stream: `model=MODEL` (the model the engine serves: lookups
+that name a model see only its instances), `http=URL` (the engine's own HTTP server, for
+`POST /tokenize` and, by default, `/metrics`) and `metrics=URL` (where its Prometheus
+metrics are, if not at `http`'s `/metrics`).
+
+DP ranks are on ports +0..+dp-1 of both endpoints, as vLLM binds them; a rank elsewhere is
+named by `rank@R=PUB` and `replay@R=REPLAY` (the peers' `/register` gives an endpoint per
+rank), and `rank=R` says which rank the main endpoint is (0 by default).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +24,10 @@ __all__ = ["InstanceSpec", "SourceSpec", "SpecError", "offset_endpoint"]
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")
 _ENDPOINT = re.compile(r"(tcp|ipc|inproc)://\S+")
 _MAX_DP = 1024
-_OPTIONS = ("replay", "topic", "dp", "curve", "client_key")
+_OPTIONS = ("replay", "topic", "dp", "curve", "client_key", "model", "http", "metrics", "rank")
+_RANK_OPTION = re.compile(r"(rank|replay)@([0-9]{1,4})")
+_MODEL = re.compile(r"[^\s,=]{1,256}")
+_URL = re.compile(r"https?://[^\s,/]+(/[^\s,]*)?")
 
 
 class SpecError(ValueError):
@@ -29,6 +42,12 @@ def _check_endpoint(endpoint: str, what: str) -> str:
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise SpecError(f"{what} {endpoint!r} needs a host and a port (tcp://HOST:PORT)")
     return endpoint
+
+
+def _check_url(url: str, what: str) -> str:
+    if not _URL.fullmatch(url):
+        raise SpecError(f"{what} {url!r} is not an http(s) URL (http://HOST:PORT[/PATH])")
+    return url
 
 
 def offset_endpoint(endpoint: str, rank: int) -> str:
@@ -63,6 +82,12 @@ class InstanceSpec:
     dp: int = 1
     curve: str | None = None  # the CURVE server's public key (Z85)
     client_key: str | None = None  # our CURVE secret key file (else an ephemeral pair)
+    model: str | None = None  # the model it serves (a lookup naming a model sees its own)
+    http: str | None = None  # the engine's HTTP server (vLLM: /tokenize, /metrics)
+    metrics: str | None = None  # its Prometheus metrics, if not at `http` + /metrics
+    rank: int = 0  # the DP rank of `endpoint` (with `extra_ranks`)
+    # Ranks not on the port offsets: (rank, PUB endpoint, replay endpoint or None).
+    extra_ranks: tuple[tuple[int, str, str | None], ...] = ()
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -75,11 +100,43 @@ class InstanceSpec:
             _check_endpoint(self.replay_endpoint, "replay endpoint")
         if not 1 <= self.dp <= _MAX_DP:
             raise SpecError(f"dp must be between 1 and {_MAX_DP}, got {self.dp}")
+        self._check_router_fields()
         if self.dp > 1:
             for ep in (self.endpoint, self.replay_endpoint):
                 if ep and ep.startswith("tcp://") and int(ep.rpartition(":")[2]) + self.dp > 65536:
                     raise SpecError(f"dp={self.dp} runs past port 65535 from {ep}")
         self.curve_client()  # a bad key or key file is an error now, not at connect time
+
+    def _check_router_fields(self) -> None:
+        if self.model is not None and not _MODEL.fullmatch(self.model):
+            raise SpecError(f"model {self.model!r} must be 1-256 characters, no spaces, ',' or '='")
+        if self.http is not None:
+            _check_url(self.http, "http")
+        if self.metrics is not None:
+            _check_url(self.metrics, "metrics")
+        if self.rank != 0 or self.extra_ranks:
+            if self.dp != 1:
+                raise SpecError("dp= and explicit ranks (rank=, rank@R=) don't go together")
+            ranks = [self.rank, *(rank for rank, _, _ in self.extra_ranks)]
+            if len(set(ranks)) != len(ranks) or not all(0 <= r < _MAX_DP for r in ranks):
+                raise SpecError(f"DP ranks must be distinct, 0 to {_MAX_DP - 1}: {ranks}")
+            for rank, endpoint, replay in self.extra_ranks:
+                _check_endpoint(endpoint, f"rank {rank}'s endpoint")
+                if replay is not None:
+                    _check_endpoint(replay, f"rank {rank}'s replay endpoint")
+
+    def ranks(self) -> list[int]:
+        """The DP ranks followed, ascending."""
+        if self.rank == 0 and not self.extra_ranks:
+            return list(range(self.dp))
+        return sorted([self.rank, *(rank for rank, _, _ in self.extra_ranks)])
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where the engine's Prometheus metrics are: `metrics=`, else `http=` + /metrics."""
+        if self.metrics is not None:
+            return self.metrics
+        return None if self.http is None else self.http.rstrip("/") + "/metrics"
 
     def curve_client(self) -> CurveClient | None:
         """The CURVE settings of this instance's sockets, or None for plain ZMQ."""
@@ -106,15 +163,18 @@ class InstanceSpec:
         fields: dict[str, str] = {}
         for option in options:
             key, sep, value = option.partition("=")
-            if not sep or key not in _OPTIONS:
+            if not sep or not (key in _OPTIONS or _RANK_OPTION.fullmatch(key)):
                 known = ", ".join(k + "=" for k in _OPTIONS)
-                raise SpecError(f"unknown option {option!r} in {text!r} ({known})")
+                raise SpecError(f"unknown option {option!r} in {text!r} ({known}, rank@R=)")
             if key in fields:
                 raise SpecError(f"option {key!r} given twice in {text!r}")
             fields[key] = value
         dp_text = fields.get("dp", "1")
         if not dp_text.isdigit():
             raise SpecError(f"dp must be a whole number, got {dp_text!r}")
+        rank_text = fields.get("rank", "0")
+        if not rank_text.isdigit():
+            raise SpecError(f"rank must be a whole number, got {rank_text!r}")
         return cls(
             name=name,
             endpoint=endpoint,
@@ -123,10 +183,21 @@ class InstanceSpec:
             dp=int(dp_text),
             curve=_server_key(fields["curve"]) if "curve" in fields else None,
             client_key=fields.get("client_key") or None,
+            model=fields.get("model") or None,
+            http=fields.get("http") or None,
+            metrics=fields.get("metrics") or None,
+            rank=int(rank_text),
+            extra_ranks=_extra_ranks(fields, text),
         )
 
     def sources(self) -> list[SourceSpec]:
         curve = self.curve_client()
+        if self.rank != 0 or self.extra_ranks:
+            named = [(self.rank, self.endpoint, self.replay_endpoint), *self.extra_ranks]
+            return [
+                SourceSpec(SourceKey(self.name, rank), endpoint, replay, self.topic, curve)
+                for rank, endpoint, replay in sorted(named)
+            ]
         return [
             SourceSpec(
                 SourceKey(self.name, rank),
@@ -150,7 +221,27 @@ class InstanceSpec:
             text += f",curve={self.curve}"
         if self.client_key is not None:
             text += f",client_key={self.client_key}"
+        for key in ("model", "http", "metrics"):
+            value = getattr(self, key)
+            if value is not None:
+                text += f",{key}={value}"
+        if self.rank:
+            text += f",rank={self.rank}"
+        for rank, endpoint, replay in self.extra_ranks:
+            text += f",rank@{rank}={endpoint}" + (f",replay@{rank}={replay}" if replay else "")
         return text
+
+
+def _extra_ranks(fields: dict[str, str], text: str) -> tuple[tuple[int, str, str | None], ...]:
+    """`rank@R=PUB` (and `replay@R=REPLAY`) options, by rank."""
+    out = []
+    for key, value in fields.items():
+        kind, _, rank = key.partition("@")
+        if kind == "rank" and rank:
+            out.append((int(rank), value, fields.get(f"replay@{rank}") or None))
+        elif kind == "replay" and rank and f"rank@{rank}" not in fields:
+            raise SpecError(f"replay@{rank}= needs rank@{rank}= in {text!r}")
+    return tuple(sorted(out))
 
 
 def _server_key(value: str) -> str:

@@ -1,0 +1,473 @@
+"""What a router asks of kvindex besides plain lookups (issue 15, docs/routing.md):
+
+- `POST /v1/lookup` by `prompt` or chat `messages`, per `model`, tokenized by the model's
+  tokenizer (`kvindex.runtime.tokenize`); `"score": true` answers with the routing score;
+- `POST /v1/route`: look up, choose by the score, predict the prompt's blocks on the choice;
+- the peers' API, as NVIDIA Dynamo's standalone indexer answers it (docs/peers.md):
+  `POST /register`, `/unregister`, `/query`, `/query_by_hash`, `GET /workers`, `/health`,
+  with JSON or msgpack bodies (`Content-Type: application/msgpack`; the answer follows the
+  request's format).
+
+A worker registered by `/register` is a kvindex instance named `ID:RANK` (one per DP rank,
+as Dynamo registers them) with `model=` its `model_name`; `/query` answers every instance of
+the model, keyed by worker id (an instance not named `ID:RANK`, followed by `--instance`,
+answers under its name, with its DP ranks).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import msgspec
+import zmq
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from kvindex.runtime import DuplicateInstance, Fleet, InstanceMatch, UnknownInstance
+from kvindex.runtime.engine_metrics import MetricsScraper
+from kvindex.runtime.routing import NoCandidate, Router
+from kvindex.runtime.tokenize import Chat, NoTokenizer, TokenizeFailed, Tokenizers
+from kvindex.service.metrics import ServiceMetrics
+from kvindex.service.schema import (
+    BadBody,
+    ChatLookupRequest,
+    LookupRequest,
+    PeerInstance,
+    PeerStatus,
+    PromptLookupRequest,
+    QueryAnswer,
+    QueryByHashRequest,
+    QueryRequest,
+    RegisterRequest,
+    UnregisterRequest,
+    decode_body,
+    decode_lookup,
+    encode,
+    error_body,
+    operation_doc,
+)
+from kvindex.subscriber import CapacityError, InstanceSpec, SpecError, Status
+
+__all__ = [
+    "Routing",
+    "decode_any_lookup",
+    "install_routing",
+    "lookup_answer",
+    "peer_query_answer",
+    "worker_of",
+]
+
+_WORKER_NAME = re.compile(r"([0-9]{1,20}):([0-9]{1,4})")
+_MSGPACK = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+
+@dataclass
+class Routing:
+    """The router's parts a service holds: the score and predictions, the tokenizers, the
+    engines' metrics, and the routing group and block size of each `/register`ed worker."""
+
+    fleet: Fleet
+    router: Router
+    tokenizers: Tokenizers
+    scraper: MetricsScraper
+    groups: dict[str, str] = field(default_factory=dict)  # instance name -> routing group
+    block_sizes: dict[str, int] = field(default_factory=dict)  # from /register
+
+    @classmethod
+    def of(cls, fleet: Fleet, tokenizers: Tokenizers | None = None, **router: Any) -> Routing:
+        scraper = MetricsScraper(lambda: _metrics_targets(fleet))
+        return cls(
+            fleet,
+            Router(fleet, loads=[scraper], **router),
+            tokenizers or Tokenizers(fleet),
+            scraper,
+        )
+
+
+def _metrics_targets(fleet: Fleet) -> list[tuple[str, str]]:
+    return [(n, s.metrics_url) for n, s in list(fleet.specs.items()) if s.metrics_url]
+
+
+# -- lookups by text, scored lookups, routes ---------------------------------------------
+
+AnyLookup = LookupRequest | PromptLookupRequest | ChatLookupRequest
+
+
+def decode_any_lookup(raw: bytes) -> AnyLookup:
+    """A `/v1/lookup` or `/v1/route` body: token ids, a prompt or chat messages."""
+    try:
+        keys = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return decode_lookup(raw)  # its errors, worded once
+    if "prompt" in keys:
+        prompt: PromptLookupRequest = decode_body(raw, PromptLookupRequest)
+        return prompt
+    if "messages" in keys:
+        chat: ChatLookupRequest = decode_body(raw, ChatLookupRequest)
+        return chat
+    return decode_lookup(raw)
+
+
+async def _token_ids(routing: Routing, body: AnyLookup) -> tuple[list[int], str | None]:
+    """The body's token ids (tokenized by its model's tokenizer), and the model."""
+    if isinstance(body, LookupRequest):
+        return body.token_ids, body.model
+    try:
+        model, tokenizer = routing.tokenizers.get(body.model)
+        if isinstance(body, PromptLookupRequest):
+            tokens = await tokenizer.aencode_prompt(body.prompt, body.add_special_tokens)
+        else:
+            chat = Chat(
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template_kwargs=body.chat_template_kwargs or {},
+                tools=body.tools,
+            )
+            tokens = await tokenizer.aencode_chat(chat)
+    except NoTokenizer as exc:  # the model's tokenizer is not there: 404, like the model
+        raise _Failed(404, str(exc)) from None
+    except TokenizeFailed as exc:
+        raise _Failed(exc.status, str(exc)) from None
+    return tokens, model
+
+
+class _Failed(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _model_known(routing: Routing, model: str | None) -> None:
+    if model is not None and not routing.fleet.serves(model):
+        raise _Failed(404, f"no instance serves model {model!r} (model= in its spec)")
+
+
+async def lookup_answer(
+    routing: Routing, metrics: ServiceMetrics, body: AnyLookup, max_items: int
+) -> Response:
+    """`POST /v1/lookup` off the plain path: text or messages, a model, a score."""
+    try:
+        tokens, model = await _token_ids(routing, body)
+        _model_known(routing, model)
+    except _Failed as exc:
+        return _json_error(exc.status, str(exc))
+    if len(tokens) > max_items:
+        return _json_error(
+            422, f"the prompt has {len(tokens)} tokens, over the limit of {max_items}"
+        )
+    start = time.perf_counter()
+    kind = "tokens" if isinstance(body, LookupRequest) else "text"
+    if body.score:
+        scored = routing.router.lookup(
+            tokens, model=model, lora_name=body.lora_name, cache_salt=body.cache_salt
+        )
+        metrics.lookups.observe(kind, time.perf_counter() - start, scored.hit)
+        return Response(encode(scored), media_type="application/json")
+    answer = routing.fleet.lookup(tokens, body.lora_name, body.cache_salt, model=model)
+    metrics.lookups.observe(kind, time.perf_counter() - start, answer.hit)
+    return Response(encode(answer), media_type="application/json")
+
+
+def _json_error(status: int, message: str) -> Response:
+    return Response(error_body(message), status, media_type="application/json")
+
+
+def _add_route(
+    app: FastAPI, routing: Routing, metrics: ServiceMetrics, doc: dict[str, Any]
+) -> None:
+    @app.post("/v1/route", **doc)
+    async def route(request: Request) -> Response:
+        """Look up, choose by the routing score, and predict the prompt's blocks on the
+        choice for the prediction TTL (until its real BlockStored arrives); 409 when no
+        instance can take it (none serves the model, or all are down)."""
+        body = decode_any_lookup(await request.body())  # BadBody: the app's JSON 4xx
+        try:
+            tokens, model = await _token_ids(routing, body)
+            _model_known(routing, model)
+        except _Failed as exc:
+            return _json_error(exc.status, str(exc))
+        start = time.perf_counter()
+        try:
+            answer = routing.router.route(
+                tokens, model=model, lora_name=body.lora_name, cache_salt=body.cache_salt
+            )
+        except NoCandidate as exc:
+            return _json_error(409, f"no instance can take it: {exc}")
+        hit = any(row.matched_blocks for row in answer.instances)
+        metrics.lookups.observe("route", time.perf_counter() - start, hit)
+        return Response(encode(answer), media_type="application/json")
+
+
+# -- the peers' API (Dynamo's standalone indexer) ------------------------------------------
+
+
+def _is_msgpack(request: Request) -> bool:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return kind in _MSGPACK
+
+
+def _decode_peer(raw: bytes, kind: type[Any], msgpack: bool) -> Any:
+    """A peer body, JSON or msgpack. Lax (`strict=False`): JSON Schema counts `1.0` as an
+    integer, and so do these bodies."""
+    if not raw.strip():
+        raise BadBody(400, "a body is required")
+    try:
+        if msgpack:
+            return msgspec.msgpack.decode(raw, type=kind, strict=False)
+        return msgspec.json.decode(raw, type=kind, strict=False)
+    except msgspec.ValidationError as exc:
+        raise BadBody(422, f"invalid body: {exc}") from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        what = "msgpack" if msgpack else "JSON"
+        raise BadBody(400, f"body is not valid {what}: {exc}") from None
+
+
+def _peer_answer(content: Any, status: int, msgpack: bool) -> Response:
+    if msgpack:
+        return Response(msgspec.msgpack.encode(content), status, media_type="application/msgpack")
+    return Response(encode(content), status, media_type="application/json")
+
+
+def _peer_error(status: int, message: str, msgpack: bool) -> Response:
+    return _peer_answer({"error": message}, status, msgpack)
+
+
+def worker_of(name: str) -> tuple[str, int | None]:
+    """A kvindex instance as the peers' API names it: (worker id, its DP rank) for `ID:RANK`,
+    else (the name, None: its ranks are its own)."""
+    m = _WORKER_NAME.fullmatch(name)
+    return (m[1], int(m[2])) if m else (name, None)
+
+
+def peer_query_answer(routing: Routing, rows: list[InstanceMatch], group: str) -> QueryAnswer:
+    """Dynamo's `/query` answer from a lookup's rows (matched tokens, per worker and rank)."""
+    scores: dict[str, dict[str, int]] = {}
+    instances: dict[str, PeerInstance] = {}
+    for row in rows:
+        if routing.groups.get(row.name, "default") != group or not row.matched_blocks:
+            continue
+        size = row.block_size or routing.block_sizes.get(row.name, 0)
+        worker, rank = worker_of(row.name)
+        tiers = row.by_tier or {"gpu": row.matched_blocks}
+        gpu = tiers.get("gpu", 0)
+        cpu = gpu + tiers.get("cpu", 0)
+        disk = cpu + tiers.get("disk", 0)
+        by_rank = (
+            {str(rank): gpu * size}
+            if rank is not None
+            else {
+                str(r.rank): (gpu if r.rank == row.best_rank else r.matched_blocks) * size
+                for r in row.ranks
+            }
+        )
+        if gpu:
+            scores.setdefault(worker, {}).update({r: t for r, t in by_rank.items() if t})
+        seen = instances.get(worker)
+        dp = {**(seen.dp if seen else {}), **by_rank}
+        instances[worker] = PeerInstance(
+            max(disk * size, seen.longest_matched if seen else 0),
+            max(gpu * size, seen.gpu if seen else 0),
+            dp,
+            max(cpu * size, seen.cpu if seen else 0),
+            max(disk * size, seen.disk if seen else 0),
+        )
+    return QueryAnswer(scores, [], instances)
+
+
+def _served(routing: Routing, model: str, group: str) -> bool:
+    return any(
+        routing.groups.get(name, "default") == group
+        for name in routing.fleet.models().get(model, [])
+    )
+
+
+def _no_indexer(model: str, group: str) -> str:
+    return f"no indexer for model={model} routing_group={group}"
+
+
+def _add_peer_routes(app: FastAPI, routing: Routing, metrics: ServiceMetrics) -> None:
+    fleet = routing.fleet
+    peer: list[str | Enum] = ["peers (Dynamo's standalone indexer)"]
+
+    @app.post(
+        "/register",
+        status_code=201,
+        tags=peer,
+        **operation_doc(
+            PeerStatus, status=201, body=[RegisterRequest], errors=[400, 409, 413, 422]
+        ),
+    )
+    async def register(request: Request) -> Response:
+        """Follow a worker's DP rank (Dynamo's shape): `{"status": "ok"}`, 201."""
+        packed = _is_msgpack(request)
+        try:
+            body: RegisterRequest = _decode_peer(await request.body(), RegisterRequest, packed)
+            name = f"{body.instance_id}:{body.dp_rank}"
+            spec = InstanceSpec(
+                name,
+                body.endpoint,
+                body.replay_endpoint or None,
+                model=body.model_name,
+                rank=body.dp_rank,
+            )
+            routing.groups[name] = body.routing_group
+            routing.block_sizes[name] = body.block_size
+            fleet.add_instance(spec)
+        except BadBody as exc:
+            return _peer_error(exc.status_code, str(exc), packed)
+        except DuplicateInstance:
+            message = f"instance {body.instance_id} dp_rank {body.dp_rank} already registered"
+            return _peer_error(409, message, packed)
+        except (SpecError, ValueError, zmq.ZMQError) as exc:
+            return _peer_error(400, str(exc), packed)
+        except CapacityError as exc:
+            return _peer_error(409, str(exc), packed)
+        return _peer_answer(PeerStatus("ok"), 201, packed)
+
+    @app.post(
+        "/unregister",
+        tags=peer,
+        **operation_doc(PeerStatus, body=[UnregisterRequest], errors=[400, 404, 413, 422]),
+    )
+    async def unregister(request: Request) -> Response:
+        """Stop following a worker (every rank and group of the model, or the one named)."""
+        packed = _is_msgpack(request)
+        try:
+            body: UnregisterRequest = _decode_peer(await request.body(), UnregisterRequest, packed)
+        except BadBody as exc:
+            return _peer_error(exc.status_code, str(exc), packed)
+        gone = []
+        for name in fleet.models().get(body.model_name, []):
+            worker, rank = worker_of(name)
+            if worker != str(body.instance_id):
+                continue
+            if (
+                body.routing_group is not None
+                and routing.groups.get(name, "default") != body.routing_group
+            ):
+                continue
+            if body.dp_rank is not None and body.routing_group is not None and rank != body.dp_rank:
+                continue
+            try:
+                fleet.remove_instance(name)
+            except UnknownInstance:
+                continue
+            routing.groups.pop(name, None)
+            routing.block_sizes.pop(name, None)
+            gone.append(name)
+        if not gone:
+            return _peer_error(404, f"instance {body.instance_id} not found", packed)
+        return _peer_answer(PeerStatus("ok"), 200, packed)
+
+    @app.get("/workers", tags=peer, **operation_doc(None))
+    async def workers(model_name: str | None = None, routing_group: str | None = None) -> Response:
+        """Every worker: model, routing group, block size, endpoints and listeners per rank."""
+        out: dict[tuple[str, str, str], dict[str, Any]] = {}
+        for name, spec in sorted(fleet.specs.items()):
+            group = routing.groups.get(name, "default")
+            if spec.model is None or (model_name is not None and spec.model != model_name):
+                continue
+            if routing_group is not None and group != routing_group:
+                continue
+            worker, rank = worker_of(name)
+            entry = out.setdefault(
+                (worker, spec.model, group),
+                {
+                    "instance_id": int(worker) if worker.isdigit() else worker,
+                    "source": "zmq",
+                    "status": "active",
+                    "model_name": spec.model,
+                    "routing_group": group,
+                    "block_size": routing.block_sizes.get(name),
+                    "endpoints": {},
+                    "listeners": {},
+                },
+            )
+            for source in spec.sources():
+                status = _listener_status(fleet.status(name))
+                key = str(source.source.rank if rank is None else rank)
+                entry["endpoints"][key] = source.endpoint
+                entry["listeners"][key] = {"endpoint": source.endpoint, "status": status}
+                if status != "active":
+                    entry["status"] = status
+        return _peer_answer(list(out.values()), 200, False)
+
+    @app.post(
+        "/query",
+        tags=peer,
+        **operation_doc(QueryAnswer, body=[QueryRequest], errors=[400, 404, 413, 422]),
+    )
+    async def query(request: Request) -> Response:
+        """Per worker and DP rank, the matched tokens of the prompt (Dynamo's shape)."""
+        packed = _is_msgpack(request)
+        try:
+            body: QueryRequest = _decode_peer(await request.body(), QueryRequest, packed)
+        except BadBody as exc:
+            return _peer_error(exc.status_code, str(exc), packed)
+        if not _served(routing, body.model_name, body.routing_group):
+            return _peer_error(404, _no_indexer(body.model_name, body.routing_group), packed)
+        start = time.perf_counter()
+        answer = fleet.lookup(
+            body.token_ids, body.lora_name, body.cache_salt, model=body.model_name
+        )
+        metrics.lookups.observe("peer", time.perf_counter() - start, answer.hit)
+        return _peer_answer(
+            peer_query_answer(routing, answer.instances, body.routing_group), 200, packed
+        )
+
+    @app.post(
+        "/query_by_hash",
+        tags=peer,
+        **operation_doc(QueryAnswer, body=[QueryByHashRequest], errors=[400, 404, 413, 422, 501]),
+    )
+    async def query_by_hash(request: Request) -> Response:
+        """Not answered: Dynamo's hashes are its own (XXH3 of each block's tokens), which
+        kvindex does not keep (docs/routing.md); 501 with the reason."""
+        packed = _is_msgpack(request)
+        try:
+            body: QueryByHashRequest = _decode_peer(
+                await request.body(), QueryByHashRequest, packed
+            )
+        except BadBody as exc:
+            return _peer_error(exc.status_code, str(exc), packed)
+        if not _served(routing, body.model_name, body.routing_group):
+            return _peer_error(404, _no_indexer(body.model_name, body.routing_group), packed)
+        if body.cache_salt is not None:
+            message = (
+                "cache_salt is not accepted by /query_by_hash; block_hashes must already "
+                "include the intended cache salt"
+            )
+            return _peer_error(400, message, packed)
+        message = (
+            "kvindex keys blocks by the engine's own hashes and tokens, not Dynamo's "
+            "LocalBlockHash: send the token ids to /query (or the engine's block hashes to "
+            "/v1/lookup/hashes)"
+        )
+        return _peer_error(501, message, packed)
+
+    @app.get("/health", tags=peer, response_class=Response, **operation_doc(None))
+    async def health() -> Response:
+        """200 with an empty body, as Dynamo answers."""
+        return Response(status_code=200)
+
+
+def _listener_status(status: Status) -> str:
+    if status == Status.LIVE:
+        return "active"
+    if status == Status.DOWN:
+        return "failed"
+    return "pending"
+
+
+def install_routing(
+    app: FastAPI, routing: Routing, metrics: ServiceMetrics, route_doc: dict[str, Any]
+) -> None:
+    """`/v1/route` and the peers' API on `app` (the lookup route calls `lookup_answer`)."""
+    app.state.routing = routing
+    _add_route(app, routing, metrics, route_doc)
+    _add_peer_routes(app, routing, metrics)

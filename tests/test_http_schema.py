@@ -82,12 +82,14 @@ def test_api_conforms_to_its_openapi(case: schemathesis.Case, base_url: str) -> 
 
 
 def test_a_405_allows_every_method_of_the_path() -> None:
-    with TestClient(_app(manage_fleet=False)) as client:
+    app = _app(manage_fleet=False)
+    with TestClient(app) as client:
         r = client.put("/v1/instances")
         assert r.status_code == 405 and r.json() == {"error": "Method Not Allowed"}
         assert set(r.headers["allow"].split(", ")) == {"GET", "POST"}
         r = client.post("/v1/instances/a")
         assert set(r.headers["allow"].split(", ")) == {"DELETE"}
+    app.state.fleet.close()
 
 
 def test_post_instances_schema_and_server_agree_on_an_empty_body() -> None:
@@ -113,10 +115,11 @@ def test_post_instances_schema_and_server_agree_on_an_empty_body() -> None:
 def test_401_is_documented_wherever_a_token_is_asked_for() -> None:
     fleet = Fleet()
     doc = create_app(fleet, guard=HttpGuard(token="t")).openapi()
+    fleet.close()
     assert doc["paths"]["/v1/lookup"]["post"]["responses"]["401"]["content"]
     assert "401" in doc["paths"]["/v1/instances"]["get"]["responses"]
     assert "401" not in doc["paths"]["/healthz"]["get"]["responses"]
     assert "401" not in doc["paths"]["/metrics"]["get"]["responses"]  # no metrics token
-    assert (
-        "401" not in _app(manage_fleet=False).openapi()["paths"]["/v1/lookup"]["post"]["responses"]
-    )
+    open_app = _app(manage_fleet=False)
+    open_app.state.fleet.close()
+    assert "401" not in open_app.openapi()["paths"]["/v1/lookup"]["post"]["responses"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvindex.subscriber import Discarded, Gap, Lost, Replayed, Restarted, SourceKey, Unverified
@@ -225,6 +225,11 @@ def check(world: World) -> None:
 
 @settings(max_examples=400, deadline=None)
 @given(actions, st.integers(2, 30))
+# An engine restart whose first batch was lost on the wire while the anchor's check ran,
+# the anchor gone from the new engine's small buffer: unverifiable, so said (it was
+# delivered as the old stream going on).
+@example([("publish", False, 1), ("restart",), ("connect",), ("publish", True, 1),
+          ("publish", False, 2)], 2)  # fmt: skip
 def test_random_interleavings(plan: list[tuple], buffer_steps: int) -> None:
     world = World(buffer_steps)
     run(world, plan)

@@ -301,7 +301,7 @@ class SourceState:
             # The buffer no longer reaches back to the batch we know, so we can't tell a
             # long absence from an engine restart. Keep the state, report what is missing
             # (below), and say the stream is unverified when no seq is visibly missing.
-            if r.anchored and seq == self.next_seq:
+            if r.anchored:
                 self._mark_unverified(r.verify_seq, "the replay buffer no longer holds it", out)
         if seq < self.next_seq:
             self._refuse(r, now, out, f"the replay sent seq {seq} where {self.next_seq} was due")

@@ -17,8 +17,9 @@ class FakeEngine:
     """What the handler serves: the tokenizer behind `/tokenize`, the `/metrics` text, and
     the requests seen (path, body)."""
 
-    def __init__(self, tokenizer: LocalTokenizer | None = None) -> None:
+    def __init__(self, tokenizer: LocalTokenizer | None = None, name: str = "engine") -> None:
         self.tokenizer = tokenizer
+        self.name = name  # said in its completions
         self.metrics = ""
         self.metrics_status = 200
         self.requests: list[tuple[str, Any]] = []
@@ -80,6 +81,9 @@ def _handler(engine: FakeEngine) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("Content-Length", "0"))
             body = json.loads(self.rfile.read(length) or b"{}")
             engine.requests.append((self.path, body))
+            if self.path in ("/v1/completions", "/v1/chat/completions"):
+                self._complete(body)
+                return
             if self.path != "/tokenize" or engine.tokenizer is None:
                 self._send(404, b'{"detail":"Not Found"}')
                 return
@@ -102,6 +106,17 @@ def _handler(engine: FakeEngine) -> type[BaseHTTPRequestHandler]:
                 return
             answer = {"count": len(tokens), "max_model_len": 4096, "tokens": tokens}
             self._send(200, json.dumps(answer).encode())
+
+        def _complete(self, body: dict[str, Any]) -> None:
+            """An OpenAI answer naming the engine; with `stream`, as server-sent events."""
+            text = f"from {engine.name}"
+            if not body.get("stream"):
+                answer = {"object": "text_completion", "choices": [{"index": 0, "text": text}]}
+                self._send(200, json.dumps(answer).encode())
+                return
+            chunks = [{"choices": [{"index": 0, "text": word}]} for word in text.split()]
+            events = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+            self._send(200, "".join(events).encode(), "text/event-stream")
 
     return Handler
 

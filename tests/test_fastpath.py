@@ -164,8 +164,8 @@ def test_real_statuses_reach_the_answer() -> None:
 MAX_ITEMS = 40
 
 
-async def _post(app: Any, body: bytes, chunk: int) -> tuple[int, Any]:
-    """POST /v1/lookup to the ASGI app, the body in chunks of `chunk` bytes."""
+async def _post(app: Any, body: bytes, chunk: int, path: str = "/v1/lookup") -> tuple[int, Any]:
+    """POST to `path` of the ASGI app, the body in chunks of `chunk` bytes."""
     parts = [body[i : i + chunk] for i in range(0, len(body), chunk)] or [b""]
     messages = [
         {"type": "http.request", "body": part, "more_body": i < len(parts) - 1}
@@ -189,8 +189,8 @@ async def _post(app: Any, body: bytes, chunk: int) -> tuple[int, Any]:
         "http_version": "1.1",
         "method": "POST",
         "scheme": "http",
-        "path": "/v1/lookup",
-        "raw_path": b"/v1/lookup",
+        "path": path,
+        "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
         "headers": headers,
@@ -280,6 +280,37 @@ def test_a_body_gets_the_routes_answer(apps: Any, body: bytes, chunk: int) -> No
     assert got == expected, (body, taken)
     if taken:
         assert got[0] == 200
+
+
+hash_text = st.one_of(
+    st.integers(-(2**63) - 2, 2**64 + 2).map(str),
+    st.binary(min_size=0, max_size=40).map(bytes.hex),
+    st.text(alphabet="0123456789abcdefABCDEF-x ", max_size=24),
+    st.text(max_size=4),
+)
+hash_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "block_hashes": st.lists(hash_text | st.integers() | st.none(), max_size=MAX_ITEMS + 3),
+        "extra": st.integers(),
+    },
+).map(lambda fields: json.dumps(fields).encode()) | st.binary(max_size=30)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=hash_bodies, chunk=st.sampled_from([1, 4096]))
+def test_a_hashes_body_gets_the_routes_answer(apps: Any, body: bytes, chunk: int) -> None:
+    """`/v1/lookup/hashes` answered past the stack says what the route says, refusals
+    included (they are the route's)."""
+    path = "/v1/lookup/hashes"
+    got = asyncio.run(_post(apps, body, chunk, path))
+    saved = fastpath.LookupAnswerer._by_hashes
+    fastpath.LookupAnswerer._by_hashes = lambda _self, _body: None  # type: ignore[method-assign]
+    try:
+        expected = asyncio.run(_post(apps, body, chunk, path))
+    finally:
+        fastpath.LookupAnswerer._by_hashes = saved  # type: ignore[method-assign]
+    assert got == expected, body
 
 
 @pytest.mark.parametrize(

@@ -228,3 +228,23 @@ def test_a_body_that_never_ends_gets_408_and_a_close(served: Served) -> None:
         assert headers.get("connection") == "close"
         assert sock.recv(1) == b""
         assert time.monotonic() - started < 5
+
+
+def test_lookups_by_hash_are_answered_in_the_protocol_too(served: Served) -> None:
+    """Block hashes 1..6 are instance a's chain: the protocol's answer counts them, and a
+    refused token or Host, a bad hash or a body over the item limit is the stack's answer."""
+
+    def by_hashes(body: bytes, **headers: str) -> tuple[int, Any]:
+        with served.connect() as sock:
+            sock.sendall(request("POST", "/v1/lookup/hashes", body, headers))
+            status, _, answer = read_response(sock, bytearray())
+            return status, json.loads(answer)
+
+    status, answer = by_hashes(json.dumps({"block_hashes": ["1", "2", "3", "9"]}).encode())
+    rows = {row["name"]: row for row in answer["instances"]}
+    assert status == 200 and answer["best"] == "a" and rows["a"]["matched_blocks"] == 3
+    assert by_hashes(b'{"block_hashes": ["1"]}', Authorization="")[0] == 401
+    assert by_hashes(b'{"block_hashes": ["1"]}', Host="rebound.example")[0] == 400
+    status, answer = by_hashes(b'{"block_hashes": ["zz"]}')
+    assert status == 400 and "zz" in answer["error"]
+    assert by_hashes(b'{"block_hashes": 1}')[0] == 422

@@ -19,7 +19,8 @@ import httpx
 import msgspec
 import pytest
 import uvicorn
-from httpfixture import FakeEngine, serve_engine
+from httpfixture import FakeEngine, serve_engine, vllm_metrics
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizer_fixture import build_tokenizer
 
 from kvindex.runtime import Fleet
@@ -240,3 +241,65 @@ def test_serve_refuses_a_bad_tokenizer_in_one_line(tmp_path: Path) -> None:
         )  # fmt: skip
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_engines_hit_rate_kv_usage_and_pool_on_metrics_and_the_dashboard() -> None:
+    """Point 6: what each engine's own /metrics says (scraped over real HTTP) shows on
+    kvindex's /metrics and the dashboard's snapshot; an engine that stops answering is 0
+    on `kvindex_engine_metrics_up`."""
+    busy, silent = FakeEngine(), FakeEngine()
+    busy.metrics = vllm_metrics(waiting=3, running=5, kv=0.42, queries=1000, hits=250)
+    silent.metrics_status = 500
+    with ExitStack() as stack:
+        pubs = [stack.enter_context(Publisher("tcp://127.0.0.1:*")) for _ in range(3)]
+        urls = [stack.enter_context(serve_engine(e)) for e in (busy, silent)]
+        fleet = Fleet(
+            [
+                InstanceSpec("busy", pubs[0].endpoint, http=urls[0]),
+                InstanceSpec("silent", pubs[1].endpoint, metrics=urls[1] + "/metrics"),
+                InstanceSpec("plain", pubs[2].endpoint),  # no metrics URL: not scraped
+            ]
+        )
+        routing = Routing.of(fleet)
+        routing.scraper.interval = 0.05
+        client = stack.enter_context(
+            httpx.Client(base_url=stack.enter_context(serving(create_app(fleet, routing=routing))))
+        )
+        assert routing.scraper.wait_round()
+        busy.metrics = vllm_metrics(waiting=3, running=5, kv=0.42, queries=1400, hits=550)
+        assert routing.scraper.wait_round()  # 300 hits of 400 queries since the last one
+
+        text = client.get("/metrics").text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+
+        def value(family: str, **labels: str) -> float | None:
+            for sample in families[family].samples:
+                if all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return float(sample.value)
+            return None
+
+        busy0 = {"engine": "busy", "rank": "0"}
+        assert value("kvindex_engine_kv_cache_usage", **busy0) == 0.42
+        assert value("kvindex_engine_pool_blocks", **busy0) == 2048
+        assert value("kvindex_engine_prefix_cache_queries", **busy0) == 1400
+        assert value("kvindex_engine_prefix_cache_hits", **busy0) == 550
+        assert value("kvindex_engine_requests_waiting", **busy0) == 3
+        assert value("kvindex_engine_metrics_up", engine="busy") == 1
+        assert value("kvindex_engine_metrics_up", engine="silent") == 0
+        assert (value("kvindex_engine_metrics_failures", engine="silent") or 0) >= 2
+        assert value("kvindex_engine_metrics_up", engine="plain") is None
+
+        def engines() -> dict[str, Any]:  # the dashboard samples once a second
+            snapshot = client.get("/v1/dashboard/snapshot").json()["snapshot"]
+            return {r["name"]: r["engine"] for r in snapshot["instances"]}
+
+        assert until(lambda: (engines()["busy"] or {}).get("hit_rate") == 0.75)
+        rows = {name: {"engine": e} for name, e in engines().items()}
+        assert rows["busy"]["engine"] == {
+            "kv_usage": 0.42,
+            "hit_rate": 0.75,
+            "pool_blocks": 2048,
+            "waiting": 3,
+            "running": 5,
+        }
+        assert rows["silent"]["engine"] is None and rows["plain"]["engine"] is None

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from httpfixture import FakeEngine, serve_engine, vllm_metrics
 from netutil import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from service_workload import TestClient
@@ -137,16 +138,23 @@ def documented_metrics() -> set[str]:
 
 
 def test_every_metric_is_documented_and_every_documented_one_exists() -> None:
+    engine = FakeEngine()  # its /metrics read by kvindex: the kvindex_engine_* figures
+    engine.metrics = vllm_metrics(waiting=1, running=2, kv=0.5, queries=10, hits=5)
     with (
         Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub,
+        serve_engine(engine) as engine_url,
         TestClient(
-            create_app(Fleet([InstanceSpec("m", pub.endpoint, pub.replay_endpoint)]))
+            create_app(
+                Fleet([InstanceSpec("m", pub.endpoint, pub.replay_endpoint, http=engine_url)])
+            )
         ) as client,
     ):
         pub.publish([BlockStored([1], None, list(range(4)), 4)])
         assert wait_until(
             lambda: (
                 ("kvindex_last_seq", frozenset({("engine", "m"), ("rank", "0")})) in scrape(client)
+                and ("kvindex_engine_pool_blocks", frozenset({("engine", "m"), ("rank", "0")}))
+                in scrape(client)
             )
         )
         client.post("/v1/lookup", json={"token_ids": [0, 1, 2, 3]})  # a hit

@@ -137,7 +137,7 @@ def create_app(
         redoc_url=None,
     )
     health = store_health or _no_store
-    metrics = ServiceMetrics(fleet, health)
+    metrics = ServiceMetrics(fleet, health, routing.scraper)
     app.state.fleet = fleet
     app.state.metrics = metrics
     app.state.max_lookup_items = guard.max_lookup_items
@@ -149,7 +149,7 @@ def create_app(
         errors=[400, 404, 409, 413, 422, 502, 503],
     )
     install_routing(app, routing, metrics, route_doc)  # /v1/route, the peers' API
-    install_dashboard(app, fleet)  # GET /, its assets and /v1/dashboard/*
+    install_dashboard(app, fleet, routing.scraper)  # GET /, its assets, /v1/dashboard/*
     install_docs(app)  # GET /docs and its assets
     _document(app, guard)
     # Innermost first: plain lookups answered past the guards, ahead of the routing; Allow

@@ -35,6 +35,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from kvindex.index.sharing import Sharing
 from kvindex.runtime import Fleet, FleetSummary, InstanceView
+from kvindex.runtime.engine_metrics import EngineFigures, MetricsScraper
 
 __all__ = ["Dashboard", "install_dashboard", "render_dashboard"]
 
@@ -80,8 +81,11 @@ class _Track:
 class Dashboard:
     """History and snapshots of a fleet for the dashboard page."""
 
-    def __init__(self, fleet: Fleet, *, interval: float = 1.0) -> None:
+    def __init__(
+        self, fleet: Fleet, *, interval: float = 1.0, engines: MetricsScraper | None = None
+    ) -> None:
         self.fleet = fleet
+        self.engines = engines  # the engines' own /metrics (kvindex.runtime.engine_metrics)
         self.interval = interval
         self.history: deque[dict[str, Any]] = deque(maxlen=int(HISTORY_SECONDS / interval))
         self.tracks: dict[str, _Track] = {}
@@ -104,7 +108,11 @@ class Dashboard:
         elapsed = None if self._last_sample is None else max(1e-3, now - self._last_sample)
         self._last_sample = now
         views = self.fleet.instance_views()
-        rows = [self._row(view, elapsed) for view in views]
+        scraped = self.engines.figures() if self.engines is not None else {}
+        rows = [
+            {**self._row(view, elapsed), "engine": _engine(scraped.get(view.name))}
+            for view in views
+        ]
         for gone in set(self.tracks) - {v.name for v in views}:
             del self.tracks[gone]
         header = _header(self.fleet.summary(views), rows)
@@ -275,6 +283,30 @@ def _last_event(request: Request) -> float | None:
         return None
 
 
+def _engine(ranks: dict[int, EngineFigures] | None) -> dict[str, Any] | None:
+    """What the engine's own /metrics said (None: not scraped): KV-cache usage (the fullest
+    rank), prefix-cache hit rate (hits over queries since the last scrape, the mean over
+    ranks; else since the engine started, summed over ranks), pool capacity in blocks
+    (summed over ranks), load."""
+    if not ranks:
+        return None
+    figures = list(ranks.values())
+    usage = [f.kv_usage for f in figures if f.kv_usage is not None]
+    capacity = [f.capacity_blocks for f in figures if f.capacity_blocks is not None]
+    queries = sum(f.queries or 0 for f in figures)
+    hits = sum(f.hits or 0 for f in figures)
+    windowed = [f.hit_rate for f in figures if f.hit_rate is not None]
+    return {
+        "kv_usage": max(usage) if usage else None,
+        "hit_rate": (
+            sum(windowed) / len(windowed) if windowed else (hits / queries if queries else None)
+        ),
+        "pool_blocks": sum(capacity) if capacity else None,
+        "waiting": sum(f.waiting or 0 for f in figures),
+        "running": sum(f.running or 0 for f in figures),
+    }
+
+
 def _header(fleet: FleetSummary, rows: list[dict[str, Any]]) -> dict[str, Any]:
     stores = sum(r["stores_per_s"] for r in rows)
     removes = sum(r["removes_per_s"] for r in rows)
@@ -318,9 +350,11 @@ def _sharing_dict(result: Sharing) -> dict[str, Any]:
 # -- routes ------------------------------------------------------------------------------
 
 
-def install_dashboard(app: FastAPI, fleet: Fleet) -> Dashboard:
+def install_dashboard(
+    app: FastAPI, fleet: Fleet, engines: MetricsScraper | None = None
+) -> Dashboard:
     """Add the dashboard's routes to `app`, and its sampler to the app's lifespan."""
-    dashboard = Dashboard(fleet)
+    dashboard = Dashboard(fleet, engines=engines)
     app.state.dashboard = dashboard
     _wrap_lifespan(app, dashboard)
     _add_page_routes(app)

@@ -17,6 +17,10 @@ in C from the walk (`Fleet.lookup_json`): ~80 us. Two ways in:
 Both answer only a body of the plain shape; anything else (not JSON, an unknown field, a
 token id past 32 bits, `1.0`, an escaped string, a refused token...) goes to the FastAPI
 route with the same body, which decides: every refusal keeps its one wording and status.
+
+`POST /v1/lookup/hashes` takes the same ways in; its body is decoded and its answer
+encoded by msgspec (a router asking by hash sends few of them), and only the ASGI stack
+around it is saved.
 """
 
 from __future__ import annotations
@@ -31,10 +35,15 @@ from kvindex.index import parse_lookup_body
 from kvindex.runtime import Fleet
 from kvindex.security.http import ASGIApp, HttpGuard, Message, Receive, Scope, Send, error_response
 from kvindex.service.metrics import ServiceMetrics
+from kvindex.service.schema import BadBody, HashLookupRequest, decode_body, encode
+from kvindex.wire import parse_hash
 
 __all__ = ["LookupAnswerer", "LookupFastPath", "lookup_protocol"]
 
 PATH = "/v1/lookup"
+HASHES_PATH = "/v1/lookup/hashes"
+PATHS = {PATH, HASHES_PATH}
+_RAW_PATHS = {path.encode(): path for path in PATHS}
 _JSON = b"content-type: application/json\r\n"
 
 
@@ -46,7 +55,9 @@ class LookupAnswerer:
         self.metrics = metrics
         self.max_items = max_items
 
-    def answer(self, body: bytes) -> bytes | None:
+    def answer(self, path: str, body: bytes) -> bytes | None:
+        if path == HASHES_PATH:
+            return self._by_hashes(body)
         parsed = parse_lookup_body(body, self.max_items)
         if parsed is None:
             return None
@@ -55,6 +66,19 @@ class LookupAnswerer:
         answer, hit = self.fleet.lookup_json(tokens, lora_name, cache_salt)
         self.metrics.lookups.observe("tokens", time.perf_counter() - start, hit, compiled=True)
         return answer
+
+    def _by_hashes(self, body: bytes) -> bytes | None:
+        try:
+            request: HashLookupRequest = decode_body(body, HashLookupRequest)
+            if len(request.block_hashes) > self.max_items:
+                return None
+            hashes = [parse_hash(text) for text in request.block_hashes]
+        except (BadBody, ValueError):
+            return None  # the route words the refusal
+        start = time.perf_counter()
+        answer = self.fleet.lookup_hashes(hashes)
+        self.metrics.lookups.observe("hashes", time.perf_counter() - start, answer.hit)
+        return encode(answer)
 
 
 # -- in the ASGI app ----------------------------------------------------------------------
@@ -68,7 +92,7 @@ class LookupFastPath:
         self.answerer = answerer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != PATH or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["path"] not in PATHS or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
         try:
@@ -76,7 +100,8 @@ class LookupFastPath:
         except HTTPException as exc:  # over the body limit, while it arrived
             await error_response(send, exc.status_code, str(exc.detail))
             return
-        answer = self.answerer.answer(b"".join(m.get("body", b"") for m in messages))
+        body = b"".join(m.get("body", b"") for m in messages)
+        answer = self.answerer.answer(scope["path"], body)
         if answer is None:  # not the plain shape: the route decides
             await self.app(scope, _replay(messages, receive), send)
             return
@@ -115,7 +140,8 @@ class _Collecting:
     """Stands in for uvicorn's RequestResponseCycle while a lookup body arrives: what
     HttpToolsProtocol's callbacks read and write of a cycle (body, message_event, ...)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str) -> None:
+        self.path = path
         self.body = bytearray()
         self.more_body = True
         self.response_complete = False
@@ -136,7 +162,7 @@ def lookup_protocol(
             if not self._takes_lookup():
                 super().on_headers_complete()
                 return
-            cycle = _Collecting()
+            cycle = _Collecting(_RAW_PATHS[self.url])
             cycle.deadline = self.loop.call_later(guard.request_timeout, self._too_slow, cycle)
             self.scope["method"] = "POST"
             self.cycle = cycle  # type: ignore[assignment]
@@ -144,7 +170,8 @@ def lookup_protocol(
         def _takes_lookup(self) -> bool:
             """A plain lookup: nothing of it the ASGI stack would answer otherwise."""
             parser = self.parser
-            if self.url != PATH.encode() or parser.get_method() != b"POST":
+            path = _RAW_PATHS.get(self.url)
+            if path is None or parser.get_method() != b"POST":
                 return False
             if parser.get_http_version() != "1.1" or not parser.should_keep_alive():
                 return False
@@ -153,7 +180,7 @@ def lookup_protocol(
             previous = self.cycle
             if previous is not None and not previous.response_complete:
                 return False  # pipelined behind an answer in progress: uvicorn queues it
-            return _length_within(self.headers, max_body_bytes) and guard.admits(PATH, self.headers)
+            return _length_within(self.headers, max_body_bytes) and guard.admits(path, self.headers)
 
         def on_body(self, body: bytes) -> None:
             cycle = self.cycle
@@ -178,7 +205,7 @@ def lookup_protocol(
             if cycle.deadline is not None:
                 cycle.deadline.cancel()
             body = bytes(cycle.body)
-            answer = answerer.answer(body)
+            answer = answerer.answer(cycle.path, body)
             if answer is None:  # the route decides, as if uvicorn had read it itself
                 self._to_the_app(body)
                 return

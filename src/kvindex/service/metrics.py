@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from kvindex.runtime import STATUS_ORDER, Fleet, InstanceView, StoreHealth
+from kvindex.runtime.engine_metrics import MetricsScraper
 from kvindex.wire.tiers import tier_of
 
 __all__ = ["FleetCollector", "LookupMetrics", "ServiceMetrics"]
@@ -150,9 +151,15 @@ StoreHealthOf = Callable[[], StoreHealth]
 class FleetCollector(Collector):
     """Reads the fleet's counters when Prometheus scrapes (nothing is kept in between)."""
 
-    def __init__(self, fleet: Fleet, store: StoreHealthOf | None = None) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        store: StoreHealthOf | None = None,
+        engines: MetricsScraper | None = None,
+    ) -> None:
         self.fleet = fleet
         self.store = store
+        self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
         views = self.fleet.instance_views()
@@ -161,6 +168,8 @@ class FleetCollector(Collector):
         yield from self._fleet_metrics(views)
         if self.store is not None:
             yield from _store_metrics(self.store())
+        if self.engines is not None:
+            yield from _scraped_metrics(self.engines)
 
     def _fleet_metrics(self, views: list[InstanceView]) -> Iterator[Metric]:
         fleet = self.fleet.summary(views)
@@ -255,6 +264,62 @@ def _source_metrics(views: list[InstanceView]) -> Iterator[Metric]:
     yield seq
 
 
+def _scraped_metrics(scraper: MetricsScraper) -> Iterator[Metric]:
+    """What each engine's own `/metrics` said at the last scrape (instances with a metrics
+    URL: `metrics=` or `http=` in the spec), per DP rank: cache size, use, hits, load."""
+    rank = [ENGINE, "rank"]
+    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+        "capacity_blocks": GaugeMetricFamily(
+            "kvindex_engine_pool_blocks",
+            "The engine's GPU KV-cache pool, in blocks (vLLM's num_gpu_blocks).",
+            labels=rank,
+        ),
+        "kv_usage": GaugeMetricFamily(
+            "kvindex_engine_kv_cache_usage",
+            "The engine's KV-cache usage, 0-1 (vLLM's kv_cache_usage_perc).",
+            labels=rank,
+        ),
+        "queries": CounterMetricFamily(
+            "kvindex_engine_prefix_cache_queries",
+            "Prefix-cache queries, in tokens, as the engine counts them (since it started).",
+            labels=rank,
+        ),
+        "hits": CounterMetricFamily(
+            "kvindex_engine_prefix_cache_hits",
+            "Prefix-cache hits, in tokens, as the engine counts them (since it started).",
+            labels=rank,
+        ),
+        "waiting": GaugeMetricFamily(
+            "kvindex_engine_requests_waiting", "Requests waiting in the engine.", labels=rank
+        ),
+        "running": GaugeMetricFamily(
+            "kvindex_engine_requests_running", "Requests running in the engine.", labels=rank
+        ),
+    }
+    for name, ranks in sorted(scraper.figures().items()):
+        for number, figures in sorted(ranks.items()):
+            for field, family in families.items():
+                value = getattr(figures, field)
+                if value is not None:
+                    family.add_metric([name, str(number)], value)
+    yield from families.values()
+    up = GaugeMetricFamily(
+        "kvindex_engine_metrics_up",
+        "1 if the engine's /metrics answered at the last scrape, 0 if not.",
+        labels=[ENGINE],
+    )
+    failures = CounterMetricFamily(
+        "kvindex_engine_metrics_failures",
+        "Scrapes of the engine's /metrics that failed.",
+        labels=[ENGINE],
+    )
+    errors = scraper.errors()
+    for name, (_, failed) in sorted(scraper.counts().items()):
+        up.add_metric([name], 0.0 if name in errors else 1.0)
+        failures.add_metric([name], failed)
+    yield from (up, failures)
+
+
 def _store_metrics(health: StoreHealth) -> Iterator[Metric]:
     """How the state store is doing (see StoreHealth)."""
     yield _gauge(
@@ -289,12 +354,17 @@ class ServiceMetrics:
     """The registry of one app: fleet state read at scrape time, lookup metrics, and the
     process's own (memory, CPU, file descriptors, GC, Python version)."""
 
-    def __init__(self, fleet: Fleet, store: StoreHealthOf | None = None) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        store: StoreHealthOf | None = None,
+        engines: MetricsScraper | None = None,
+    ) -> None:
         # `*_created` series only double the output; this switch is process-wide.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
         self.lookups = LookupMetrics(self.registry)
-        self.fleet_collector = FleetCollector(fleet, store)
+        self.fleet_collector = FleetCollector(fleet, store, engines)
         self.registry.register(self.fleet_collector)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)

@@ -187,6 +187,12 @@
   }
 
   function renderInstances(rows) {
+    // The engine's own /metrics: KV-cache usage, prefix-cache hit rate, GPU pool (blocks).
+    const pct = (x) => (x === null || x === undefined ? "–" : `${Math.round(x * 100)}%`);
+    const engineCell = (e) =>
+      e
+        ? `<td class="engine" data-col="engine" title="${esc(`waiting ${fmtInt(e.waiting)} · running ${fmtInt(e.running)}`)}">KV ${pct(e.kv_usage)} · hit ${pct(e.hit_rate)} · pool ${e.pool_blocks === null ? "–" : fmtInt(e.pool_blocks)}</td>`
+        : `<td class="zero" data-col="engine">–</td>`;
     const body = $("instances-body");
     const html = rows.map((r) => {
       const tiers = r.blocks_by_tier || {};
@@ -203,9 +209,10 @@
         <td class="num">${fmtRate(r.stores_per_s)}</td>
         <td class="num">${fmtRate(r.removes_per_s)}</td>
         ${counterCell(r.gaps, Infinity)}${counterCell(r.replayed_batches, Infinity)}${counterCell(r.lost_batches, 0)}${counterCell(r.publisher_restarts, Infinity)}
+        ${engineCell(r.engine)}
       </tr>`;
     });
-    body.innerHTML = html.join("") || `<tr><td colspan="11" class="empty">No instances followed yet: add some with kvindex serve --instance or POST /v1/instances.</td></tr>`;
+    body.innerHTML = html.join("") || `<tr><td colspan="12" class="empty">No instances followed yet: add some with kvindex serve --instance or POST /v1/instances.</td></tr>`;
     const total = rows.reduce((n, r) => n + (r.dp || 1), 0);
     $("instances-hint").textContent = `${rows.length} instance${rows.length === 1 ? "" : "s"} · ${total} publisher${total === 1 ? "" : "s"}`;
   }

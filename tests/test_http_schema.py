@@ -123,3 +123,41 @@ def test_401_is_documented_wherever_a_token_is_asked_for() -> None:
     open_app = _app(manage_fleet=False)
     open_app.state.fleet.close()
     assert "401" not in open_app.openapi()["paths"]["/v1/lookup"]["post"]["responses"]
+
+
+def _raw(port: int, request: bytes) -> int:
+    """The status a real server answers to `request`, sent as is over a socket."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(request)
+        answer = conn.recv(4096)
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_what_the_guard_answers_is_documented_where_it_answers_it() -> None:
+    # A refused Host (400, any path) and a body that never arrives (408, where a body is
+    # read): answered by the guard before any route, produced here on a real server.
+    fleet = Fleet()
+    guard = HttpGuard(request_timeout=0.3, allowed_hosts=("localhost",))
+    app = create_app(fleet, guard=guard, manage_fleet=False)
+    doc = app.openapi()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started and thread.is_alive():
+            threading.Event().wait(0.01)
+        port = sock.getsockname()[1]
+        foreign = b"GET /healthz HTTP/1.1\r\nHost: rebound.example\r\n\r\n"
+        assert _raw(port, foreign) == 400
+        assert "400" in doc["paths"]["/healthz"]["get"]["responses"]
+        slow = b"POST /v1/lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: 50\r\n\r\n{"
+        assert _raw(port, slow) == 408
+        assert "408" in doc["paths"]["/v1/lookup"]["post"]["responses"]
+        assert "408" not in doc["paths"]["/healthz"]["get"]["responses"]  # no body read
+        assert "401" not in doc["paths"]["/v1/lookup"]["post"]["responses"]  # no token
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        fleet.close()

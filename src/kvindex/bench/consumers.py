@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from kvindex.bench.common import BLOCK
-from kvindex.bench.workloads import Batch, Store
+from kvindex.bench.workloads import Batch, FillStore
 from kvindex.index import FleetIndex
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import BatchDecoder, BlockHash, BlockStored, EventBatch
@@ -48,7 +48,7 @@ class Kvindex:
         for instance, seq, payload in batches:
             apply(sources[instance], payload, seq)
 
-    def build(self, stores: Iterable[Store]) -> None:
+    def build(self, stores: Iterable[FillStore]) -> None:
         apply, sources = self.index.apply, self.sources
         for s in stores:
             event = BlockStored(s.hashes, s.parent, s.tokens, BLOCK, medium="GPU")
@@ -93,7 +93,7 @@ class Naive:
             elif kind == "AllBlocksCleared":
                 blocks.clear()
 
-    def build(self, stores: Iterable[Store]) -> None:
+    def build(self, stores: Iterable[FillStore]) -> None:
         held = self.sets
         for s in stores:
             held[s.instance].update(s.hashes)
@@ -174,7 +174,7 @@ class Dynamo:
         blocks = [{"block_hash": h, "tokens_hash": t} for h, t in zip(hashes, local, strict=False)]
         return {"stored": {"parent_hash": parent, "blocks": blocks}}
 
-    def build(self, stores: Iterable[Store]) -> None:
+    def build(self, stores: Iterable[FillStore]) -> None:
         for s in stores:
             self._apply(s.instance, self._stored(s.hashes, s.parent, s.tokens, None))
         self.sync()

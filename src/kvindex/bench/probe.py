@@ -18,7 +18,7 @@ from typing import Any
 
 from kvindex.bench.common import median, percentile, rss_bytes
 from kvindex.bench.consumers import Dynamo, Kvindex, Naive
-from kvindex.bench.workloads import FillSpec, Prompt, Store, fill, prompts
+from kvindex.bench.workloads import FillSpec, FillStore, Prompt, fill, prompts
 
 __all__ = ["main", "probe"]
 
@@ -32,11 +32,11 @@ CONSUMERS: dict[str, type[Kvindex] | type[Naive] | type[Dynamo]] = {
 class _Counted:
     """Counts the blocks of the stores passing through (the entries built)."""
 
-    def __init__(self, stores: Iterable[Store]) -> None:
+    def __init__(self, stores: Iterable[FillStore]) -> None:
         self.stores = stores
         self.blocks = 0
 
-    def __iter__(self) -> Iterator[Store]:
+    def __iter__(self) -> Iterator[FillStore]:
         for store in self.stores:
             self.blocks += len(store.hashes)
             yield store

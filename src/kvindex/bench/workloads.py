@@ -36,10 +36,10 @@ from kvindex.wire import BlockHash
 __all__ = [
     "Batch",
     "FillSpec",
+    "FillStore",
     "IngestSpec",
     "IngestWorkload",
     "Prompt",
-    "Store",
     "fill",
     "ingest_workload",
     "prompts",
@@ -239,7 +239,7 @@ class FillSpec:
         return self.instances * self.per_instance
 
 
-class Store(NamedTuple):
+class FillStore(NamedTuple):
     """One BlockStored event of the fill: a chain of 1-32 blocks under `parent`."""
 
     instance: int
@@ -301,7 +301,7 @@ def _conversations_per_instance(spec: FillSpec) -> int:
     return max(1, int(spec.per_instance * 0.6 / mean))
 
 
-def fill(spec: FillSpec) -> Iterator[Store]:
+def fill(spec: FillSpec) -> Iterator[FillStore]:
     """Every store of the fill, instance by instance, `per_instance` blocks each."""
     systems = [_system(spec.seed, s) for s in range(_SYSTEMS)]
     documents = [_document(spec.seed, d) for d in range(_DOCUMENTS)]
@@ -311,7 +311,7 @@ def fill(spec: FillSpec) -> Iterator[Store]:
 
 def _fill_instance(
     spec: FillSpec, i: int, systems: list[_Chain], documents: list[_Chain]
-) -> Iterator[Store]:
+) -> Iterator[FillStore]:
     rng = np.random.default_rng([spec.seed, 6, i])
     left = spec.per_instance
     held_systems: set[int] = set()
@@ -350,14 +350,14 @@ def _fill_instance(
 
 def _stores(
     rng: np.random.Generator, i: int, chain: _Chain, root: BlockHash | None, start: int, end: int
-) -> Iterator[Store]:
+) -> Iterator[FillStore]:
     """`chain`'s blocks [start, end) as store events of 1-32 blocks, each under the last."""
     at = start
     while at < end:
         n = min(end - at, int(rng.integers(1, 33)))
         parent = chain.hashes[at - 1] if at else root
         tokens = chain.tokens[at * BLOCK : (at + n) * BLOCK].tolist()
-        yield Store(i, chain.hashes[at : at + n], parent, tokens)
+        yield FillStore(i, chain.hashes[at : at + n], parent, tokens)
         at += n
 
 

@@ -112,7 +112,7 @@ def instance_specs(args: argparse.Namespace) -> list[InstanceSpec]:
     return specs
 
 
-class Progress:
+class RecordProgress:
     """A line on stderr every `--progress` seconds: batches so far, rate, bytes written."""
 
     def __init__(self, console: Console, writer: Writer, args: argparse.Namespace) -> None:
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
                 stop=stop,
                 on_item=_notices(console, args.quiet),
                 catch_up=args.start == "oldest",
-                tick=None if args.quiet else Progress(console, writer, args),
+                tick=None if args.quiet else RecordProgress(console, writer, args),
             )
         except zmq.ZMQError as exc:
             raise UsageError(f"can't follow the publishers: {exc}") from None

@@ -130,7 +130,7 @@ def _announce(
     console.print(f"follow it with: kvindex serve {flags}", soft_wrap=True)
 
 
-class Progress:
+class ReplayProgress:
     """A line every `--progress` seconds: batches sent of all, recorded time played."""
 
     def __init__(self, console: Console, found: Survey, every: float) -> None:
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
             _announce(console, targets, found, args)
             _pause(args.wait, stop)
             speed = None if args.as_fast_as_possible else args.speed
-            progress = Progress(console, found, args.progress)
+            progress = ReplayProgress(console, found, args.progress)
             stats = replay(args.file, pubs, speed=speed, stop=stop, tick=progress)
             console.print(_ending(stats, found, stop))
             if stats.stopped is None:

@@ -348,13 +348,20 @@ class HttpGuard:
         which words the refusal: a rule added to the middleware belongs here too."""
         if self.allowed_hosts is not None and _host_names(self.allowed_hosts).refused(headers):
             return False
-        token = self.token.encode() if self.token else None
-        metrics_token = self.metrics_token.encode() if self.metrics_token else None
-        tokens = _tokens_for(path, token, metrics_token)
+        tokens = self._tokens_for(path)
         if not tokens:
             return True
         given = _bearer({"headers": headers})
         return given is not None and _matches(given, tokens)
+
+    def asks_token(self, path: str) -> bool:
+        """Whether a request for `path` must carry a token (where the API documents 401)."""
+        return bool(self._tokens_for(path))
+
+    def _tokens_for(self, path: str) -> list[bytes]:
+        token = self.token.encode() if self.token else None
+        metrics_token = self.metrics_token.encode() if self.metrics_token else None
+        return _tokens_for(path, token, metrics_token)
 
     def install(self, app: Any) -> None:
         """Add the middleware to a Starlette/FastAPI app (outermost: the Host check, auth,

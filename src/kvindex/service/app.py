@@ -34,7 +34,7 @@ from kvindex.runtime import (
     UnknownInstance,
 )
 from kvindex.runtime.routing import RouteAnswer
-from kvindex.security.http import METRICS_PATH, OPEN_PATHS, HttpGuard
+from kvindex.security.http import HttpGuard
 from kvindex.service.dashboard import install_dashboard
 from kvindex.service.docs import install_docs
 from kvindex.service.fastpath import LookupAnswerer, LookupFastPath
@@ -210,31 +210,37 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _document(app: FastAPI, guard: HttpGuard) -> None:
     """The OpenAPI document: FastAPI's paths, with every body and answer schema from the
-    structs of kvindex.service.schema, and a 401 wherever a token is asked for."""
+    structs of kvindex.service.schema, and what the guard answers before any route: a 401
+    wherever a token is asked for, a 408 where a body is read (its deadline), a 400 on
+    every path for a `Host` off the allow-list."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             doc = build()
             doc.setdefault("components", {})["schemas"] = schema_components()
-            if guard.token or guard.metrics_token:
-                _document_401(doc, guard)
+            _document_guard(doc, guard)
             app.openapi_schema = doc
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _document_401(doc: dict[str, Any], guard: HttpGuard) -> None:
-    refused = {
-        "description": "no or a wrong bearer token",
-        "content": json_content(ref(ErrorAnswer)),
-    }
+def _document_guard(doc: dict[str, Any], guard: HttpGuard) -> None:
     for path, operations in doc.get("paths", {}).items():
-        if path in OPEN_PATHS or (path == METRICS_PATH and not guard.metrics_token):
-            continue
+        token = guard.asks_token(path)
         for operation in operations.values():
-            operation.setdefault("responses", {})["401"] = refused
+            responses = operation.setdefault("responses", {})
+            if token:
+                responses["401"] = _refusal("no or a wrong bearer token")
+            if "requestBody" in operation:
+                responses["408"] = _refusal("the body did not arrive in the request timeout")
+            if guard.allowed_hosts is not None:
+                responses.setdefault("400", _refusal("a `Host` not on the allow-list"))
+
+
+def _refusal(description: str) -> dict[str, Any]:
+    return {"description": description, "content": json_content(ref(ErrorAnswer))}
 
 
 def _no_store() -> StoreHealth:

@@ -86,34 +86,19 @@ def _continues(prev: BlockRow, row: BlockRow) -> bool:
 
 
 def _chain_event(chain: list[BlockRow]) -> BlockStored:
-    if len(chain) == 1:
-        return _store_event(chain[0])
     first = chain[0]
     tokens = [t for row in chain for t in row.token_ids or ()]
-    extra = [[first.lora_name]] * len(chain) if first.lora_name is not None else None
+    # The LoRA name in every block's extra keys, as vLLM sends it (none without tokens).
+    lora = first.lora_name
+    extra = [[lora]] * len(chain) if lora is not None and tokens else None
     return BlockStored(
         [row.block_hash for row in chain],
         first.parent_hash,
         tokens,
         first.block_size,
         medium=first.medium,
-        lora_name=first.lora_name,
+        lora_name=lora,
         group_idx=first.group,
-        extra_keys=extra,
-    )
-
-
-def _store_event(row: BlockRow) -> BlockStored:
-    tokens = row.token_ids or []
-    extra = [[row.lora_name]] if row.lora_name is not None and tokens else None
-    return BlockStored(
-        [row.block_hash],
-        row.parent_hash,
-        tokens,
-        row.block_size,
-        medium=row.medium,
-        lora_name=row.lora_name,
-        group_idx=row.group,
         extra_keys=extra,
     )
 

@@ -24,7 +24,7 @@ from kvindex.bench.e2e.probes import (
 )
 from kvindex.bench.e2e.procs import Publishers, bench_child, child, healthz_ok, publishers, serve
 from kvindex.bench.e2e.runs import attempt, summarize_ms
-from kvindex.bench.e2e.streams import Workload, filled, steady_state, warm_items, write_items
+from kvindex.bench.e2e.streams import SteadyStream, filled, steady_state, warm_items, write_items
 from kvindex.bench.plan import EndToEnd, Plan
 from kvindex.bench.workloads import FillSpec
 
@@ -101,7 +101,7 @@ def case_fresh(sizes: EndToEnd, workdir: Path) -> dict[str, Any]:
 
 
 def fresh_phase(
-    url: str, pub: Publishers, work: Workload, sizes: EndToEnd, workdir: Path
+    url: str, pub: Publishers, work: SteadyStream, sizes: EndToEnd, workdir: Path
 ) -> dict[str, Any]:
     count = int(sizes.fresh_seconds / sizes.marker_every)
     args = bench_child("fresh", url, str(count), work.names[0], str(sizes.fresh_seconds + 20))

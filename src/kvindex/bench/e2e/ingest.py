@@ -28,7 +28,7 @@ from kvindex.bench.e2e.probes import (
 )
 from kvindex.bench.e2e.procs import bench_child, child, publishers, serve
 from kvindex.bench.e2e.runs import attempt, best_run, ingest_figures
-from kvindex.bench.e2e.streams import Workload
+from kvindex.bench.e2e.streams import SteadyStream
 from kvindex.bench.plan import EndToEnd
 
 __all__ = ["TARGETS", "ingest_cases"]
@@ -41,7 +41,7 @@ Case = Callable[[str], dict[str, Any]]
 
 
 def ingest_cases(
-    work: Workload, sizes: EndToEnd, workdir: Path, peer: dict[str, Any]
+    work: SteadyStream, sizes: EndToEnd, workdir: Path, peer: dict[str, Any]
 ) -> dict[str, dict[str, Any]]:
     """Every ingest case, by its key in the results."""
     cases: dict[str, Case] = {
@@ -77,7 +77,7 @@ def _ratios(out: dict[str, dict[str, Any]]) -> None:
             case["meets_target"] = case["vs_dynamo"] >= TARGETS[target]
 
 
-def case_naive(work: Workload, sizes: EndToEnd, workdir: Path, tag: str) -> dict[str, Any]:
+def case_naive(work: SteadyStream, sizes: EndToEnd, workdir: Path, tag: str) -> dict[str, Any]:
     """The baseline: a naive subscriber child receives the same stream."""
     with publishers(workdir, work.path, len(work.names), tag) as pub:
         endpoints = json.dumps([p for p, _ in pub.endpoints])
@@ -103,7 +103,7 @@ def case_naive(work: Workload, sizes: EndToEnd, workdir: Path, tag: str) -> dict
     }
 
 
-def case_serve(work: Workload, sizes: EndToEnd, workdir: Path, store: str, tag: str) -> Any:
+def case_serve(work: SteadyStream, sizes: EndToEnd, workdir: Path, store: str, tag: str) -> Any:
     """The stream into `serve --store STORE`, as fast as it takes it."""
     kind = store.split(":", 1)[0]
     with (
@@ -128,7 +128,7 @@ def case_serve(work: Workload, sizes: EndToEnd, workdir: Path, store: str, tag: 
     return {"store": kind, "instances": len(work.names), "batches": work.measured, **out}
 
 
-def case_redis(work: Workload, sizes: EndToEnd, workdir: Path) -> dict[str, Any]:
+def case_redis(work: SteadyStream, sizes: EndToEnd, workdir: Path) -> dict[str, Any]:
     with redis_server(workdir) as url:
         if url is None:
             return {"skipped": "redis-server is not installed"}
@@ -136,7 +136,7 @@ def case_redis(work: Workload, sizes: EndToEnd, workdir: Path) -> dict[str, Any]
         return result
 
 
-def case_dynamo(work: Workload, sizes: EndToEnd, workdir: Path, tag: str) -> dict[str, Any]:
+def case_dynamo(work: SteadyStream, sizes: EndToEnd, workdir: Path, tag: str) -> dict[str, Any]:
     """The stream into Dynamo's standalone indexer: applied when its applied-events counter
     reaches the events sent; what it holds then (its `/dump`) compared with the truth."""
     with (

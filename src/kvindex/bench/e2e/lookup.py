@@ -33,7 +33,7 @@ from kvindex.bench.e2e.dynamo import standalone, worker_id
 from kvindex.bench.e2e.probes import counters, lookup_metric, rss_mib, wait_applied, wait_live
 from kvindex.bench.e2e.procs import Publishers, bench_child, child, publishers, serve
 from kvindex.bench.e2e.runs import attempt, summarize_ms
-from kvindex.bench.e2e.streams import Filled, Workload, wire_events, write_items
+from kvindex.bench.e2e.streams import Filled, SteadyStream, wire_events, write_items
 from kvindex.bench.plan import EndToEnd
 
 __all__ = ["LOAD_RATE", "TARGETS", "lookup_case"]
@@ -64,7 +64,7 @@ class Files:
 
 
 def lookup_case(
-    fleet: Filled, load: Workload, sizes: EndToEnd, workdir: Path, peer: dict[str, Any]
+    fleet: Filled, load: SteadyStream, sizes: EndToEnd, workdir: Path, peer: dict[str, Any]
 ) -> dict[str, Any]:
     """Both indexers, one after the other, on the same fill, prompts and stream."""
     files = Files(workdir / "fill.msgpack", workdir / "prompts.msgpack")
@@ -149,7 +149,7 @@ STARTS: dict[str, Start] = {"kvindex": _kvindex, "dynamo": _dynamo}
 
 
 def _measure(
-    api: str, fleet: Filled, load: Workload, sizes: EndToEnd, files: Files, workdir: Path
+    api: str, fleet: Filled, load: SteadyStream, sizes: EndToEnd, files: Files, workdir: Path
 ) -> dict[str, Any]:
     with (
         publishers(workdir, load.path, len(load.names), f"lookup-{api}") as pub,
@@ -200,7 +200,7 @@ def _lookups(
     workdir: Path,
     tag: str,
     load: Publishers | None = None,
-    work: Workload | None = None,
+    work: SteadyStream | None = None,
 ) -> dict[str, Any]:
     """One client child's phase; with `load`, the paced stream starts once the client is
     ready (and runs until the caller stops it). For kvindex, also the mean time serve says

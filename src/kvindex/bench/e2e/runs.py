@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvindex.bench.common import percentile
-from kvindex.bench.e2e.streams import Workload
+from kvindex.bench.e2e.streams import SteadyStream
 
 __all__ = ["attempt", "best_run", "ingest_figures", "summarize_ms"]
 
@@ -37,7 +37,7 @@ def best_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return best
 
 
-def ingest_figures(work: Workload, t0: float, applied: float, persisted: float | None) -> Any:
+def ingest_figures(work: SteadyStream, t0: float, applied: float, persisted: float | None) -> Any:
     """Block events per second from the first send until applied (and persisted)."""
     out: dict[str, Any] = {"block_events": work.events, "seconds": applied - t0}
     out["per_s"] = out["applied_per_s"] = work.events / (applied - t0)

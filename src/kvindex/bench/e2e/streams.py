@@ -20,7 +20,7 @@ __all__ = [
     "MARKER_BASE",
     "Filled",
     "Item",
-    "Workload",
+    "SteadyStream",
     "filled",
     "marker_payload",
     "read_items",
@@ -39,7 +39,7 @@ Item = tuple[int, bytes]
 
 
 @dataclass(slots=True)
-class Workload:
+class SteadyStream:
     """The steady-state stream: `items[:warmup]` fill every instance's pool (sent
     untimed), the rest is what the cases time."""
 
@@ -61,7 +61,7 @@ class Workload:
         return self.events / max(1, self.measured)
 
 
-def steady_state(instances: int, events: int, workdir: Path, tag: str) -> Workload:
+def steady_state(instances: int, events: int, workdir: Path, tag: str) -> SteadyStream:
     """The simulator's steady state on `instances` publishers, `events` measured block
     events after the warm-up; its items written to `workdir` for the publisher child."""
     from kvindex.bench.workloads import IngestSpec, ingest_workload
@@ -73,7 +73,7 @@ def steady_state(instances: int, events: int, workdir: Path, tag: str) -> Worklo
     write_items(path, items)
     warmup = len(w.warmup)
     counts = (wire_events(items[:warmup]), wire_events(items))
-    return Workload(list(w.names), items, warmup, w.events, reference, path, *counts)
+    return SteadyStream(list(w.names), items, warmup, w.events, reference, path, *counts)
 
 
 def wire_events(items: Sequence[Item]) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from kvindex.runtime.discovery import DiscoveryView
 from kvindex.subscriber import InstanceSpec, Status
 from kvindex.wire.tiers import tier_counts
 
@@ -96,6 +97,7 @@ class InstanceView:
     removed: int
     clears: int
     batches: int
+    discovery: DiscoveryView | None = None  # an engine named by its URL: how it was found
 
     @property
     def name(self) -> str:
@@ -126,14 +128,15 @@ class InstanceView:
 
     @property
     def problem(self) -> str | None:
-        """Why a rank's publisher can't be followed (the first such rank's), if one can't."""
+        """Why a rank's publisher can't be followed (the first such rank's), if one can't;
+        else why an engine named by its URL could not be read (if it could not)."""
         return next(
             (
                 f"rank {r.rank}: {r.problem}" if len(self.ranks) > 1 else r.problem
                 for r in self.ranks
                 if r.problem
             ),
-            None,
+            None if self.discovery is None else self.discovery.problem,
         )
 
     @property

@@ -30,6 +30,7 @@ from kvindex.runtime.views import (
     InstanceMatch,
     InstanceView,
     LookupAnswer,
+    RankLoad,
     RankMatch,
     RankView,
     worst_status,
@@ -52,6 +53,7 @@ from kvindex.subscriber import (
     Unreachable,
     need_of_instances,
 )
+from kvindex.subscriber.load import LoadFollower
 from kvindex.wire import BlockHash
 
 __all__ = [
@@ -203,6 +205,7 @@ class Fleet:
         # An instance's publishers change on a worker thread while views read them on the
         # event loop: `_members` keeps the two apart (held briefly, never while waiting).
         self.discovery = Discovery(self._rediscovered)
+        self.load = LoadFollower()  # SGLang's load streams, on a thread of their own
         self._members = threading.RLock()
         self.add_link_hook(self._link_trouble)
         # What lookup_json derives from the instances, each kept until what it comes from
@@ -269,6 +272,7 @@ class Fleet:
         self._counts.pop(spec.name, None)
         if spec.discover is not None:
             self.discovery.track(spec)
+        self.load.follow(spec)
 
     def _start_following(self, worker: IngestWorker, spec: InstanceSpec) -> None:
         for item in worker.subscriber.add_instance(spec):
@@ -278,6 +282,7 @@ class Fleet:
         if not self.has_instance(name):
             raise UnknownInstance(name)
         self.discovery.forget(name)
+        self.load.forget(name)
         worker = self._owner.pop(name)
         worker.call(lambda: self._stop_following(worker, name))
         del self._specs[name], self._ranks[name]
@@ -316,6 +321,7 @@ class Fleet:
             self._specs_version += 1
             self._ranks[name] = [source.source for source in spec.sources()]
             self._counts.pop(name, None)
+            self.load.follow(spec)
         if had_sources:  # what a store kept of the old publishers is gone with them
             for remove_hook in list(self.on_remove):
                 self._call_hook(remove_hook, name)
@@ -408,6 +414,25 @@ class Fleet:
             handshake_failures=stats.handshake_failures,
             replay_failures=stats.replay_failures,
             replay_refusals=stats.replay_refusals,
+            load=self._load_of(source),
+        )
+
+    def _load_of(self, source: SourceKey) -> RankLoad | None:
+        state = self.load.state(source)
+        if state is None or state.reading is None:
+            return None
+        stat = state.reading.stat
+        return RankLoad(
+            running_requests=stat.num_running_reqs,
+            waiting_requests=stat.num_waiting_reqs,
+            max_running_requests=stat.max_running_requests or None,
+            kv_tokens_used=stat.num_tokens,
+            kv_tokens_total=stat.max_total_num_tokens or None,
+            kv_usage=stat.kv_usage,
+            waiting_uncached_tokens=stat.num_waiting_uncached_tokens,
+            age_seconds=state.reading.age,
+            readings=state.readings,
+            malformed=state.malformed,
         )
 
     def _counts_of(self, name: str) -> _Counts:
@@ -619,6 +644,7 @@ class Fleet:
         for worker in self._workers:
             worker.start()
         self.discovery.start()
+        self.load.start()
 
     async def stop(self) -> None:
         """Stop ingesting and close every socket."""
@@ -627,6 +653,7 @@ class Fleet:
     def close(self) -> None:
         """Stop the ingest threads (if they run) and close their sockets."""
         self.discovery.stop()
+        self.load.stop()
         for worker in self._workers:
             worker.stop()
 
@@ -635,7 +662,8 @@ class Fleet:
         tests step it by hand), and read the engines' /server_info that are due; True if
         anything was read."""
         found = self.discovery.step()
-        return any([worker.step(0) for worker in self._workers]) or found
+        loaded = self.load.step()
+        return any([worker.step(0) for worker in self._workers]) or found or loaded
 
     def _on_item(self, item: Item) -> None:
         """After the index applied an item (on an ingest thread): the views' cached counts

@@ -90,6 +90,14 @@ def test_discovered_load_per_rank_in_instances_and_metrics(engine: FakeSGLang) -
         assert 'kvindex_engine_waiting_requests{engine="sgl",rank="1"} 0.0' in metrics
         assert 'kvindex_engine_kv_tokens_capacity{engine="sgl",rank="1"} 1200.0' in metrics
 
+        def dashboard_load() -> Any:
+            rows = client.get("/v1/dashboard/snapshot").json()["snapshot"]["instances"]
+            return rows[0]["load"] if rows else None
+
+        assert wait_until(lambda: (dashboard_load() or {}).get("running") == 9, timeout=5)
+        assert dashboard_load()["waiting"] == 5 and dashboard_load()["kv_usage"] == 1100 / 1200
+        assert [r["rank"] for r in dashboard_load()["ranks"]] == [0, 1]
+
 
 def test_restart_drops_the_old_engines_load(engine: FakeSGLang) -> None:
     """After a restart (new ports, another DP size), only the new engine's readings show."""

@@ -186,6 +186,15 @@
     return `<td class="${cls}">${fmtInt(value)}</td>`;
   }
 
+  // An engine's load stream (SGLang): requests running / waiting over its ranks and the
+  // fullest rank's KV usage; each rank on hover. "–" for an engine that sends none.
+  function loadCell(load) {
+    if (!load) return `<td class="num zero" data-col="load">–</td>`;
+    const pct = (u) => (u === null || u === undefined ? "?" : `${Math.round(u * 100)}%`);
+    const title = load.ranks.map((k) => `rank ${k.rank}: ${k.running} running, ${k.waiting} waiting, KV ${pct(k.kv_usage)}`).join(" · ");
+    return `<td class="num" data-col="load" title="${esc(title)}">${fmtInt(load.running)} · ${fmtInt(load.waiting)} · ${pct(load.kv_usage)}</td>`;
+  }
+
   function renderInstances(rows) {
     const body = $("instances-body");
     const html = rows.map((r) => {
@@ -195,6 +204,7 @@
         ? `<td class="num" data-col="lower" title="${esc(lower.parts.map((t) => `${t} ${fmtInt(tiers[t])}`).join(" · "))}">${fmtInt(lower.total)}</td>`
         : `<td class="num zero" data-col="lower">–</td>`;
       const dp = r.dp > 1 ? `<span class="dp">dp ${r.dp}</span>` : "";
+      const load = loadCell(r.load);
       return `<tr data-instance="${esc(r.name)}" data-blocks="${r.blocks}" data-last-seq="${r.last_seq === null ? "" : r.last_seq}">
         <td class="name">${esc(r.name)}${dp}</td>
         <td><span class="pill ${esc(r.status)}">${esc(r.status)}</span></td>
@@ -202,10 +212,11 @@
         <td>${sparkline(state.trends[r.name])}</td>
         <td class="num">${fmtRate(r.stores_per_s)}</td>
         <td class="num">${fmtRate(r.removes_per_s)}</td>
+        ${load}
         ${counterCell(r.gaps, Infinity)}${counterCell(r.replayed_batches, Infinity)}${counterCell(r.lost_batches, 0)}${counterCell(r.publisher_restarts, Infinity)}
       </tr>`;
     });
-    body.innerHTML = html.join("") || `<tr><td colspan="11" class="empty">No instances followed yet: add some with kvindex serve --instance or POST /v1/instances.</td></tr>`;
+    body.innerHTML = html.join("") || `<tr><td colspan="12" class="empty">No instances followed yet: add some with kvindex serve --instance or POST /v1/instances.</td></tr>`;
     const total = rows.reduce((n, r) => n + (r.dp || 1), 0);
     $("instances-hint").textContent = `${rows.length} instance${rows.length === 1 ? "" : "s"} · ${total} publisher${total === 1 ? "" : "s"}`;
   }

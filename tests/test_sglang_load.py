@@ -219,3 +219,36 @@ def test_sglang_own_load_stat_is_followed(sglang_python: str) -> None:
         follower.stop()
         sender.kill()
         sender.wait(10)
+
+
+def test_routing_score_weighs_the_load_stream() -> None:
+    """Two SGLang engines holding the same prefix: /v1/route sends the prompt to the one
+    whose load stream says it is idle, then to the other once the loads swap."""
+    from kvindex.service.routing import install_routing  # noqa: F401 (the app installs it)
+    from kvindex.wire import BlockStored
+
+    with FakeSGLang() as busy, FakeSGLang() as idle:
+        for fake in (busy, idle):
+            fake.start_publishers(dp=1, load=True)
+            fake.start_http()
+        fleet = Fleet([InstanceSpec.parse(f"busy={busy.url}"),
+                       InstanceSpec.parse(f"idle={idle.url}")])  # fmt: skip
+        tokens = list(range(16))
+        with TestClient(create_app(fleet)) as client:
+
+            def ready() -> bool:
+                for fake in (busy, idle):
+                    fake.publishers[0].publish([BlockStored([7], None, tokens, 16, medium="GPU")])
+                rows = client.get("/v1/instances").json()["instances"]
+                return all(r["blocks"] == 1 for r in rows)
+
+            assert wait_until(ready, timeout=15, step=0.1)
+
+            def routed_to(name: str, loads: dict[str, int]) -> bool:
+                for fake, running in ((busy, loads["busy"]), (idle, loads["idle"])):
+                    fake.publish_load(0, load_stat(running, running, running * 10, 1000, 0))
+                answer = client.post("/v1/route", json={"token_ids": tokens}).json()
+                return bool(answer.get("best") == name)
+
+            assert wait_until(lambda: routed_to("idle", {"busy": 60, "idle": 0}), step=0.1)
+            assert wait_until(lambda: routed_to("busy", {"busy": 0, "idle": 60}), step=0.1)

@@ -63,13 +63,11 @@ class LoadFollower:
         self._pending: list[tuple[str, InstanceSpec | None]] = []  # (name, spec or forget)
         self._sockets: dict[zmq.Socket[bytes], tuple[SourceKey, str]] = {}  # the loop's own
         self._poller = zmq.Poller()
-        self._wake_addr = f"inproc://kvindex-load-{id(self):x}"
-        self._wake_recv = self._ctx.socket(zmq.PAIR)
-        self._wake_recv.bind(self._wake_addr)
-        self._wake_send = self._ctx.socket(zmq.PAIR)
-        self._wake_send.connect(self._wake_addr)
+        # The loop's wake-up pair, opened by `start` only: a Follower stepped by hand (or
+        # never started) holds no socket until it follows a load stream.
+        self._wake_recv: zmq.Socket[bytes] | None = None
+        self._wake_send: zmq.Socket[bytes] | None = None
         self._wake_lock = threading.Lock()  # a PAIR socket is for one thread at a time
-        self._poller.register(self._wake_recv, zmq.POLLIN)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False
@@ -100,7 +98,7 @@ class LoadFollower:
 
     def _wake(self) -> None:
         with self._wake_lock:
-            if not self._closed:
+            if self._wake_send is not None and not self._closed:
                 try:
                     self._wake_send.send(b"", zmq.NOBLOCK)
                 except zmq.Again:
@@ -116,7 +114,14 @@ class LoadFollower:
     # -- the loop ----------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._thread is None:
+        if self._thread is None and not self._closed:
+            with self._wake_lock:
+                address = f"inproc://kvindex-load-{id(self):x}"
+                self._wake_recv = self._ctx.socket(zmq.PAIR)
+                self._wake_recv.bind(address)
+                self._wake_send = self._ctx.socket(zmq.PAIR)
+                self._wake_send.connect(address)
+                self._poller.register(self._wake_recv, zmq.POLLIN)
             self._stopping = False
             self._thread = threading.Thread(target=self._run, name="kvindex-load", daemon=True)
             self._thread.start()
@@ -133,7 +138,8 @@ class LoadFollower:
                 return
             self._closed = True
             for sock in [*self._sockets, self._wake_recv, self._wake_send]:
-                sock.close(linger=0)
+                if sock is not None:
+                    sock.close(linger=0)
             self._sockets.clear()
 
     def _run(self) -> None:
@@ -149,9 +155,10 @@ class LoadFollower:
         self._apply_changes()
         wait = None if timeout is None else int(timeout * 1000)
         ready = dict(self._poller.poll(wait))
-        if self._wake_recv in ready:
-            while self._wake_recv.poll(0):
-                self._wake_recv.recv()
+        wake = self._wake_recv
+        if wake is not None and wake in ready:
+            while wake.poll(0):
+                wake.recv()
             self._apply_changes()
         read = False
         for sock, (source, endpoint) in list(self._sockets.items()):

@@ -21,6 +21,12 @@
     dp = 1                                    # optional, DP ranks on ports +0..+dp-1
     curve = "/etc/kvindex/relay-0.key"        # optional: the relay's public key (or its file)
     client_key = "/etc/kvindex/client.key_secret"   # optional, with curve
+    load = "tcp://10.0.0.5:6560"              # optional: SGLang's load stream (rank r: +r)
+
+    [[instances]]
+    name = "sgl-0"
+    endpoint = "sglang+http://10.0.0.6:30000"  # SGLang: publishers read from /server_info
+    api_key_file = "/etc/kvindex/sglang-key"  # optional (or api_key_env = "NAME")
 
 Flags win over the file, and the file over the defaults (the token's default being
 $KVINDEX_TOKEN). Secrets are never written in the file itself: it names a file or an
@@ -40,6 +46,7 @@ from typing import Any
 from kvindex.cli.common import UsageError
 from kvindex.security.curve import KeyFileError, read_public_key
 from kvindex.subscriber import InstanceSpec, SpecError
+from kvindex.subscriber.spec import DISCOVERY_SCHEMES
 
 __all__ = ["DEFAULT_HTTP", "DEFAULT_STORE", "SERVER_KEYS", "Settings", "load_settings"]
 
@@ -54,6 +61,9 @@ INSTANCE_KEYS = {
     "curve",
     "client_key",
     "spec",
+    "load",
+    "api_key_env",
+    "api_key_file",
 }
 # [server] keys beside http and store: what `HttpOptions` takes (see cli/httpopts.py).
 _SECRET_KEYS = {"token_file", "token_env", "metrics_token_file", "metrics_token_env"}
@@ -223,23 +233,47 @@ def _config_instance(entry: dict[str, Any], where: str) -> InstanceSpec:
         for key in ("name", "endpoint"):
             if key not in entry:
                 raise SpecError(f"'{key}' is required")
+        endpoint = _string(entry["endpoint"], f"{where}.endpoint")
+        if endpoint.startswith(DISCOVERY_SCHEMES):
+            return _discovered_instance(entry, endpoint, where)
+        if "api_key_env" in entry or "api_key_file" in entry:
+            raise SpecError("api_key_env and api_key_file go with endpoint = 'sglang+http://...'")
         dp = entry.get("dp", 1)
         if not isinstance(dp, int) or isinstance(dp, bool):
             raise SpecError("'dp' must be a whole number")
         replay = entry.get("replay_endpoint")
         curve = entry.get("curve")
         client_key = entry.get("client_key")
+        load = entry.get("load")
         return InstanceSpec(
             name=_string(entry["name"], f"{where}.name"),
-            endpoint=_string(entry["endpoint"], f"{where}.endpoint"),
+            endpoint=endpoint,
             replay_endpoint=None if replay is None else _string(replay, f"{where}.replay_endpoint"),
             topic=_string(entry.get("topic", ""), f"{where}.topic"),
             dp=dp,
             curve=None if curve is None else _server_key(_string(curve, f"{where}.curve")),
             client_key=None if client_key is None else _string(client_key, f"{where}.client_key"),
+            load_endpoint=None if load is None else _string(load, f"{where}.load"),
         )
     except SpecError as exc:
         raise UsageError(f"{where}: {exc}") from None
+
+
+def _discovered_instance(entry: dict[str, Any], url: str, where: str) -> InstanceSpec:
+    """An SGLang engine named by its URL: its publishers come from its /server_info, so
+    only the API key's source may be given beside it."""
+    given = set(entry) - {"name", "endpoint", "api_key_env", "api_key_file"}
+    if given:
+        raise SpecError(
+            f"'{sorted(given)[0]}' does not go with an SGLang URL (its /server_info says it)"
+        )
+    key_env, key_file = entry.get("api_key_env"), entry.get("api_key_file")
+    spec = f"{_string(entry['name'], f'{where}.name')}={url}"
+    if key_env is not None:
+        spec += f",api_key_env={_string(key_env, f'{where}.api_key_env')}"
+    if key_file is not None:
+        spec += f",api_key_file={_string(key_file, f'{where}.api_key_file')}"
+    return InstanceSpec.parse(spec)
 
 
 def _server_key(value: str) -> str:

@@ -54,7 +54,9 @@ def add_parser(subparsers: Any) -> None:
         metavar="SPEC",
         action="append",
         default=[],
-        help="NAME=PUB_ENDPOINT[,replay=EP][,topic=T][,dp=N]; repeatable",
+        help="NAME=PUB_ENDPOINT[,replay=EP][,topic=T][,dp=N][,load=EP], or an SGLang "
+        "engine by its URL: NAME=sglang+http://HOST:PORT[,api_key_env=VAR|,api_key_file=PATH]"
+        "; repeatable",
     )
     p.add_argument("--store", metavar="URL", help=f"state store (default: {DEFAULT_STORE})")
     p.add_argument("--http", metavar="HOST:PORT", help=f"listen address (default: {DEFAULT_HTTP})")
@@ -175,13 +177,14 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     # Ingest threads and the HTTP loop share the GIL: a lookup waiting for it would wait up
     # to a whole switch interval (5 ms by default) behind an ingest thread's Python work.
     sys.setswitchinterval(float(os.environ.get("KVINDEX_SWITCH_INTERVAL", "0.0005")))
+    configured = check_discovered(settings.instances)
     store, index, loaded = _open_store(settings.store)
     try:
         sock = listen(host, port)
     except UsageError:
         store.close()
         raise
-    instances = _with_runtime_instances(settings.instances, loaded.instances)
+    instances = _with_runtime_instances(configured, loaded.instances)
     shared = store.shared()  # Redis: other replicas too
     try:
         fleet = Fleet(
@@ -257,6 +260,31 @@ def _tokenizers(fleet: Any, options: list[str]) -> Any:
     except TokenizerError as exc:
         raise UsageError(str(exc)) from None
     return tokenizers
+
+
+def check_discovered(specs: list[InstanceSpec]) -> list[InstanceSpec]:
+    """Engines named by their URL (SGLang), read now, all at once: a mistake of setup (no
+    KV events, an API key missing or refused) is a usage error; an engine that does not
+    answer is left to be found (`connecting`, one warning line, retried with backoff)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvindex.runtime.discovery import first_read
+    from kvindex.subscriber.discovery import DiscoveryError
+
+    def read(spec: InstanceSpec) -> InstanceSpec:
+        try:
+            return first_read(spec, timeout=3.0)
+        except DiscoveryError as exc:
+            if exc.failure.is_setup:
+                raise UsageError(f"instance {spec.name}: {exc}") from None
+            return spec  # not answering (yet): Discovery says so and keeps trying
+
+    pending = [spec for spec in specs if spec.pending]
+    if not pending:
+        return specs
+    with ThreadPoolExecutor(max_workers=min(16, len(pending))) as pool:
+        found = {spec.name: spec for spec in pool.map(read, pending)}
+    return [found.get(spec.name, spec) for spec in specs]
 
 
 def _warn_link(notice: Notice) -> None:

@@ -23,12 +23,14 @@ import zmq
 from kvindex.index import CacheStats, FleetIndex, LookupRow, compiled_index
 from kvindex.index.base import AnswerSlot
 from kvindex.index.sharing import Sharing, sharing
+from kvindex.runtime.discovery import Discovery
 from kvindex.runtime.ingest import IndexGuard, IngestCounters, IngestWorker, default_workers
 from kvindex.runtime.views import (
     FleetSummary,
     InstanceMatch,
     InstanceView,
     LookupAnswer,
+    RankLoad,
     RankMatch,
     RankView,
     worst_status,
@@ -36,18 +38,22 @@ from kvindex.runtime.views import (
 from kvindex.subscriber import (
     DEFAULT_SUB_HWM,
     Checkpoint,
+    Connection,
     DecodeFailed,
     Delivery,
     InstanceSpec,
     Item,
+    Notice,
     ReplayPolicy,
     Restarted,
     SourceKey,
     SourceStats,
     Status,
     Subscriber,
+    Unreachable,
     need_of_instances,
 )
+from kvindex.subscriber.load import LoadFollower
 from kvindex.wire import BlockHash
 
 __all__ = [
@@ -194,6 +200,14 @@ class Fleet:
         self._ranks: dict[str, list[SourceKey]] = {}
         self._owner: dict[str, IngestWorker] = {}
         self._counts: dict[str, _Counts] = {}  # per instance, valid until it changes
+        # Engines named by their URL (SGLang): their publishers read from /server_info, and
+        # read again when they restart or their link goes down (see runtime/discovery.py).
+        # An instance's publishers change on a worker thread while views read them on the
+        # event loop: `_members` keeps the two apart (held briefly, never while waiting).
+        self.discovery = Discovery(self._rediscovered)
+        self.load = LoadFollower()  # SGLang's load streams, on a thread of their own
+        self._members = threading.RLock()
+        self.add_link_hook(self._link_trouble)
         # What lookup_json derives from the instances, each kept until what it comes from
         # moves: (index layout, specs version, slots) and (changes, slots, statuses).
         self._specs_version = 0
@@ -256,6 +270,9 @@ class Fleet:
         self._ranks[spec.name] = [source.source for source in spec.sources()]
         self._owner[spec.name] = worker
         self._counts.pop(spec.name, None)
+        if spec.discover is not None:
+            self.discovery.track(spec)
+        self.load.follow(spec)
 
     def _start_following(self, worker: IngestWorker, spec: InstanceSpec) -> None:
         for item in worker.subscriber.add_instance(spec):
@@ -264,6 +281,8 @@ class Fleet:
     def _remove(self, name: str) -> None:
         if not self.has_instance(name):
             raise UnknownInstance(name)
+        self.discovery.forget(name)
+        self.load.forget(name)
         worker = self._owner.pop(name)
         worker.call(lambda: self._stop_following(worker, name))
         del self._specs[name], self._ranks[name]
@@ -275,6 +294,45 @@ class Fleet:
         with self._guard():
             self.index.remove_instance(name)
         worker.lag = {k: v for k, v in worker.lag.items() if k.instance != name}
+
+    def _rediscovered(self, spec: InstanceSpec) -> None:
+        """An engine named by its URL publishes elsewhere now (or was found at last): follow
+        its new publishers in the old ones' place. From the discovery thread."""
+        worker = self._owner.get(spec.name)
+        if worker is None or self._specs.get(spec.name) == spec:
+            return
+        worker.call(lambda: self._swap(worker, spec))
+
+    def _swap(self, worker: IngestWorker, spec: InstanceSpec) -> None:
+        """On the owning worker's thread: the old publishers' sockets and state go (the
+        store forgets them too: the engine restarted), the new ones are followed."""
+        name = spec.name
+        with self._members:
+            old = self._specs.get(name)
+            if old is None:
+                return  # removed meanwhile
+            had_sources = bool(self._ranks.get(name))
+            worker.subscriber.remove_instance(name)
+            with self._guard():
+                self.index.remove_instance(name)
+            worker.lag = {k: v for k, v in worker.lag.items() if k.instance != name}
+            items = worker.subscriber.add_instance(spec)
+            self._specs[name] = spec
+            self._specs_version += 1
+            self._ranks[name] = [source.source for source in spec.sources()]
+            self._counts.pop(name, None)
+            self.load.follow(spec)
+        if had_sources:  # what a store kept of the old publishers is gone with them
+            for remove_hook in list(self.on_remove):
+                self._call_hook(remove_hook, name)
+            for add_hook in list(self.on_add):
+                self._call_hook(add_hook, spec)
+        for item in items:
+            worker.apply(item)
+
+    def _link_trouble(self, notice: Notice) -> None:
+        if isinstance(notice, Unreachable):  # its publishers may have moved
+            self.discovery.reread(notice.source.instance, f"can't follow rank {notice.source.rank}")
 
     def _after_apply(self) -> None:
         """After each read an ingest worker applied (on its thread): the `on_read` hooks
@@ -301,20 +359,22 @@ class Fleet:
 
     def status(self, name: str) -> Status:
         """The worst status among the instance's DP ranks (cheap: no block counting)."""
-        ranks = self._ranks.get(name)
-        worker = self._owner.get(name)
-        if ranks is None or worker is None:
-            raise UnknownInstance(name)
-        return worst_status(worker.subscriber.status(source) for source in ranks)
+        with self._members:
+            ranks = self._ranks.get(name)
+            worker = self._owner.get(name)
+            if ranks is None or worker is None:
+                raise UnknownInstance(name)
+            return worst_status(worker.subscriber.status(source) for source in ranks)
 
     def instance_views(self) -> list[InstanceView]:
         return [self.instance_view(name) for name in sorted(self._specs)]
 
     def instance_view(self, name: str) -> InstanceView:
-        spec = self._specs.get(name)
-        if spec is None:
-            raise UnknownInstance(name)
-        ranks = [self._rank_view(source) for source in self._ranks[name]]
+        with self._members:
+            spec = self._specs.get(name)
+            if spec is None:
+                raise UnknownInstance(name)
+            ranks = [self._rank_view(source) for source in self._ranks[name]]
         counts = self._counts_of(name)
         stats = counts.stats
         return InstanceView(
@@ -327,6 +387,7 @@ class Fleet:
             removed=stats.removed,
             clears=stats.clears,
             batches=stats.batches,
+            discovery=self.discovery.view(name),
         )
 
     def _rank_view(self, source: SourceKey) -> RankView:
@@ -353,6 +414,25 @@ class Fleet:
             handshake_failures=stats.handshake_failures,
             replay_failures=stats.replay_failures,
             replay_refusals=stats.replay_refusals,
+            load=self._load_of(source),
+        )
+
+    def _load_of(self, source: SourceKey) -> RankLoad | None:
+        state = self.load.state(source)
+        if state is None or state.reading is None:
+            return None
+        stat = state.reading.stat
+        return RankLoad(
+            running_requests=stat.num_running_reqs,
+            waiting_requests=stat.num_waiting_reqs,
+            max_running_requests=stat.max_running_requests or None,
+            kv_tokens_used=stat.num_tokens,
+            kv_tokens_total=stat.max_total_num_tokens or None,
+            kv_usage=stat.kv_usage,
+            waiting_uncached_tokens=stat.num_waiting_uncached_tokens,
+            age_seconds=state.reading.age,
+            readings=state.readings,
+            malformed=state.malformed,
         )
 
     def _counts_of(self, name: str) -> _Counts:
@@ -560,9 +640,11 @@ class Fleet:
         return next((w.failure for w in self._workers if w.failure), None)
 
     async def start(self) -> None:
-        """Start the ingest threads."""
+        """Start the ingest threads (and the discovery thread)."""
         for worker in self._workers:
             worker.start()
+        self.discovery.start()
+        self.load.start()
 
     async def stop(self) -> None:
         """Stop ingesting and close every socket."""
@@ -570,19 +652,26 @@ class Fleet:
 
     def close(self) -> None:
         """Stop the ingest threads (if they run) and close their sockets."""
+        self.discovery.stop()
+        self.load.stop()
         for worker in self._workers:
             worker.stop()
 
     def step(self) -> bool:
         """Read and apply what every worker's sockets have now (a Fleet not started:
-        tests step it by hand); True if anything was read."""
-        return any([worker.step(0) for worker in self._workers])
+        tests step it by hand), and read the engines' /server_info that are due; True if
+        anything was read."""
+        found = self.discovery.step()
+        loaded = self.load.step()
+        return any([worker.step(0) for worker in self._workers]) or found or loaded
 
     def _on_item(self, item: Item) -> None:
         """After the index applied an item (on an ingest thread): the views' cached counts
         go, and the hooks see it, one at a time."""
         if isinstance(item, Delivery | DecodeFailed | Restarted):
             self._counts.pop(item.source.instance, None)
+        if isinstance(item, Restarted) or (isinstance(item, Connection) and not item.connected):
+            self.discovery.reread(item.instance, item.describe())
         for hook in self.on_item:
             self._call_hook(hook, item)
 

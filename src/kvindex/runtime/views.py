@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from kvindex.runtime.discovery import DiscoveryView
 from kvindex.subscriber import InstanceSpec, Status
 from kvindex.wire.tiers import tier_counts
 
@@ -25,6 +26,7 @@ __all__ = [
     "InstanceMatch",
     "InstanceView",
     "LookupAnswer",
+    "RankLoad",
     "RankMatch",
     "RankView",
     "StoreHealth",
@@ -60,6 +62,22 @@ def worst_status(statuses: Iterable[Status]) -> Status:
     return max(statuses, key=_SEVERITY.__getitem__, default=Status.CONNECTING)
 
 
+class RankLoad(msgspec.Struct, frozen=True, gc=False):
+    """A DP rank's load, from its engine's load stream (SGLang's `LoadStat`): the cheapest
+    load signal there is, read at most a second or so ago (`age_seconds` says)."""
+
+    running_requests: int
+    waiting_requests: int
+    max_running_requests: int | None  # the scheduler's limit (None: not sent)
+    kv_tokens_used: int
+    kv_tokens_total: int | None  # KV capacity in tokens (None: not sent)
+    kv_usage: float | None  # used / total, 0..1
+    waiting_uncached_tokens: int  # prompt tokens waiting for prefill, not cached
+    age_seconds: float  # since the newest reading came
+    readings: int  # readings received
+    malformed: int  # load messages skipped (not a LoadStat)
+
+
 class RankView(msgspec.Struct, frozen=True, gc=False):
     """One DP rank of an instance, as the Subscriber and the index see it now (the API
     encodes it as it is: one rank of `GET /v1/instances`)."""
@@ -81,6 +99,7 @@ class RankView(msgspec.Struct, frozen=True, gc=False):
     handshake_failures: int = 0  # ZMTP/CURVE handshakes the link failed
     replay_failures: int = 0  # replay requests that ended without all they asked for
     replay_refusals: int = 0  # replay answers refused as wrong (seq, batch, size, time)
+    load: RankLoad | None = None  # its load stream's newest reading (SGLang), if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +115,7 @@ class InstanceView:
     removed: int
     clears: int
     batches: int
+    discovery: DiscoveryView | None = None  # an engine named by its URL: how it was found
 
     @property
     def name(self) -> str:
@@ -126,14 +146,15 @@ class InstanceView:
 
     @property
     def problem(self) -> str | None:
-        """Why a rank's publisher can't be followed (the first such rank's), if one can't."""
+        """Why a rank's publisher can't be followed (the first such rank's), if one can't;
+        else why an engine named by its URL could not be read (if it could not)."""
         return next(
             (
                 f"rank {r.rank}: {r.problem}" if len(self.ranks) > 1 else r.problem
                 for r in self.ranks
                 if r.problem
             ),
-            None,
+            None if self.discovery is None else self.discovery.problem,
         )
 
     @property

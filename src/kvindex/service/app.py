@@ -13,6 +13,7 @@ the docs, then the middleware (see kvindex.service.middleware and kvindex.securi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +34,7 @@ from kvindex.runtime import (
     StoreHealth,
     UnknownInstance,
 )
+from kvindex.runtime.discovery import first_read
 from kvindex.runtime.routing import RouteAnswer
 from kvindex.security.http import HttpGuard
 from kvindex.service.dashboard import install_dashboard
@@ -65,7 +67,8 @@ from kvindex.service.schema import (
     schema_components,
     spec_of,
 )
-from kvindex.subscriber import CapacityError, SpecError
+from kvindex.subscriber import CapacityError, InstanceSpec, SpecError
+from kvindex.subscriber.discovery import DiscoveryError
 from kvindex.wire import parse_hash, render_hash
 
 __all__ = ["MAX_BODY_BYTES", "MAX_LOOKUP_ITEMS", "create_app"]
@@ -84,6 +87,18 @@ def _json(content: Any, status_code: int = 200) -> Response:
 
 def _error(status_code: int, message: str) -> Response:
     return Response(error_body(message), status_code, media_type="application/json")
+
+
+def _first_read(spec: InstanceSpec) -> InstanceSpec:
+    """The engine's publishers if its /server_info answers now; the spec as it is (left to
+    be found, `connecting`) if the engine is down; `DiscoveryError` for a mistake of
+    setup (no KV events, an API key refused), which the caller must hear about."""
+    try:
+        return first_read(spec, timeout=2.0)
+    except DiscoveryError as exc:
+        if exc.failure.is_setup:
+            raise
+        return spec
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -331,12 +346,18 @@ def _add_instance_routes(app: FastAPI, fleet: Fleet) -> None:
         spec)."""
         try:
             spec = spec_of(await request.body())
+            if fleet.has_instance(spec.name):
+                raise DuplicateInstance(f"instance {spec.name!r} already exists")
+            if spec.pending:  # an engine named by its URL: read it now, off the loop
+                spec = await asyncio.to_thread(_first_read, spec)
             fleet.add_instance(spec)
         except DuplicateInstance as exc:
             return _error(409, str(exc))
         except CapacityError as exc:
             log.warning("POST /v1/instances refused: %s", exc)
             return _error(409, str(exc))
+        except DiscoveryError as exc:
+            return _error(422, str(exc))
         except (SpecError, zmq.ZMQError) as exc:
             return _error(400, str(exc))
         return _json(instance_answer(fleet.instance_view(spec.name)), 201)

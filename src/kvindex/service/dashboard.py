@@ -148,6 +148,7 @@ class Dashboard:
             "clears": view.clears,
             "last_seq": view.last_seq,
             "ingest_lag_s": view.ingest_lag_seconds,
+            "load": _load(view),
         }
 
     def analyse_sharing(self) -> dict[str, Any]:
@@ -420,3 +421,26 @@ def _add_data_routes(app: FastAPI, dashboard: Dashboard) -> None:
         )
         found = source() if source is not None else []
         return Response(_encoder.encode({"prompts": found}), media_type="application/json")
+
+
+def _load(view: InstanceView) -> dict[str, Any] | None:
+    """The instance's load over its ranks (None if its engine sends no load stream):
+    requests running and waiting summed, the fullest rank's KV usage, each rank's reading."""
+    loads = [(rank.rank, rank.load) for rank in view.ranks if rank.load is not None]
+    if not loads:
+        return None
+    usages = [load.kv_usage for _, load in loads if load.kv_usage is not None]
+    return {
+        "running": sum(load.running_requests for _, load in loads),
+        "waiting": sum(load.waiting_requests for _, load in loads),
+        "kv_usage": max(usages, default=None),
+        "ranks": [
+            {
+                "rank": rank,
+                "running": load.running_requests,
+                "waiting": load.waiting_requests,
+                "kv_usage": load.kv_usage,
+            }
+            for rank, load in loads
+        ],
+    }

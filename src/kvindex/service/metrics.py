@@ -165,6 +165,7 @@ class FleetCollector(Collector):
         views = self.fleet.instance_views()
         yield from _engine_metrics(views)
         yield from _source_metrics(views)
+        yield from _load_metrics(views)
         yield from self._fleet_metrics(views)
         if self.store is not None:
             yield from _store_metrics(self.store())
@@ -318,6 +319,29 @@ def _scraped_metrics(scraper: MetricsScraper) -> Iterator[Metric]:
         up.add_metric([name], 0.0 if name in errors else 1.0)
         failures.add_metric([name], failed)
     yield from (up, failures)
+
+
+# Per DP rank, from the engine's load stream (SGLang's LoadStat): (name, doc, RankLoad field).
+_LOAD_GAUGES = (
+    ("kvindex_engine_running_requests", "Requests running, per DP rank.", "running_requests"),
+    ("kvindex_engine_waiting_requests", "Requests waiting, per DP rank.", "waiting_requests"),
+    ("kvindex_engine_kv_tokens_used", "KV tokens in use, per DP rank.", "kv_tokens_used"),
+    # The capacity beside the use (no ratio gauge: PromQL divides the two).
+    ("kvindex_engine_kv_tokens_capacity", "KV capacity in tokens, per DP rank.", "kv_tokens_total"),
+    ("kvindex_engine_load_age_seconds", "Age of the rank's newest load reading.", "age_seconds"),
+)
+
+
+def _load_metrics(views: list[InstanceView]) -> Iterator[Metric]:
+    """Each rank's load, for the ranks whose engine sends a load stream (SGLang)."""
+    for name, doc, attr in _LOAD_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=[ENGINE, "rank"])
+        for view in views:
+            for rank in view.ranks:
+                value = None if rank.load is None else getattr(rank.load, attr)
+                if value is not None:
+                    family.add_metric([view.name, str(rank.rank)], value)
+        yield family
 
 
 def _store_metrics(health: StoreHealth) -> Iterator[Metric]:

@@ -30,6 +30,7 @@ from fastapi.responses import Response
 from kvindex.runtime import DuplicateInstance, Fleet, InstanceMatch, UnknownInstance
 from kvindex.runtime.engine_metrics import MetricsScraper
 from kvindex.runtime.routing import NoCandidate, Router
+from kvindex.runtime.stream_load import StreamLoads
 from kvindex.runtime.tokenize import Chat, NoTokenizer, TokenizeFailed, Tokenizers
 from kvindex.service.metrics import ServiceMetrics
 from kvindex.service.schema import (
@@ -82,7 +83,8 @@ class Routing:
         scraper = MetricsScraper(lambda: _metrics_targets(fleet))
         return cls(
             fleet,
-            Router(fleet, loads=[scraper], **router),
+            # The engines' own load streams first (SGLang's, pushed), then their /metrics.
+            Router(fleet, loads=[StreamLoads(fleet), scraper], **router),
             tokenizers or Tokenizers(fleet),
             scraper,
         )

@@ -17,8 +17,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvindex.runtime import InstanceMatch, InstanceView, LookupAnswer, RankMatch, RankView
+from kvindex.runtime.discovery import DiscoveryView
 from kvindex.runtime.routing import RouteAnswer, ScoredAnswer
 from kvindex.subscriber import InstanceSpec, SpecError, Status
+from kvindex.subscriber.spec import DISCOVERY_SCHEMES
 
 __all__ = [
     "MAX_LOOKUP_ITEMS",
@@ -188,7 +190,9 @@ class PeerStatus(msgspec.Struct):
 
 
 class AddInstanceBySpec(msgspec.Struct, forbid_unknown_fields=True):
-    """`POST /v1/instances` with a spec: `NAME=EP[,replay=EP][,topic=T][,dp=N]`."""
+    """`POST /v1/instances` with a spec: `NAME=EP[,replay=EP][,topic=T][,dp=N]`, or an
+    SGLang engine by its URL, `NAME=sglang+http://HOST:PORT` (its publishers are read from
+    its /server_info)."""
 
     spec: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 
@@ -257,6 +261,9 @@ class InstanceAnswer(msgspec.Struct):
     # listening, a refused CURVE handshake), once diagnosed; null otherwise.
     problem: str | None
     ranks: list[RankView]
+    # For an engine named by its URL (sglang+http://...): its /server_info, whether its
+    # publishers are known, why the last read failed, its block size; null otherwise.
+    discovery: DiscoveryView | None = None
 
 
 class InstancesAnswer(msgspec.Struct):
@@ -301,6 +308,7 @@ def instance_answer(view: InstanceView) -> InstanceAnswer:
         last_batch_age_seconds=view.last_batch_age_seconds,
         problem=view.problem,
         ranks=view.ranks,
+        discovery=view.discovery,
     )
 
 
@@ -396,6 +404,10 @@ def spec_of(raw: bytes) -> InstanceSpec:
     if not {"name", "endpoint"} <= given:
         raise BadBody(400, "'name' and 'endpoint' are required (or a 'spec')")
     body: AddInstanceByFields = decode_body(raw, AddInstanceByFields)
+    if body.endpoint.startswith(DISCOVERY_SCHEMES):  # an SGLang engine by its URL
+        if given != {"name", "endpoint"}:
+            raise BadBody(400, "an SGLang URL goes alone: its /server_info says the rest")
+        return InstanceSpec.parse(f"{body.name}={body.endpoint}")
     try:
         return InstanceSpec(
             name=body.name,

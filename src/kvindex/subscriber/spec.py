@@ -1,5 +1,6 @@
 """Which publishers to follow: `NAME=PUB[,replay=REPLAY][,topic=TOPIC][,dp=RANKS]`, plus
-`curve=SERVER_KEY_OR_FILE[,client_key=FILE]` for a CURVE-encrypted link (`kvindex relay`).
+`curve=SERVER_KEY_OR_FILE[,client_key=FILE]` for a CURVE-encrypted link (`kvindex relay`),
+and `load=LOAD_PUB` for SGLang's load stream (rank r on its port + r).
 
 What a router needs beside the stream: `model=MODEL` (the model the engine serves: lookups
 that name a model see only its instances), `http=URL` (the engine's own HTTP server, for
@@ -9,6 +10,13 @@ metrics are, if not at `http`'s `/metrics`).
 DP ranks are on ports +0..+dp-1 of both endpoints, as vLLM binds them; a rank elsewhere is
 named by `rank@R=PUB` and `replay@R=REPLAY` (the peers' `/register` gives an endpoint per
 rank), and `rank=R` says which rank the main endpoint is (0 by default).
+
+An SGLang engine can also be named by its URL, `NAME=sglang+http://HOST:PORT` (or
+`https`), with `api_key_env=VAR` or `api_key_file=PATH` when its API wants a key (never
+the key itself: a command line is visible to every user of the machine): its publishers
+are read from its `/server_info` (`kvindex.subscriber.discovery`). Until then the spec has
+no endpoint and no ranks (`pending`); `resolved` fills them in, and `render` keeps giving
+the URL, so a persisted spec is discovered again after a restart.
 """
 
 from __future__ import annotations
@@ -19,15 +27,31 @@ from dataclasses import dataclass
 from kvindex.security.curve import CurveClient, KeyFileError, is_key, read_public_key
 from kvindex.subscriber.messages import SourceKey
 
-__all__ = ["InstanceSpec", "SourceSpec", "SpecError", "offset_endpoint"]
+__all__ = ["DISCOVERY_SCHEMES", "InstanceSpec", "SourceSpec", "SpecError", "offset_endpoint"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")
 _ENDPOINT = re.compile(r"(tcp|ipc|inproc)://\S+")
 _MAX_DP = 1024
-_OPTIONS = ("replay", "topic", "dp", "curve", "client_key", "model", "http", "metrics", "rank")
+_OPTIONS = (
+    "replay",
+    "topic",
+    "dp",
+    "curve",
+    "client_key",
+    "model",
+    "http",
+    "metrics",
+    "rank",
+    "load",
+)
 _RANK_OPTION = re.compile(r"(rank|replay)@([0-9]{1,4})")
 _MODEL = re.compile(r"[^\s,=]{1,256}")
 _URL = re.compile(r"https?://[^\s,/]+(/[^\s,]*)?")
+_DISCOVERY_OPTIONS = ("api_key_env", "api_key_file", "model")
+# `sglang+http://HOST:PORT` (an IPv6 host in brackets), an optional trailing slash.
+_DISCOVER = re.compile(r"sglang\+(https?)://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})/?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+DISCOVERY_SCHEMES = ("sglang+http://", "sglang+https://")
 
 
 class SpecError(ValueError):
@@ -88,6 +112,14 @@ class InstanceSpec:
     rank: int = 0  # the DP rank of `endpoint` (with `extra_ranks`)
     # Ranks not on the port offsets: (rank, PUB endpoint, replay endpoint or None).
     extra_ranks: tuple[tuple[int, str, str | None], ...] = ()
+    load_endpoint: str | None = None  # SGLang's load stream (rank r on its port + r)
+    load_topic: str = ""
+    # An engine named by its URL (`sglang+http://HOST:PORT`): its publishers come from its
+    # /server_info; the API key for that, by environment variable or file.
+    discover: str | None = None
+    api_key_env: str | None = None
+    api_key_file: str | None = None
+    block_size: int | None = None  # as the engine advertised it (discovered engines)
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -95,14 +127,20 @@ class InstanceSpec:
                 f"instance name {self.name!r} must be 1-128 letters, digits or _.:@- "
                 "(starting with a letter or digit)"
             )
+        self._check_discovery()
+        if self.pending:
+            self._check_router_fields()
+            return  # no publisher known yet: nothing else to check
         _check_endpoint(self.endpoint, "endpoint")
         if self.replay_endpoint is not None:
             _check_endpoint(self.replay_endpoint, "replay endpoint")
+        if self.load_endpoint is not None:
+            _check_endpoint(self.load_endpoint, "load endpoint")
         if not 1 <= self.dp <= _MAX_DP:
             raise SpecError(f"dp must be between 1 and {_MAX_DP}, got {self.dp}")
         self._check_router_fields()
         if self.dp > 1:
-            for ep in (self.endpoint, self.replay_endpoint):
+            for ep in (self.endpoint, self.replay_endpoint, self.load_endpoint):
                 if ep and ep.startswith("tcp://") and int(ep.rpartition(":")[2]) + self.dp > 65536:
                     raise SpecError(f"dp={self.dp} runs past port 65535 from {ep}")
         self.curve_client()  # a bad key or key file is an error now, not at connect time
@@ -138,6 +176,47 @@ class InstanceSpec:
             return self.metrics
         return None if self.http is None else self.http.rstrip("/") + "/metrics"
 
+    def _check_discovery(self) -> None:
+        if self.discover is None:
+            if self.api_key_env is not None or self.api_key_file is not None:
+                raise SpecError("api_key_env= and api_key_file= go with NAME=sglang+http://...")
+            return
+        if not _DISCOVER.fullmatch(self.discover):
+            raise SpecError(
+                f"{self.discover!r} must look like sglang+http://HOST:PORT (or sglang+https)"
+            )
+        port = int(_DISCOVER.fullmatch(self.discover).group(3))  # type: ignore[union-attr]
+        if not 0 < port < 65536:
+            raise SpecError(f"{self.discover!r}: port {port} is not a TCP port")
+        if self.api_key_env is not None and self.api_key_file is not None:
+            raise SpecError("give api_key_env= or api_key_file=, not both")
+        if self.api_key_env is not None and not _ENV_NAME.fullmatch(self.api_key_env):
+            raise SpecError(f"api_key_env={self.api_key_env!r} is not an environment variable")
+        if self.api_key_file == "":
+            raise SpecError("api_key_file= needs a path")
+        if self.curve is not None or self.client_key is not None:
+            raise SpecError("SGLang's publishers speak plain ZMQ: curve= does not apply")
+
+    @property
+    def pending(self) -> bool:
+        """An engine named by its URL whose publishers are not known yet (no ranks)."""
+        return self.discover is not None and not self.endpoint
+
+    @property
+    def base_url(self) -> str | None:
+        """The engine's HTTP base (`http://HOST:PORT`) for an engine named by its URL."""
+        match = _DISCOVER.fullmatch(self.discover) if self.discover else None
+        if match is None:
+            return None
+        scheme, host, port = match.groups()
+        return f"{scheme}://{host}:{port}"
+
+    @property
+    def url_host(self) -> str | None:
+        """The engine URL's host (brackets kept for IPv6): where a wildcard publisher is."""
+        match = _DISCOVER.fullmatch(self.discover) if self.discover else None
+        return None if match is None else match.group(2)
+
     def curve_client(self) -> CurveClient | None:
         """The CURVE settings of this instance's sockets, or None for plain ZMQ."""
         if self.curve is None:
@@ -153,22 +232,36 @@ class InstanceSpec:
 
     @classmethod
     def parse(cls, text: str) -> InstanceSpec:
-        """Parse `NAME=PUB_ENDPOINT[,replay=EP][,topic=T][,dp=N]`."""
+        """Parse `NAME=PUB_ENDPOINT[,replay=EP][,topic=T][,dp=N]` or
+        `NAME=sglang+http://HOST:PORT[,api_key_env=VAR|,api_key_file=PATH]`."""
         name, sep, rest = text.partition("=")
         if not sep or not name or not rest:
             raise SpecError(
                 f"instance spec {text!r} must look like NAME=tcp://HOST:PORT[,replay=...]"
             )
         endpoint, *options = rest.split(",")
+        discovered = endpoint.startswith(DISCOVERY_SCHEMES)
+        allowed = _DISCOVERY_OPTIONS if discovered else _OPTIONS
         fields: dict[str, str] = {}
         for option in options:
             key, sep, value = option.partition("=")
-            if not sep or not (key in _OPTIONS or _RANK_OPTION.fullmatch(key)):
-                known = ", ".join(k + "=" for k in _OPTIONS)
-                raise SpecError(f"unknown option {option!r} in {text!r} ({known}, rank@R=)")
+            ranked = not discovered and _RANK_OPTION.fullmatch(key)
+            if not sep or not (key in allowed or ranked):
+                known = ", ".join(k + "=" for k in allowed) + ("" if discovered else ", rank@R=")
+                raise SpecError(f"unknown option {option!r} in {text!r} ({known})")
             if key in fields:
                 raise SpecError(f"option {key!r} given twice in {text!r}")
             fields[key] = value
+        if discovered:
+            return cls(
+                name=name,
+                endpoint="",
+                dp=0,
+                discover=endpoint,
+                api_key_env=fields.get("api_key_env"),
+                api_key_file=fields.get("api_key_file"),
+                model=fields.get("model") or None,
+            )
         dp_text = fields.get("dp", "1")
         if not dp_text.isdigit():
             raise SpecError(f"dp must be a whole number, got {dp_text!r}")
@@ -188,9 +281,13 @@ class InstanceSpec:
             metrics=fields.get("metrics") or None,
             rank=int(rank_text),
             extra_ranks=_extra_ranks(fields, text),
+            load_endpoint=fields.get("load") or None,
         )
 
     def sources(self) -> list[SourceSpec]:
+        """One publisher per DP rank (none while an engine named by its URL is pending)."""
+        if self.pending:
+            return []
         curve = self.curve_client()
         if self.rank != 0 or self.extra_ranks:
             named = [(self.rank, self.endpoint, self.replay_endpoint), *self.extra_ranks]
@@ -209,7 +306,25 @@ class InstanceSpec:
             for rank in range(self.dp)
         ]
 
+    def load_sources(self) -> list[tuple[SourceKey, str]]:
+        """Each DP rank's load stream endpoint (SGLang's `LoadStat` publisher), if any."""
+        if self.load_endpoint is None or self.pending:
+            return []
+        return [
+            (SourceKey(self.name, rank), offset_endpoint(self.load_endpoint, rank))
+            for rank in range(self.dp)
+        ]
+
     def render(self) -> str:
+        if self.discover is not None:  # the URL, never what it resolved to
+            text = f"{self.name}={self.discover}"
+            if self.api_key_env is not None:
+                text += f",api_key_env={self.api_key_env}"
+            if self.api_key_file is not None:
+                text += f",api_key_file={self.api_key_file}"
+            if self.model is not None:
+                text += f",model={self.model}"
+            return text
         text = f"{self.name}={self.endpoint}"
         if self.replay_endpoint:
             text += f",replay={self.replay_endpoint}"
@@ -229,6 +344,8 @@ class InstanceSpec:
             text += f",rank={self.rank}"
         for rank, endpoint, replay in self.extra_ranks:
             text += f",rank@{rank}={endpoint}" + (f",replay@{rank}={replay}" if replay else "")
+        if self.load_endpoint is not None:
+            text += f",load={self.load_endpoint}"
         return text
 
 

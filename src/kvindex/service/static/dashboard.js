@@ -186,6 +186,15 @@
     return `<td class="${cls}">${fmtInt(value)}</td>`;
   }
 
+  // An engine's load stream (SGLang): requests running / waiting over its ranks and the
+  // fullest rank's KV usage; each rank on hover. "–" for an engine that sends none.
+  function loadCell(load) {
+    if (!load) return `<td class="num zero" data-col="load">–</td>`;
+    const pct = (u) => (u === null || u === undefined ? "?" : `${Math.round(u * 100)}%`);
+    const title = load.ranks.map((k) => `rank ${k.rank}: ${k.running} running, ${k.waiting} waiting, KV ${pct(k.kv_usage)}`).join(" · ");
+    return `<td class="num" data-col="load" title="${esc(title)}">${fmtInt(load.running)} · ${fmtInt(load.waiting)} · ${pct(load.kv_usage)}</td>`;
+  }
+
   function renderInstances(rows) {
     // The engine's own /metrics: KV-cache usage, prefix-cache hit rate, GPU pool (blocks).
     const pct = (x) => (x === null || x === undefined ? "–" : `${Math.round(x * 100)}%`);
@@ -201,6 +210,7 @@
         ? `<td class="num" data-col="lower" title="${esc(lower.parts.map((t) => `${t} ${fmtInt(tiers[t])}`).join(" · "))}">${fmtInt(lower.total)}</td>`
         : `<td class="num zero" data-col="lower">–</td>`;
       const dp = r.dp > 1 ? `<span class="dp">dp ${r.dp}</span>` : "";
+      const load = loadCell(r.load);
       return `<tr data-instance="${esc(r.name)}" data-blocks="${r.blocks}" data-last-seq="${r.last_seq === null ? "" : r.last_seq}">
         <td class="name">${esc(r.name)}${dp}</td>
         <td><span class="pill ${esc(r.status)}">${esc(r.status)}</span></td>
@@ -208,6 +218,7 @@
         <td>${sparkline(state.trends[r.name])}</td>
         <td class="num">${fmtRate(r.stores_per_s)}</td>
         <td class="num">${fmtRate(r.removes_per_s)}</td>
+        ${load}
         ${counterCell(r.gaps, Infinity)}${counterCell(r.replayed_batches, Infinity)}${counterCell(r.lost_batches, 0)}${counterCell(r.publisher_restarts, Infinity)}
         ${engineCell(r.engine)}
       </tr>`;

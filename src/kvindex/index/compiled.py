@@ -152,6 +152,17 @@ class CompiledIndex(IndexBase[_Pub]):
             return {}
         return {(group, medium): held for group, medium, held in self._core.pools(pub.bit)}
 
+    def block_count(self, instance: str) -> int:
+        return self._distinct(instance)[0]
+
+    def blocks_by_medium(self, instance: str) -> dict[str, int]:
+        return dict(sorted(self._distinct(instance)[1].items()))
+
+    def _distinct(self, instance: str) -> tuple[int, dict[str, int]]:
+        """Distinct hashes over the instance's ranks and pools, counted in C without the
+        GIL (the base class's union of Python sets held it ~0.5 s for 1M blocks)."""
+        return self._core.distinct([pub.bit for pub in self._instance_publishers(instance)])
+
     def count(self, source: SourceKey, group: int, medium: str, block_hash: BlockHash) -> int:
         """Copies of one hash in one pool of one publisher (0 if not held)."""
         pub = self._sources.get(source)

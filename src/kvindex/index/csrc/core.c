@@ -817,10 +817,12 @@ static void store_elsewhere_placed(core_t *c, source_t *s, pool_t *p, const hkey
     }
 }
 
-/* An op with its strings and hashes interned (the form the model works on). */
+/* An op with its strings and hashes interned (the form the model works on): its hashes
+ * [from, from + n), the slice of it applied now (apply_slice). */
 typedef struct {
     const op_t *op;
-    const hkey *hashes;
+    const hkey *hashes; /* hashes[0] is the op's hash `from` */
+    uint32_t from, n;
     hkey parent;
     uint8_t parent_known; /* a bytes parent never interned is held by nobody */
     uint32_t medium, spec_kind;
@@ -869,42 +871,46 @@ static uint32_t anchor(core_t *c, source_t *s, const rop_t *r, pool_t *p) {
     return placed_elsewhere(c, s, r->parent, size, p);
 }
 
-/* `_insert_chain` and `_insert_chain_in_several`. */
-static void insert_chain(core_t *c, source_t *s, pool_t *p, uint32_t node, const scratch_t *sc,
-                         const rop_t *r) {
+/* `_insert_chain` and `_insert_chain_in_several`, for the keyed blocks of the slice `r`
+ * under `node`. Returns the node of the last one (a later slice goes on from it), or
+ * NODE_NONE when it ran out of memory (the rest held without a place). */
+static uint32_t insert_chain(core_t *c, source_t *s, pool_t *p, uint32_t node,
+                             const scratch_t *sc, const rop_t *r) {
     const op_t *op = r->op;
-    const hkey *hashes = r->hashes;
+    const hkey *hashes = r->hashes; /* hashes[i - from]: block i of the op */
     const uint64_t *keys = sc->keys + op->keys_off;
     const uint32_t *tokens = op->tokens_kept ? sc->tokens + op->tokens_off : NULL;
     uint32_t size = (uint32_t)op->block_size;
     uint32_t tree_size = s->several ? size_of(c, node) : size;
     int keyed = op->keyed || p->tier == TIER_GPU;
-    uint32_t n = op->nkeys < op->nhashes ? op->nkeys : op->nhashes;
-    for (uint32_t i = 0; i < n; i++) {
+    uint32_t n = op->nkeys < r->from + r->n ? op->nkeys : r->from + r->n;
+    for (uint32_t i = r->from; i < n; i++) {
         const uint32_t *block = tokens ? tokens + (size_t)i * size : NULL;
         if (s->several && !keyed) {
-            uint32_t kept = placed_elsewhere(c, s, hashes[i], tree_size, p);
+            uint32_t kept = placed_elsewhere(c, s, hashes[i - r->from], tree_size, p);
             if (kept != NODE_NONE) {
                 s->stats.namespace_kept++;
-                put(c, s, p, hashes[i], kept, block, size);
+                put(c, s, p, hashes[i - r->from], kept, block, size);
                 node = kept;
                 continue;
             }
         }
         uint32_t child = child_make(c, node, keys[i]);
         if (child == NODE_NONE) { /* out of memory: held without a place */
-            store_elsewhere_placed(c, s, p, hashes + i, n - i, size);
-            return;
+            store_elsewhere_placed(c, s, p, hashes + (i - r->from), n - i, size);
+            return NODE_NONE;
         }
         node = child;
-        put(c, s, p, hashes[i], node, block, size);
+        put(c, s, p, hashes[i - r->from], node, block, size);
         if (s->several && keyed)
-            take_over(c, s, p, hashes[i], node);
+            take_over(c, s, p, hashes[i - r->from], node);
     }
+    return node;
 }
 
-/* `_store`. */
-static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r) {
+/* `_store`, for the slice `r` of the op. `chain`: the node a later slice's first block
+ * hangs from (the first slice sets it). */
+static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, uint32_t *chain) {
     const op_t *op = r->op;
     pool_t *p = pool_get(c, s, op->has_group ? op->group : 0, r->medium);
     if (p == NULL) /* past MAX_POOLS (fleet.py's too): not held; else out of memory */
@@ -914,23 +920,23 @@ static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r) {
         p->size = size;
     if (op->has_spec && p->group >= 0 && p->group < MAX_GROUPS)
         s->groups[p->group] = (group_spec){r->spec_kind, op->has_window ? op->window : 0, 1};
-    s->stats.unrecognised_keys += op->unrecognised;
+    if (r->from == 0)
+        s->stats.unrecognised_keys += op->unrecognised;
     const hkey *hashes = r->hashes;
-    uint32_t n = op->nhashes;
+    uint32_t n = r->n, end = r->from + r->n;
     if (n == 0)
         return 0;
-    if (size == 0 || (uint64_t)op->ntokens != (uint64_t)size * n) {
+    if (size == 0 || (uint64_t)op->ntokens != (uint64_t)size * op->nhashes) {
         store_elsewhere_placed(c, s, p, hashes, n, size);
         return 0;
     }
-    uint32_t parent = anchor(c, s, r, p);
-    if (parent == NODE_NONE) {
-        store_elsewhere_placed(c, s, p, hashes, n, size);
-        return 0;
-    }
-    insert_chain(c, s, p, parent, sc, r);
-    if (op->nkeys < n)
-        store_elsewhere_placed(c, s, p, hashes + op->nkeys, n - op->nkeys, size);
+    uint32_t parent = r->from == 0 ? anchor(c, s, r, p) : *chain;
+    *chain = parent == NODE_NONE ? NODE_NONE : insert_chain(c, s, p, parent, sc, r);
+    uint32_t placed = parent == NODE_NONE || op->nkeys < r->from ? r->from
+                      : op->nkeys < end                         ? op->nkeys
+                                                                : end;
+    if (placed < end) /* no place: the chain's start unknown, or a key that can't be made */
+        store_elsewhere_placed(c, s, p, hashes + (placed - r->from), end - placed, size);
     return 0;
 }
 
@@ -960,6 +966,7 @@ static void remove_hashes(core_t *c, source_t *s, int64_t group, uint32_t medium
 
 /* `_clear`: everything the publisher holds goes (AllBlocksCleared, a restart). */
 void source_clear(core_t *c, source_t *s) {
+    s->epoch++;
     for (uint32_t i = 0; i < s->npools; i++) {
         PMAP_FOREACH(&s->pools[i].blocks, e) {
             uint32_t n = pmap_value(e);
@@ -1032,41 +1039,48 @@ static uint32_t medium_of(core_t *c, span_t sp) {
                                        : intern_cached(c, &c->strings, sp, &c->last_medium);
 }
 
-static int resolve(core_t *c, scratch_t *sc, const op_t *op, rop_t *r) {
+/* The op's hashes [from, from + n) interned, under the same write lock as their apply: a
+ * bytes hash interned in an earlier slice could be gone since (another publisher's
+ * removal freed it). */
+static int resolve(core_t *c, scratch_t *sc, const op_t *op, uint32_t from, uint32_t n,
+                   rop_t *r) {
     memset(r, 0, sizeof *r);
     r->op = op;
+    r->from = from;
+    r->n = n;
     r->medium = medium_of(c, op->medium);
     if (op->medium.p != NULL && r->medium == 0)
         return -1;
-    if (sc->hk_cap < op->nhashes) {
-        hkey *hk = realloc(sc->hk, op->nhashes * sizeof(hkey));
+    if (sc->hk_cap < n) {
+        hkey *hk = realloc(sc->hk, n * sizeof(hkey));
         if (hk == NULL)
             return -1;
         sc->hk = hk;
-        sc->hk_cap = op->nhashes;
+        sc->hk_cap = n;
     }
     r->hashes = sc->hk;
+    const phash *hashes = &sc->hashes[op->hashes_off + from];
     if (op->type == OP_REMOVED) {
         uint32_t known = 0;
-        for (uint32_t i = 0; i < op->nhashes; i++)
-            if (hash_of(c, &sc->hashes[op->hashes_off + i], 0, &sc->hk[known]))
+        for (uint32_t i = 0; i < n; i++)
+            if (hash_of(c, &hashes[i], 0, &sc->hk[known]))
                 known++;
         return (int)known; /* unknown bytes hashes are held by nobody: left out */
     }
-    for (uint32_t i = 0; i < op->nhashes; i++)
-        if (!hash_of(c, &sc->hashes[op->hashes_off + i], 1, &sc->hk[i]))
+    for (uint32_t i = 0; i < n; i++)
+        if (!hash_of(c, &hashes[i], 1, &sc->hk[i]))
             return -1;
     if (op->has_parent)
         r->parent_known = (uint8_t)hash_of(c, &op->parent, 0, &r->parent);
     r->spec_kind =
         op->spec_kind.p == NULL ? 0 : intern_cached(c, &c->strings, op->spec_kind, &c->last_kind);
-    return (int)op->nhashes;
+    return (int)n;
 }
 
 /* Bytes hashes a store interned (resolve) that no pool entry took -- a pool past
  * MAX_POOLS, or out of memory -- go again: nothing else would ever free them. */
 static void drop_unheld(core_t *c, const rop_t *r) {
-    for (uint32_t i = 0; i < r->op->nhashes; i++) {
+    for (uint32_t i = 0; i < r->n; i++) {
         hkey h = r->hashes[i];
         if (h.kind == HK_BYTES && h.v != 0 && c->bytes.items[h.v].data != NULL &&
             c->bytes.items[h.v].refs == 0)
@@ -1074,37 +1088,67 @@ static void drop_unheld(core_t *c, const rop_t *r) {
     }
 }
 
-/* Apply a parsed batch to one publisher: `apply` in fleet.py. -1: out of memory. */
-int apply_ops(core_t *c, source_t *s, scratch_t *sc) {
-    int64_t stored = 0, removed = 0, clears = 0;
-    for (uint32_t i = 0; i < sc->nops; i++) {
-        const op_t *op = &sc->ops[i];
+/* Apply a parsed batch to one publisher: `apply` in fleet.py, a slice of at most
+ * `budget` hashes at a time (issue 17 point 7: the caller lets the write lock go between
+ * two, so a lookup waits behind one slice, not behind a batch of millions of blocks).
+ * Slices give the state the whole batch gives at once: a stored op's later slice hangs
+ * from the node its earlier one ended at (`cur->node`), as one chain would. Between two
+ * slices the index is consistent (each block applied whole); readers may see a part of
+ * a huge batch, as if the engine had sent it in several.
+ * 1: the batch is applied; 0: call again with the same cursor; -1: out of memory. */
+int apply_slice(core_t *c, source_t *s, scratch_t *sc, apply_cursor *cur, uint32_t budget) {
+    if (cur->started && cur->epoch != s->epoch)
+        cur->node = NODE_NONE; /* cleared meanwhile (not by ingest): the chain's start gone */
+    cur->started = 1;
+    for (; cur->op < sc->nops; cur->op++, cur->done = 0) {
+        const op_t *op = &sc->ops[cur->op];
+        if (budget == 0)
+            break;
+        uint32_t n = op->nhashes - cur->done;
+        if (n > budget)
+            n = budget;
+        budget -= n ? n : 1; /* an op of no hashes costs one */
         rop_t r;
         if (op->type == OP_REMOVED) {
-            removed += op->nhashes;
-            int known = resolve(c, sc, op, &r);
+            if (cur->done == 0)
+                cur->removed += op->nhashes;
+            int known = resolve(c, sc, op, cur->done, n, &r);
             if (known < 0)
                 return -1;
             remove_hashes(c, s, op->has_group ? op->group : 0, r.medium, r.hashes,
                           (uint32_t)known);
         } else if (op->type == OP_STORED) {
-            stored += op->nhashes;
-            if (resolve(c, sc, op, &r) < 0)
+            if (cur->done == 0)
+                cur->stored += op->nhashes;
+            if (resolve(c, sc, op, cur->done, n, &r) < 0)
                 return -1;
-            int res = store(c, s, sc, &r);
+            int res = store(c, s, sc, &r, &cur->node);
             drop_unheld(c, &r);
             if (res < 0)
                 return -1;
         } else if (op->type == OP_CLEARED) {
-            clears++;
+            cur->clears++;
             source_clear(c, s);
         }
+        cur->done += n;
+        if (cur->done < op->nhashes) { /* the budget ended inside this op */
+            cur->epoch = s->epoch;
+            return 0;
+        }
     }
-    s->stats.stored += stored;
-    s->stats.removed += removed;
-    s->stats.clears += clears;
+    cur->epoch = s->epoch;
+    if (cur->op < sc->nops)
+        return 0;
+    s->stats.stored += cur->stored;
+    s->stats.removed += cur->removed;
+    s->stats.clears += cur->clears;
     s->stats.batches++;
-    return 0;
+    return 1;
+}
+
+int apply_ops(core_t *c, source_t *s, scratch_t *sc) {
+    apply_cursor cur = {0};
+    return apply_slice(c, s, sc, &cur, UINT32_MAX) < 0 ? -1 : 0;
 }
 
 /* -- what an engine would reuse: kvindex/index/reuse.py ------------------------------- */

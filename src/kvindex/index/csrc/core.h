@@ -82,6 +82,7 @@ typedef struct {
     map_t where; /* a = node, b = 0 -> bits of the pools holding it */
     group_spec groups[MAX_GROUPS];
     source_stats stats;
+    uint32_t epoch; /* cleared this many times (apply_slice: a chain's start gone) */
 } source_t;
 
 typedef struct {
@@ -223,6 +224,16 @@ source_t *source_get(core_t *c, uint32_t bit, int make);
 void source_clear(core_t *c, source_t *s);
 void source_remove(core_t *c, uint32_t bit);
 int apply_ops(core_t *c, source_t *s, scratch_t *sc);
+
+/* Where a batch applied a slice at a time stands (apply_slice); zeroed to start. */
+typedef struct {
+    uint32_t op, done; /* the next op, and how many of its hashes are applied */
+    uint32_t node;     /* a stored op's next slice hangs from here (NODE_NONE: no place) */
+    uint32_t epoch;    /* the source's after the last slice */
+    uint8_t started;
+    int64_t stored, removed, clears; /* what the batch brought, added when it is done */
+} apply_cursor;
+int apply_slice(core_t *c, source_t *s, scratch_t *sc, apply_cursor *cur, uint32_t budget);
 uint32_t intern_str(core_t *c, const uint8_t *p, uint32_t len);
 uint32_t find_str(const core_t *c, const uint8_t *p, uint32_t len);
 uint32_t find_name(const core_t *c, const uint8_t *p, uint32_t len);

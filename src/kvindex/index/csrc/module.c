@@ -6,8 +6,9 @@
  * counts, walks) take the read lock and keep the GIL: they are short, and giving the GIL
  * away mid-request would let an ingest thread keep it for a whole switch interval. No code
  * holds the GIL while it waits for or holds the write lock (every writer: WRITE_LOCKED),
- * so the two never wait on each other in a circle. Readers never see half a batch: a
- * batch is applied under one write lock.
+ * so the two never wait on each other in a circle. Readers never see half a batch of up
+ * to APPLY_SLICE hashes: it is applied under one write lock; a bigger one is applied in
+ * slices (apply_sliced), so no reader waits long behind it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -15,6 +16,11 @@
 
 #include "answer.h"
 #include "core.h"
+
+/* Hashes applied under one write lock at most (issue 17 point 7). A lookup waits behind
+ * one slice: ~0.2-0.8 us a hash, so a few ms, where a 1M-block BlockStored held the lock
+ * (and with it a lookup, and the GIL that lookup keeps while it waits) for 0.7 s. */
+#define APPLY_SLICE 4096
 
 /* Answers' small dicts ({tier: blocks}, {group 0: blocks}, {rank: blocks}) are shared
  * between rows, made once per value: an answer of a big fleet would otherwise build three
@@ -34,6 +40,7 @@ typedef struct {
     pthread_mutex_t spares_lock;
     struct spare *spares;
     int ready;
+    uint32_t slice; /* hashes applied under one write lock at most: APPLY_SLICE, or set_slice's */
 } CoreObject;
 
 typedef struct spare {
@@ -103,6 +110,7 @@ static int Core_init(CoreObject *self, PyObject *args, PyObject *kwargs) {
     }
     pthread_mutex_init(&self->spares_lock, NULL); /* a default mutex: can't fail on Linux */
     self->spares = NULL;
+    self->slice = APPLY_SLICE;
     self->ready = 1;
     return 0;
 }
@@ -167,6 +175,26 @@ static int bit_arg(PyObject *obj, uint32_t *bit) {
 
 /* -- ingest -------------------------------------------------------------------------- */
 
+/* Apply a parsed batch of publisher `bit`, a slice at a time, the write lock let go
+ * between two: glibc's rwlock (reader-preferring) hands it to the readers waiting. Called
+ * without the GIL. `counts`: stored, removed, clears. 1: applied; 0: out of memory. */
+static int apply_sliced(CoreObject *self, uint32_t bit, scratch_t *sc, int64_t counts[3]) {
+    apply_cursor cur = {0};
+    int res;
+    do {
+        pthread_rwlock_wrlock(&self->lock);
+        /* Made at the first slice; gone at a later one: removed meanwhile (never by
+         * ingest, which removes on the thread applying), the rest applied to nothing. */
+        source_t *s = source_get(&self->core, bit, !cur.started);
+        res = s != NULL ? apply_slice(&self->core, s, sc, &cur, self->slice) : cur.started ? 1 : -1;
+        pthread_rwlock_unlock(&self->lock);
+    } while (res == 0);
+    counts[0] = cur.stored;
+    counts[1] = cur.removed;
+    counts[2] = cur.clears;
+    return res > 0;
+}
+
 /* apply_payload(bit, payload) -> (applied, ts, dp_rank, (stored, removed, clears))
 
    Parse and apply one batch of publisher `bit`. `applied` False: the fast path can't take
@@ -191,20 +219,8 @@ static PyObject *Core_apply_payload(CoreObject *self, PyObject *args) {
     int64_t counts[3] = {0, 0, 0};
     Py_BEGIN_ALLOW_THREADS
     res = parse_batch(&self->core, view.buf, (size_t)view.len, sc);
-    if (res == PARSE_OK) {
-        pthread_rwlock_wrlock(&self->lock);
-        source_t *s = source_get(&self->core, bit, 1);
-        if (s != NULL) {
-            source_stats before = s->stats;
-            failed = apply_ops(&self->core, s, sc) < 0;
-            counts[0] = s->stats.stored - before.stored;
-            counts[1] = s->stats.removed - before.removed;
-            counts[2] = s->stats.clears - before.clears;
-        } else {
-            failed = 1;
-        }
-        pthread_rwlock_unlock(&self->lock);
-    }
+    if (res == PARSE_OK)
+        failed = !apply_sliced(self, bit, sc, counts);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     double ts = sc->ts;
@@ -460,7 +476,7 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
     return 1;
 }
 
-/* apply_ops(bit, ops): apply a batch the Python decoder made (under one write lock). */
+/* apply_ops(bit, ops): apply a batch the Python decoder made (as apply_payload does). */
 static PyObject *Core_apply_ops(CoreObject *self, PyObject *args) {
     READY(self);
     PyObject *bit_obj, *ops;
@@ -483,11 +499,9 @@ static PyObject *Core_apply_ops(CoreObject *self, PyObject *args) {
     /* The spans point into the tuples' objects: `fast` keeps them alive until here (the
      * list is batch_ops' own: nothing else changes it while the GIL is away). */
     int failed;
+    int64_t counts[3];
     Py_BEGIN_ALLOW_THREADS /* see WRITE_LOCKED */
-    pthread_rwlock_wrlock(&self->lock);
-    source_t *s = source_get(&self->core, bit, 1);
-    failed = s == NULL || apply_ops(&self->core, s, &sc) < 0;
-    pthread_rwlock_unlock(&self->lock);
+    failed = !apply_sliced(self, bit, &sc, counts);
     Py_END_ALLOW_THREADS
     scratch_free(&sc);
     Py_DECREF(fast);
@@ -1269,6 +1283,123 @@ static PyObject *Core_pool_hashes(CoreObject *self, PyObject *args) {
     return out;
 }
 
+/* distinct(bits) -> (blocks, {medium: blocks}): distinct hashes the publishers `bits`
+ * (one instance's ranks) hold over all their pools, and per medium. Counted in C under
+ * the read lock without the GIL: IndexBase's union of Python sets held the GIL ~0.5 s an
+ * instance of 1M blocks, each time an instance view was asked after a batch, so the
+ * HTTP loop (lookups included) stopped that long (issue 17 point 7). */
+typedef struct {
+    uint32_t medium; /* interned id */
+    uint64_t most;   /* entries of its pools; then its distinct hashes */
+    map_t seen;      /* a = hash value, b = kind */
+    char *name;      /* copied under the lock: a writer may move the interner's items */
+    uint32_t len;
+} medium_count;
+
+/* One pass over the pools of `bits`: without `all`, the media met and their entries
+ * (returns the total); with it, every entry put in `all` and in its medium's table. */
+static uint64_t distinct_pass(const core_t *c, const uint32_t *bits, Py_ssize_t nbits,
+                              medium_count *media, uint32_t *nmedia, map_t *all, int *ok,
+                              uint32_t *filled) {
+    uint64_t most = 0;
+    int made;
+    for (Py_ssize_t i = 0; *ok && i < nbits; i++) {
+        source_t *src = source_get((core_t *)c, bits[i], 0); /* make = 0: only reads */
+        for (uint32_t p = 0; *ok && src != NULL && p < src->npools; p++) {
+            const pool_t *pool = &src->pools[p];
+            uint32_t m = 0;
+            while (m < *nmedia && media[m].medium != pool->medium)
+                m++;
+            if (m == *nmedia) {
+                const blob_t *b = &c->strings.items[pool->medium];
+                media[m].medium = pool->medium;
+                map_init(&media[m].seen);
+                media[m].len = b->len;
+                media[m].name = malloc(b->len + 1);
+                *ok = media[m].name != NULL;
+                if (*ok)
+                    memcpy(media[m].name, b->data, b->len);
+                (*nmedia)++;
+            }
+            if (all == NULL) {
+                *filled += pool->blocks.count != 0;
+                media[m].most += pool->blocks.count;
+                most += pool->blocks.count;
+                continue;
+            }
+            PMAP_FOREACH(&pool->blocks, e) {
+                *ok = map_put(all, e->a, pmap_b(e), &made) != NULL &&
+                      map_put(&media[m].seen, e->a, pmap_b(e), &made) != NULL;
+                if (!*ok)
+                    break;
+            }
+        }
+    }
+    return most;
+}
+
+static PyObject *Core_distinct(CoreObject *self, PyObject *bits_obj) {
+    READY(self);
+    PyObject *fast = PySequence_Fast(bits_obj, "bits must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t nbits = PySequence_Fast_GET_SIZE(fast);
+    uint32_t *bits = malloc(((size_t)nbits + 1) * sizeof(uint32_t));
+    medium_count *media = calloc((size_t)nbits * MAX_POOLS + 1, sizeof(medium_count));
+    int ok = bits != NULL && media != NULL;
+    for (Py_ssize_t i = 0; ok && i < nbits; i++)
+        ok = bit_arg(PySequence_Fast_GET_ITEM(fast, i), &bits[i]);
+    Py_DECREF(fast);
+    if (!ok) {
+        free(bits);
+        free(media);
+        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+    }
+    core_t *c = &self->core;
+    map_t all;
+    map_init(&all);
+    uint32_t nmedia = 0;
+    uint32_t filled; /* pools holding something: one (most instances) needs no union */
+    uint64_t most;
+    Py_BEGIN_ALLOW_THREADS /* a reader without the GIL: it waits for no writer holding it */
+    pthread_rwlock_rdlock(&self->lock);
+    filled = 0;
+    most = distinct_pass(c, bits, nbits, media, &nmedia, NULL, &ok, &filled);
+    if (ok && filled > 1) {
+        /* Sized first: a pool's entries come in the order of their hash, and put into a
+         * table smaller than the pool's they would pile up in one run (quadratic). */
+        ok = most * 5 / 4 + 8 <= UINT32_MAX && map_grow(&all, (uint32_t)(most * 5 / 4 + 8)) == 0;
+        for (uint32_t m = 0; ok && m < nmedia; m++)
+            ok = map_grow(&media[m].seen, (uint32_t)(media[m].most * 5 / 4 + 8)) == 0;
+        if (ok)
+            distinct_pass(c, bits, nbits, media, &nmedia, &all, &ok, &filled);
+        for (uint32_t m = 0; m < nmedia; m++)
+            media[m].most = media[m].seen.count;
+        most = all.count;
+    }
+    pthread_rwlock_unlock(&self->lock);
+    Py_END_ALLOW_THREADS
+    PyObject *by_medium = ok ? PyDict_New() : NULL;
+    for (uint32_t m = 0; m < nmedia; m++) {
+        if (by_medium != NULL) {
+            PyObject *name = PyUnicode_DecodeUTF8(media[m].name, media[m].len, "replace");
+            PyObject *count = PyLong_FromUnsignedLongLong(media[m].most);
+            if (name == NULL || count == NULL || PyDict_SetItem(by_medium, name, count) < 0)
+                Py_CLEAR(by_medium);
+            Py_XDECREF(name);
+            Py_XDECREF(count);
+        }
+        map_free(&media[m].seen);
+        free(media[m].name);
+    }
+    map_free(&all);
+    free(media);
+    free(bits);
+    if (by_medium == NULL)
+        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+    return Py_BuildValue("(KN)", (unsigned long long)most, by_medium);
+}
+
 static int medium_matches(const core_t *c, uint32_t medium, span_t wanted) {
     const blob_t *b = &c->strings.items[medium];
     if (b->len == wanted.len && memcmp(b->data, wanted.p, b->len) == 0)
@@ -1514,6 +1645,20 @@ static PyObject *Core_keep_tokens(CoreObject *self, PyObject *on) {
     Py_RETURN_NONE;
 }
 
+/* set_slice(n): apply batches n hashes at a time (tests: small streams cross slices). */
+static PyObject *Core_set_slice(CoreObject *self, PyObject *n_obj) {
+    READY(self);
+    unsigned long n = PyLong_AsUnsignedLong(n_obj);
+    if (PyErr_Occurred())
+        return NULL;
+    if (n == 0 || n > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "a slice is 1 to 2**32-1 hashes");
+        return NULL;
+    }
+    WRITE_LOCKED(self, self->slice = (uint32_t)n);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Core_key_digest(CoreObject *self, PyObject *data) {
     READY(self);
     Py_buffer view;
@@ -1558,6 +1703,8 @@ static PyMethodDef Core_methods[] = {
     {"walk_tree", (PyCFunction)Core_walk_tree, METH_NOARGS, NULL},
     {"key_digest", (PyCFunction)Core_key_digest, METH_O, NULL},
     {"keep_tokens", (PyCFunction)Core_keep_tokens, METH_O, NULL},
+    {"set_slice", (PyCFunction)Core_set_slice, METH_O, NULL},
+    {"distinct", (PyCFunction)Core_distinct, METH_O, NULL},
     {"tier_of", (PyCFunction)Core_tier_of, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -335,11 +335,13 @@ def _end_streams(app: Any) -> Callable[[], None]:
 
 
 async def _serve(server: uvicorn.Server, sock: socket.socket, summary: str) -> None:
+    # The address is read now: a signal right after the start closes the socket before
+    # this coroutine looks again (`started` stays True), and getsockname() would fail.
+    url = _url(sock, server.config.is_ssl)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
-    if server.started:
-        url = _url(sock, server.config.is_ssl)
+    if server.started and not server.should_exit:
         print(f"kvindex serve: listening on {url} ({summary})", flush=True)
         # What exists now (the app, the warm-loaded state) lives as long as the process:
         # keep it out of every later full collection, which would only walk it again.

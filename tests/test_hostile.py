@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import zmq
 from netutil import wait_until
+from pubsub import joined
 from service_workload import TestClient
 
 from kvindex.index import FleetIndex
@@ -158,7 +159,7 @@ def test_hostile_events_never_stop_the_rest_of_their_batch() -> None:
 
 
 def test_service_counts_and_skips_every_hostile_payload() -> None:
-    with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
+    with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", subscriptions=True) as pub:
         fleet = Fleet([InstanceSpec("a", pub.endpoint, pub.replay_endpoint)], policy=FAST)
         with TestClient(create_app(fleet), raise_server_exceptions=False) as client:
 
@@ -201,11 +202,10 @@ def collect(sub: Subscriber, until: Any, timeout: float = 10) -> list[Item]:
 
 def test_payload_over_the_decode_limit_is_skipped_and_counted() -> None:
     with (
-        Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub,
+        Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", subscriptions=True) as pub,
         Subscriber(pub.endpoint, replay=pub.replay_endpoint, policy=FAST, max_payload=1000) as sub,
     ):
-        collect(sub, lambda it: any(getattr(i, "connected", False) for i in it), 5)
-        time.sleep(0.1)
+        joined(pub, sub)
         pub.publish_payload(encode_batch([BlockStored([1], None, [1] * 2000, 4)]))  # ~2 KB
         pub.publish([BlockStored([1])])
         items = collect(sub, lambda it: any(isinstance(i, Delivery) for i in it))
@@ -221,11 +221,10 @@ def test_message_over_zmq_maxmsgsize_drops_the_link_not_the_subscriber() -> None
     and the batch it can't receive (its replay is refused the same way) is reported lost;
     the batches after it are delivered."""
     with (
-        Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub,
+        Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", subscriptions=True) as pub,
         Subscriber(pub.endpoint, replay=pub.replay_endpoint, policy=FAST, max_payload=1000) as sub,
     ):
-        collect(sub, lambda it: any(getattr(i, "connected", False) for i in it), 5)
-        time.sleep(0.1)
+        joined(pub, sub)
         pub.publish([BlockStored([0])])
         pub.publish_payload(b"\x00" * 100_000)  # seq 1
         stop = threading.Event()
@@ -271,11 +270,10 @@ def test_malformed_replay_replies_are_counted_and_end_the_replay_at_once() -> No
     thread.start()
     try:
         with (
-            Publisher("tcp://127.0.0.1:*") as pub,
+            Publisher("tcp://127.0.0.1:*", subscriptions=True) as pub,
             Subscriber(pub.endpoint, replay=replay, policy=FAST) as sub,
         ):
-            items = collect(sub, lambda it: any(getattr(i, "connected", False) for i in it), 5)
-            time.sleep(0.1)
+            items = joined(pub, sub)
             pub.drop = lambda seq: seq == 0  # a gap, if the late-join replay did not fill it
             pub.publish([BlockStored([1])])
             pub.publish([BlockStored([2])])

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import zmq
 from netutil import free_port, free_ports
+from pubsub import joined
 
 from kvindex.subscriber import (
     Connection,
@@ -75,11 +76,14 @@ def test_every_batch_once_in_order_despite_drops() -> None:
     rng = random.Random(7)
     with (
         Publisher(
-            "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", drop=lambda s: rng.random() < 0.25
+            "tcp://127.0.0.1:*",
+            "tcp://127.0.0.1:*",
+            drop=lambda s: rng.random() < 0.25,
+            subscriptions=True,
         ) as pub,
         Subscriber(pub.endpoint, replay=pub.replay_endpoint, policy=FAST) as sub,
     ):
-        items = collect(sub, lambda it: any(getattr(i, "connected", False) for i in it), 5)
+        items = joined(pub, sub)
         publish_slowly(pub, 0, 400, sub, items)
         pub.drop = None
         pub.publish(stored(400))  # the tail can only be seen missing once a later batch arrives
@@ -93,7 +97,7 @@ def test_every_batch_once_in_order_despite_drops() -> None:
 
 
 def test_late_join_replays_what_is_already_cached() -> None:
-    with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
+    with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", subscriptions=True) as pub:
         for i in range(120):
             pub.publish(stored(i))
         with Subscriber(pub.endpoint, replay=pub.replay_endpoint, policy=FAST) as sub:
@@ -147,8 +151,8 @@ def test_engine_restart_is_announced_before_the_new_stream() -> None:
     pub_port, replay_port = free_port(), free_port()
     pub_ep, replay_ep = f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
     with Subscriber(pub_ep, replay=replay_ep, policy=FAST) as sub:
-        pub = Publisher(pub_ep, replay_ep)
-        items = collect(sub, lambda it: any(getattr(i, "connected", False) for i in it), 5)
+        pub = Publisher(pub_ep, replay_ep, subscriptions=True)
+        items = joined(pub, sub)
         publish_slowly(pub, 0, 30, sub, items)
         items += collect(sub, lambda it: len(seqs(items + it)) >= 30)
         pub.close()
@@ -170,10 +174,10 @@ def test_engine_restart_is_announced_before_the_new_stream() -> None:
 
 def test_restart_seen_by_seq_going_back_without_reconnect() -> None:
     with (
-        Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub,
+        Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", subscriptions=True) as pub,
         Subscriber(pub.endpoint, replay=pub.replay_endpoint, policy=FAST) as sub,
     ):
-        items = collect(sub, lambda it: any(getattr(i, "connected", False) for i in it), 5)
+        items = joined(pub, sub)
         publish_slowly(pub, 0, 20, sub, items)
         items += collect(sub, lambda it: len(seqs(items + it)) >= 20)
         pub.restart()
@@ -185,11 +189,10 @@ def test_restart_seen_by_seq_going_back_without_reconnect() -> None:
 
 def test_malformed_messages_are_counted_and_skipped() -> None:
     with (
-        Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub,
+        Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", subscriptions=True) as pub,
         Subscriber(pub.endpoint, replay=pub.replay_endpoint, policy=FAST) as sub,
     ):
-        items = collect(sub, lambda it: any(getattr(i, "connected", False) for i in it), 5)
-        time.sleep(0.1)
+        items = joined(pub, sub)
         pub.publish(stored(0))
         pub.send_raw([b"", b"\x00" * 3, b"x"])  # seq frame of the wrong width
         pub.send_raw([b"only-one-frame"])
@@ -291,7 +294,7 @@ def test_async_iteration() -> None:
                         break
         return got
 
-    with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
+    with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", subscriptions=True) as pub:
         for i in range(5):
             pub.publish(stored(i))
 
@@ -307,7 +310,7 @@ def test_async_iteration() -> None:
 
 
 def test_delivery_unpacks_and_removed_events_decode() -> None:
-    with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
+    with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", subscriptions=True) as pub:
         pub.publish([BlockRemoved([5, 6], medium="CPU")])
         with Subscriber(pub.endpoint, replay=pub.replay_endpoint, policy=FAST) as sub:
             (delivery,) = deliveries(collect(sub, lambda it: len(seqs(it)) >= 1))

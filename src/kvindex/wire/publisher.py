@@ -83,9 +83,11 @@ class Publisher:
         drop: Callable[[int], bool] | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         setup: Callable[[zmq.Socket[bytes]], None] | None = None,
+        subscriptions: bool = False,
     ) -> None:
         """`setup` is called on both sockets before they bind (e.g. to make them CURVE
-        servers: `kvindex.security.curve.server_setup`)."""
+        servers: `kvindex.security.curve.server_setup`). With `subscriptions`, the live
+        socket is an XPUB (the same on the wire) so that `wait_for_subscriber` can work."""
         self._ctx = context or zmq.Context.instance()
         self._topic = topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -99,8 +101,10 @@ class Publisher:
         self.replays_served = 0
         # While True, replay requests are read and never answered (a hung replay socket).
         self.replay_paused = False
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB if subscriptions else zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        if subscriptions:
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's, not just the first
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         if setup is not None:
             setup(self._pub)
@@ -141,6 +145,19 @@ class Publisher:
         else:
             self._pub.send_multipart((self._topic, encode_seq(seq), payload), copy=False)
         return seq
+
+    def wait_for_subscriber(self, timeout: float = 5.0) -> None:
+        """Block until a SUB's subscription has reached the live socket (made with
+        `subscriptions=True`). A SUB reports its handshake before the publisher's socket
+        has attached it, and what is sent in between is dropped (ZMQ's "slow joiner"):
+        a test that expects live batches waits here first. TimeoutError if none comes."""
+        if self._pub.socket_type != zmq.XPUB:
+            raise RuntimeError("wait_for_subscriber needs Publisher(..., subscriptions=True)")
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if self._pub.poll(left * 1000) and self._pub.recv()[:1] == b"\x01":
+                return
+        raise TimeoutError(f"no subscriber subscribed within {timeout:g} s")
 
     def put(self, seq: int, payload: bytes, live: bool = True) -> None:
         """Buffer `payload` under an explicit `seq` (a relay preserves its upstream's seqs)

@@ -155,7 +155,7 @@ class Publisher:
             raise RuntimeError("wait_for_subscriber needs Publisher(..., subscriptions=True)")
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            if self._pub.poll(left * 1000) and self._pub.recv()[:1] == b"\x01":
+            if self._pub.poll(max(1, int(left * 1000))) and self._pub.recv()[:1] == b"\x01":
                 return
         raise TimeoutError(f"no subscriber subscribed within {timeout:g} s")
 

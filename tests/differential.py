@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvindex.index import PureFleetIndex
-from kvindex.wire import BlockHash, BlockStored, EventBatch
+from kvindex.wire import BigramBlockStored, BlockHash, BlockStored, EventBatch
 
 # (token ids, lookup keywords: lora_name and cache_salt)
 Prompt = tuple[list[int], dict[str, Any]]
@@ -59,13 +59,17 @@ def prompts_of(
     tokens from the root, followed through the parent hashes the events gave (at most
     `max_blocks` back; a cycle or a missing parent ends the climb), in each namespace the
     events named and in the plain one. At most `limit` of each, the longest chains first."""
-    tokens_of: dict[Any, tuple[Any, list[int], int]] = {}  # hash -> (parent, tokens, size)
+    # hash -> (parent, tokens, the token after them: a bigram page's last pair's second)
+    tokens_of: dict[Any, tuple[Any, list[int], list[int]]] = {}
     names: set[tuple[str | None, str | None]] = {(None, None)}
     for batch in batches:
         for event in batch.events:
             if not isinstance(event, BlockStored):
                 continue
             size, hashes, tokens = event.block_size, event.block_hashes, event.token_ids
+            pairs = event.token_pairs if isinstance(event, BigramBlockStored) else None
+            if pairs is not None:  # a page's own tokens: the first of each pair
+                tokens = [a for a, _ in pairs]
             salt = event.cache_salt
             extra = event.extra_keys or []
             if salt is None and extra and isinstance(extra[0], list) and extra[0]:
@@ -80,7 +84,8 @@ def prompts_of(
             parent = event.parent_block_hash
             for i, h in enumerate(hashes):
                 if _hashable(h):
-                    tokens_of[h] = (parent, list(tokens[i * size : (i + 1) * size]), size)
+                    after = [] if pairs is None else [pairs[(i + 1) * size - 1][1]]
+                    tokens_of[h] = (parent, list(tokens[i * size : (i + 1) * size]), after)
                 parent = h
     chains: list[tuple[list[int], list[BlockHash]]] = []
     for h in tokens_of:
@@ -88,13 +93,14 @@ def prompts_of(
         toks: list[int] = []
         seen: set[Any] = set()
         at: Any = h
+        tail = tokens_of[h][2]
         while _hashable(at) and at in tokens_of and at not in seen and len(run) < max_blocks:
             seen.add(at)
             parent, block, _ = tokens_of[at]
             run.append(at)
             toks = block + toks
             at = parent
-        chains.append((toks, run[::-1]))
+        chains.append((toks + tail, run[::-1]))
     chains.sort(key=lambda c: -len(c[1]))
     prompts: list[Prompt] = []
     for toks, _ in chains[:limit]:

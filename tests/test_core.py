@@ -26,6 +26,7 @@ from kvindex.subscriber import SourceKey
 from kvindex.wire import (
     AllBlocksCleared,
     BatchDecoder,
+    BigramBlockStored,
     BlockRemoved,
     BlockStored,
     EventBatch,
@@ -92,6 +93,12 @@ def stored_event(
         fields["lookahead_token_ids"] = [[tokens[0]] for _ in hashes]
     fields["extra_keys"] = extra
     token_ids = tokens[first * BS : last * BS]
+    if form == 5:  # SGLang's EAGLE bigram pages: units (t[i], t[i+1]), BS a page
+        last = min(last, (len(tokens) - 1) // BS)
+        hashes = [block_hash(tokens, n, -1 - ns, False) for n in range(first, last)]
+        parent = block_hash(tokens, first - 1, -1 - ns, False) if first else None
+        pairs = [(tokens[j], tokens[j + 1]) for j in range(first * BS, last * BS)]
+        return BigramBlockStored(hashes, parent, block_size=BS, token_pairs=pairs, **fields)
     if form == 3:  # hash-only (an offload event)
         token_ids = []
     elif form == 4 and len(hashes) > 1:  # a window group that skipped a block
@@ -108,7 +115,8 @@ event_plan = st.tuples(
     st.integers(0, 3),  # blocks
     st.integers(0, len(NAMESPACES) - 1),
     st.integers(0, len(POOLS) - 1),
-    st.integers(0, 5),  # form: 0 plain, 1 signed hashes, 2 [None] keys, 3 hash-only, 4 skipped
+    # form: 0 plain, 1 signed hashes, 2 [None] keys, 3 hash-only, 4 skipped, 5 bigram pages
+    st.integers(0, 6),
     st.booleans(),  # array generation (vLLM <= 0.23), where the event allows it
 )
 
@@ -124,7 +132,7 @@ def build(plan: list[tuple[Any, ...]]) -> list[tuple[SourceKey, str, Any]]:
             blocks = len(tokens) // BS
             first = min(first, blocks - 1)
             last = min(blocks, first + count)
-            event = stored_event(tokens, first, last, ns, POOLS[pool_i], form % 5)
+            event = stored_event(tokens, first, last, ns, POOLS[pool_i], form % 6)
             held.setdefault(src, []).extend(
                 (h, POOLS[pool_i][1], POOLS[pool_i][0]) for h in event.block_hashes
             )

@@ -12,7 +12,7 @@ import hashlib
 
 from kvindex.index import FleetIndex
 from kvindex.subscriber import SourceKey
-from kvindex.wire import BlockRemoved, BlockStored, EventBatch
+from kvindex.wire import BigramBlockStored, BlockRemoved, BlockStored, EventBatch
 
 BS = 4
 A = SourceKey("a")
@@ -292,3 +292,71 @@ def test_a_hash_only_pool_given_a_place_counts_there() -> None:
     apply(index, removed("s0", medium="CPU"))
     (row,) = index.lookup(TOKENS[:16], lora_name="x")
     assert (row.matched_blocks, row.by_tier) == (4, {"gpu": 1, "cpu": 3})
+
+
+# -- SGLang's EAGLE bigram pages (issue 19) ---------------------------------------------------
+
+
+def bigram(
+    first: int, last: int, tokens: list[int], size: int, tag: str = "b", **fields: object
+) -> BigramBlockStored:
+    """Pages first..last-1 of an EAGLE bigram cache of `size`-pair pages, as SGLang's
+    recorder sends them: page i holds the units (t[j], t[j+1]) for j in its range."""
+    pairs = [(tokens[j], tokens[j + 1]) for j in range(first * size, last * size)]
+    parent = h(f"{tag}{first - 1}") if first else None
+    return BigramBlockStored(
+        chain(first, last, tag),  # type: ignore[arg-type]
+        parent,  # type: ignore[arg-type]
+        block_size=size,
+        token_pairs=pairs,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def test_bigram_pages_are_found_from_the_prompts_tokens() -> None:
+    """SGLang's match_prefix with is_eagle: n prompt tokens make n - 1 units, in whole
+    pages. The lookup derives them from the plain token ids."""
+    index = FleetIndex()
+    tokens = list(range(1, 10))
+    apply(index, bigram(0, 4, tokens, 2))  # 8 units: (1,2) .. (8,9)
+    assert matched(index, tokens) == 4
+    assert matched(index, tokens[:8]) == 3  # 7 units: 3 whole pages
+    assert matched(index, tokens[:2]) == 0  # 1 unit: no whole page
+    assert matched(index, [1, 2, 3, 9, 9]) == 1
+    rows = {r.instance: r for r in index.lookup(tokens)}
+    assert (rows["a"].block_size, rows["a"].matched_tokens) == (2, 8)
+    apply(index, removed("b3"))
+    assert matched(index, tokens) == 3
+
+
+def test_bigram_and_plain_chains_of_the_same_token_ids_never_meet() -> None:
+    """A bigram page's key is its pairs flattened: a plain block of those token ids (twice
+    the page size) is another tree, in both directions; and a salt still separates."""
+    index = FleetIndex()
+    b, p = SourceKey("b"), SourceKey("p")
+    apply(index, bigram(0, 1, [1, 2, 3], 2), source=b)  # pairs (1,2), (2,3)
+    apply(index, BlockStored([h("p0")], None, [1, 2, 2, 3], 4), source=p)
+    rows = {r.instance: r.matched_blocks for r in index.lookup([1, 2, 3])}
+    assert rows == {"b": 1, "p": 0}
+    rows = {r.instance: r.matched_blocks for r in index.lookup([1, 2, 2, 3])}
+    assert rows == {"b": 0, "p": 1}
+    apply(index, bigram(0, 1, [1, 2, 3], 2, "s", cache_salt="t"), source=b)
+    assert {r.instance: r.matched_blocks for r in index.lookup([1, 2, 3], cache_salt="t")} == {
+        "b": 1,
+        "p": 0,
+    }
+    apply(index, removed("b0"), source=b)
+    assert {r.instance: r.matched_blocks for r in index.lookup([1, 2, 3])} == {"b": 0, "p": 0}
+
+
+def test_bigram_pages_on_lower_tiers_follow_the_gpu_run() -> None:
+    """HiCache's host copies of bigram pages (unkeyed, like any lower tier) keep their
+    place: GPU pages first, then the host run."""
+    index = FleetIndex()
+    tokens = list(range(1, 10))
+    apply(
+        index, bigram(0, 4, tokens, 2, medium="GPU"), bigram(0, 4, tokens, 2, medium="CPU_PINNED")
+    )
+    apply(index, removed("b2", "b3", medium="GPU"))
+    rows = {r.instance: r for r in index.lookup(tokens)}
+    assert rows["a"].matched_blocks == 4 and rows["a"].by_tier == {"gpu": 2, "cpu": 2}

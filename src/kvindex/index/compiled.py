@@ -26,7 +26,7 @@ from typing import Any
 
 from kvindex.index._core import Core, parse_lookup
 from kvindex.index.base import AnswerSlot, IndexBase, LookupRow, PayloadResult
-from kvindex.index.fleet import MAX_BLOCK_SIZE, Namespace, PoolKey, is_keyed, is_plain
+from kvindex.index.fleet import Namespace, PoolKey, event_tokens, is_keyed, is_plain
 from kvindex.index.keys import chain_keys_bytes
 from kvindex.index.namespaces import PLAIN, chain_keys
 from kvindex.index.reuse import Reuse
@@ -34,6 +34,7 @@ from kvindex.index.stats import CacheStats
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import (
     AllBlocksCleared,
+    BigramBlockStored,
     BlockHash,
     BlockRemoved,
     BlockStored,
@@ -247,11 +248,10 @@ def batch_ops(batch: EventBatch) -> tuple[list[tuple[Any, ...]], int, int, int]:
 
 def _stored_op(event: BlockStored) -> tuple[Any, ...]:
     keys = PLAIN if is_plain(event) else chain_keys(event)
-    tokens = event.token_ids
+    tokens, width, size = event_tokens(event)
     hashes = event.block_hashes
-    size = event.block_size if 0 < event.block_size < MAX_BLOCK_SIZE else 0
-    positioned = size > 0 and len(tokens) == size * len(hashes) and hashes
-    chain = chain_keys_bytes(tokens, size, len(hashes), keys.own) if positioned else []
+    positioned = size > 0 and len(tokens) == width * len(hashes) and hashes
+    chain = chain_keys_bytes(tokens, width, len(hashes), keys.own) if positioned else []
     try:
         token_bytes: bytes | None = array("I", tokens).tobytes() if positioned else None
     except (OverflowError, TypeError):
@@ -273,4 +273,5 @@ def _stored_op(event: BlockStored) -> tuple[Any, ...]:
         event.kv_cache_spec_kind,
         event.kv_cache_spec_sliding_window,
         keys.unrecognised,
+        isinstance(event, BigramBlockStored),
     )

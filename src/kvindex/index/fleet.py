@@ -49,12 +49,27 @@ from typing import TypeVar
 import msgspec
 
 from kvindex.index.base import IndexBase, LookupRow, medium_matches
-from kvindex.index.keys import block_keys, chain_keys_bytes, key_tokens
+from kvindex.index.keys import (
+    block_keys,
+    block_size_of,
+    chain_keys_bytes,
+    flat_pairs,
+    key_tokens,
+    prompt_keys,
+    tree_size,
+)
 from kvindex.index.namespaces import PLAIN, ChainKeys, LoraKey, chain_keys, lora_key
 from kvindex.index.reuse import GroupSpec, Reuse, engine_reuse
 from kvindex.index.stats import CacheStats
 from kvindex.subscriber.messages import SourceKey
-from kvindex.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
+from kvindex.wire import (
+    AllBlocksCleared,
+    BigramBlockStored,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
 from kvindex.wire.events import MEDIUM_GPU
 from kvindex.wire.tiers import TIER_GPU, TIERS, tier_of
 
@@ -65,6 +80,7 @@ __all__ = [
     "Namespace",
     "PoolKey",
     "block_keys",
+    "event_tokens",
     "is_keyed",
     "key_tokens",
     "medium_matches",
@@ -73,7 +89,9 @@ __all__ = [
 DEFAULT_MEDIUM = MEDIUM_GPU
 
 PoolKey = tuple[int, str]  # (group_idx, medium)
-Namespace = tuple[LoraKey, str | None, int]  # (LoRA adapter, cache salt, block size)
+# (LoRA adapter, cache salt, tree size: the block size, with keys.BIGRAM for the pages of
+# an EAGLE bigram cache)
+Namespace = tuple[LoraKey, str | None, int]
 
 
 class _Node(msgspec.Struct, gc=False, eq=False):
@@ -265,7 +283,7 @@ class FleetIndex(IndexBase[_Source]):
             return  # a pool past MAX_POOLS: its blocks are not held
         pool, info = found
         hashes = event.block_hashes
-        size = event.block_size if 0 < event.block_size < MAX_BLOCK_SIZE else 0
+        tokens, width, size = event_tokens(event)
         if size > info.size:
             info.size = size
         if event.kv_cache_spec_kind is not None:
@@ -279,17 +297,16 @@ class FleetIndex(IndexBase[_Source]):
         # An unkeyed store on a lower tier may lack the namespace its GPU copy had (vLLM's
         # offload events carry no extra keys): it keeps the placement it already has.
         keyed = info.tier == TIER_GPU or is_keyed(event, keys)
-        tokens = event.token_ids
-        if size == 0 or len(tokens) != size * len(hashes):
+        if size == 0 or len(tokens) != width * len(hashes):
             # Skipped blocks (a sliding-window group), a partial block or no tokens: the
             # event can't say where each hash goes.
             self._store_elsewhere_placed(src, pool, info, pool_key, hashes, size)
             return
-        parent = self._anchor(src, event, keys, pool, info)
+        parent = self._anchor(src, event, keys, pool, info, size)
         if parent is None:
             self._store_elsewhere_placed(src, pool, info, pool_key, hashes, size)
             return
-        chain = chain_keys_bytes(tokens, size, len(hashes), keys.own)
+        chain = chain_keys_bytes(tokens, width, len(hashes), keys.own)
         self._insert_chain(src, pool, info, pool_key, parent, hashes, chain, keyed, size)
         if len(chain) < len(hashes):  # a token id that can't be keyed ends the chain
             self._store_elsewhere_placed(src, pool, info, pool_key, hashes[len(chain) :], size)
@@ -470,12 +487,19 @@ class FleetIndex(IndexBase[_Source]):
             self._prune(node)
 
     def _anchor(
-        self, src: _Source, event: BlockStored, keys: ChainKeys, pool: Pool, info: _PoolInfo
+        self,
+        src: _Source,
+        event: BlockStored,
+        keys: ChainKeys,
+        pool: Pool,
+        info: _PoolInfo,
+        size: int,
     ) -> _Node | None:
-        """The node the event's first block hangs from, or None if it can't be placed."""
+        """The node the event's first block hangs from (in a tree of `size`, a tree size),
+        or None if it can't be placed."""
         parent_hash = event.parent_block_hash
         if parent_hash is None:
-            namespace = (lora_key(event), keys.salt, event.block_size)
+            namespace = (lora_key(event), keys.salt, size)
             root = self._roots.get(namespace)
             if root is None:
                 if namespace[2] not in self._sizes and len(self._sizes) >= MAX_ROOT_SIZES:
@@ -484,7 +508,6 @@ class FleetIndex(IndexBase[_Source]):
                 self._root_ns[id(root)] = namespace
                 self._sizes[namespace[2]] = self._sizes.get(namespace[2], 0) + 1
             return root
-        size = event.block_size
         node = pool.get(parent_hash)
         # A partial-block event (smaller than its group's blocks) hangs only from a parent
         # in a tree of its own block size.
@@ -636,19 +659,20 @@ class FleetIndex(IndexBase[_Source]):
         """Per instance, what the engine would reuse of this prompt (see `LookupRow`): the
         chains of the namespace the request names (its LoRA adapter and cache salt)."""
         walks: dict[int, _Walk] = {}
-        for size in sorted(self._sizes):  # ascending: ties between sizes go to the smaller
+        # Ascending: ties between sizes go to the smaller (bigram trees come last).
+        for size in sorted(self._sizes):
             root = self._roots.get((lora_name, cache_salt, size))
             if root is None or not root.children:
                 continue
-            keys = block_keys(token_ids, size, len(token_ids) // size)
-            walks[size] = self._walk(root, keys)
+            walks[size] = self._walk(root, prompt_keys(token_ids, size))
         # What an instance matching nothing reports as its block size: the smallest.
-        default_size = next(iter(walks), 0)
+        default_size = block_size_of(next(iter(walks), 0))
         found: dict[int, Reuse] = {}
         for size, walk in walks.items():
+            blocks_of = block_size_of(size)
             for bit, depth in walk.depths.items():
-                if bit not in found or depth * size > found[bit].tokens:
-                    found[bit] = Reuse.simple(depth, size)
+                if bit not in found or depth * blocks_of > found[bit].tokens:
+                    found[bit] = Reuse.simple(depth, blocks_of)
         several = self._several & self._all_mask
         if several and walks:
             for bit in _bits(several):
@@ -666,7 +690,7 @@ class FleetIndex(IndexBase[_Source]):
                 continue
             bit = 1 << info.index
             held[pool_key] = [bool(where.get(node, 0) & bit) for node in walk.path]
-        sizes = {pk: info.size for pk, info in src.info.items()}
+        sizes = {pk: block_size_of(info.size) for pk, info in src.info.items()}
         return engine_reuse(held, sizes, src.groups)
 
     def _walk(self, root: _Node, keys: list[bytes]) -> _Walk:
@@ -757,6 +781,16 @@ def is_keyed(event: BlockStored, keys: ChainKeys) -> bool:
     """Whether a store names its namespace or has own keys (else an unkeyed store on a
     lower tier keeps the placement its hash already has: see the module doc)."""
     return lora_key(event) is not None or keys.salt is not None or keys.own is not None
+
+
+def event_tokens(event: BlockStored) -> tuple[Sequence[int], int, int]:
+    """A store's token ids as its tree keys are made of, the ids per block (the key
+    width) and the tree size (0: a block size no block can have). An EAGLE bigram page's
+    pairs are flattened, in a tree of its own (see keys.tree_size)."""
+    size = event.block_size if 0 < event.block_size < MAX_BLOCK_SIZE else 0
+    if isinstance(event, BigramBlockStored):
+        return flat_pairs(event.token_pairs), 2 * size, tree_size(size, size > 0)
+    return event.token_ids, size, size
 
 
 def is_plain(event: BlockStored) -> bool:

@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvindex.index.fleet import FleetIndex, Namespace, key_tokens
+from kvindex.index.keys import block_size_of
 from kvindex.index.namespaces import lora_label, salt_digest
 
 __all__ = ["SharedPrefix", "Sharing", "sharing"]
@@ -107,7 +108,7 @@ class _Walk:
             tokens.extend(key_tokens(f.key, size))
         holders = tuple(sorted(frame.holders))
         prefix = SharedPrefix(
-            lora_label(lora), size, frame.depth, holders, tokens, salt_digest(salt)
+            lora_label(lora), block_size_of(size), frame.depth, holders, tokens, salt_digest(salt)
         )
         self.serial += 1
         entry = (score, -self.serial, prefix)

@@ -77,6 +77,22 @@ class BigramBlockStored(BlockStored, omit_defaults=True):
 
     token_pairs: list[tuple[int, int]] = []
 
+    def wire(self) -> _WireBigramBlockStored:
+        """This page as SGLang sends it (`token_ids` the pairs): what encoders write."""
+        return _WireBigramBlockStored(
+            block_hashes=self.block_hashes,
+            parent_block_hash=self.parent_block_hash,
+            token_ids=self.token_pairs,
+            block_size=self.block_size,
+            lora_id=self.lora_id,
+            medium=self.medium,
+            lora_name=self.lora_name,
+            extra_keys=self.extra_keys,
+            group_idx=self.group_idx,
+            session_id=self.session_id,
+            cache_salt=self.cache_salt,
+        )
+
 
 class BlockRemoved(
     msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False, omit_defaults=True

@@ -22,6 +22,7 @@ import zmq
 
 from kvindex.wire.events import (
     AllBlocksCleared,
+    BigramBlockStored,
     BlockRemoved,
     BlockStored,
     Event,
@@ -39,7 +40,14 @@ Generation = Literal["maps", "arrays"]
 _encoder = msgspec.msgpack.Encoder()
 
 
-def _as_array(event: Event) -> Event:
+def _as_map(event: Event) -> object:
+    # A bigram page as SGLang sends it: its pairs as `token_ids` (map form only).
+    return event.wire() if isinstance(event, BigramBlockStored) else event
+
+
+def _as_array(event: Event) -> object:
+    if isinstance(event, BigramBlockStored):
+        return event.wire()  # SGLang has no array form
     if isinstance(event, BlockStored):
         return _ArrayBlockStored(**msgspec.structs.asdict(event))
     if isinstance(event, BlockRemoved):
@@ -58,7 +66,7 @@ def encode_batch(
     """Encode events as vLLM does: maps (vLLM >= 0.24) or positional arrays (<= 0.23)."""
     if any(isinstance(e, UnknownEvent) for e in events):
         raise ValueError("unknown events can't be encoded")
-    body = list(events) if generation == "maps" else [_as_array(e) for e in events]
+    body = [_as_map(e) for e in events] if generation == "maps" else [_as_array(e) for e in events]
     batch: list[object] = [time.time() if ts is None else ts, body]
     if dp_rank is not None:
         batch.append(dp_rank)

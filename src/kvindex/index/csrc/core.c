@@ -854,10 +854,10 @@ static uint32_t root_for(core_t *c, const op_t *op, uint32_t size) {
     return root;
 }
 
-/* `_anchor`: the node the event's first block hangs from, or NODE_NONE. */
-static uint32_t anchor(core_t *c, source_t *s, const rop_t *r, pool_t *p) {
+/* `_anchor`: the node the event's first block hangs from (in a tree of `size`, a tree
+ * size), or NODE_NONE. */
+static uint32_t anchor(core_t *c, source_t *s, const rop_t *r, pool_t *p, uint32_t size) {
     const op_t *op = r->op;
-    uint32_t size = (uint32_t)op->block_size;
     if (!op->has_parent)
         return root_for(c, op, size);
     if (!r->parent_known)
@@ -875,22 +875,22 @@ static uint32_t anchor(core_t *c, source_t *s, const rop_t *r, pool_t *p) {
  * under `node`. Returns the node of the last one (a later slice goes on from it), or
  * NODE_NONE when it ran out of memory (the rest held without a place). */
 static uint32_t insert_chain(core_t *c, source_t *s, pool_t *p, uint32_t node,
-                             const scratch_t *sc, const rop_t *r) {
+                             const scratch_t *sc, const rop_t *r, uint32_t size,
+                             uint32_t width) {
     const op_t *op = r->op;
     const hkey *hashes = r->hashes; /* hashes[i - from]: block i of the op */
     const uint64_t *keys = sc->keys + op->keys_off;
     const uint32_t *tokens = op->tokens_kept ? sc->tokens + op->tokens_off : NULL;
-    uint32_t size = (uint32_t)op->block_size;
     uint32_t tree_size = s->several ? size_of(c, node) : size;
     int keyed = op->keyed || p->tier == TIER_GPU;
     uint32_t n = op->nkeys < r->from + r->n ? op->nkeys : r->from + r->n;
     for (uint32_t i = r->from; i < n; i++) {
-        const uint32_t *block = tokens ? tokens + (size_t)i * size : NULL;
+        const uint32_t *block = tokens ? tokens + (size_t)i * width : NULL;
         if (s->several && !keyed) {
             uint32_t kept = placed_elsewhere(c, s, hashes[i - r->from], tree_size, p);
             if (kept != NODE_NONE) {
                 s->stats.namespace_kept++;
-                put(c, s, p, hashes[i - r->from], kept, block, size);
+                put(c, s, p, hashes[i - r->from], kept, block, width);
                 node = kept;
                 continue;
             }
@@ -901,7 +901,7 @@ static uint32_t insert_chain(core_t *c, source_t *s, pool_t *p, uint32_t node,
             return NODE_NONE;
         }
         node = child;
-        put(c, s, p, hashes[i - r->from], node, block, size);
+        put(c, s, p, hashes[i - r->from], node, block, width);
         if (s->several && keyed)
             take_over(c, s, p, hashes[i - r->from], node);
     }
@@ -916,6 +916,11 @@ static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, ui
     if (p == NULL) /* past MAX_POOLS (fleet.py's too): not held; else out of memory */
         return s->npools == MAX_POOLS ? 0 : -1;
     uint32_t size = op->block_size > 0 && op->block_size < (1LL << 31) ? (uint32_t)op->block_size : 0;
+    /* `event_tokens`: a bigram page's key is its pairs flattened (twice the token ids),
+     * in a tree of its own (its tree size has BIGRAM_TREE). */
+    uint32_t width = op->bigram ? 2 * size : size;
+    if (op->bigram && size)
+        size |= BIGRAM_TREE;
     if (size > p->size)
         p->size = size;
     if (op->has_spec && p->group >= 0 && p->group < MAX_GROUPS)
@@ -926,12 +931,12 @@ static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, ui
     uint32_t n = r->n, end = r->from + r->n;
     if (n == 0)
         return 0;
-    if (size == 0 || (uint64_t)op->ntokens != (uint64_t)size * op->nhashes) {
+    if (size == 0 || (uint64_t)op->ntokens != (uint64_t)width * op->nhashes) {
         store_elsewhere_placed(c, s, p, hashes, n, size);
         return 0;
     }
-    uint32_t parent = r->from == 0 ? anchor(c, s, r, p) : *chain;
-    *chain = parent == NODE_NONE ? NODE_NONE : insert_chain(c, s, p, parent, sc, r);
+    uint32_t parent = r->from == 0 ? anchor(c, s, r, p, size) : *chain;
+    *chain = parent == NODE_NONE ? NODE_NONE : insert_chain(c, s, p, parent, sc, r, size, width);
     uint32_t placed = parent == NODE_NONE || op->nkeys < r->from ? r->from
                       : op->nkeys < end                         ? op->nkeys
                                                                 : end;
@@ -1189,6 +1194,9 @@ static uint32_t leading(const core_t *c, const source_t *s, const pool_t *p, con
     return d;
 }
 
+/* A pool's block size (its tree size without the bigram flag): what answers count in. */
+static inline uint32_t psize(const pool_t *p) { return BLOCK_SIZE(p->size); }
+
 /* `_group_hit`: one group's hit in blocks, at most `limit` blocks. */
 static uint32_t group_hit(const core_t *c, const source_t *s, const pool_t *p, const walk_path *w,
                           int klass, int64_t window, uint32_t limit) {
@@ -1203,7 +1211,7 @@ static uint32_t group_hit(const core_t *c, const source_t *s, const pool_t *p, c
     if (klass == KIND_WINDOW) {
         /* max(1, ceil((window - 1) / size)), for any int64 window from the wire: as
          * (window - 2) / size + 1 from 2 on (the plain sum overflowed near 2^63). */
-        int64_t needed = window <= 1 ? 1 : (int64_t)(((uint64_t)window - 2) / p->size + 1);
+        int64_t needed = window <= 1 ? 1 : (int64_t)(((uint64_t)window - 2) / psize(p) + 1);
         uint32_t run = 0;
         for (uint32_t i = limit; i-- > 0;) {
             if (held_at(c, s, p, w, i)) {
@@ -1233,7 +1241,7 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
     for (uint32_t i = 0; i < s->npools; i++) {
         const pool_t *p = &s->pools[i];
         for (uint32_t k = 0; k < nsizes; k++)
-            if (sizes[k] == p->size && p->size)
+            if (sizes[k] == p->size && p->size) /* tree sizes */
                 wp[i] = &walks[k];
         const group_spec *g =
             p->group >= 0 && p->group < MAX_GROUPS ? &s->groups[p->group] : NULL;
@@ -1251,7 +1259,7 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
     for (uint32_t i = 0; i < s->npools; i++)
         if (cached[i]) {
             any = 1;
-            uint64_t full = (uint64_t)wp[i]->len * s->pools[i].size;
+            uint64_t full = (uint64_t)wp[i]->len * psize(&s->pools[i]);
             if (full > bound)
                 bound = full;
         }
@@ -1264,7 +1272,7 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
                 continue;
             if (klass[i] == KIND_PREFIX) {
                 prefix++;
-                uint64_t hit = (uint64_t)leading(c, s, &s->pools[i], wp[i]) * s->pools[i].size;
+                uint64_t hit = (uint64_t)leading(c, s, &s->pools[i], wp[i]) * psize(&s->pools[i]);
                 if (hit < bound)
                     bound = hit;
             } else {
@@ -1272,10 +1280,10 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
                                     ? s->groups[s->pools[i].group].kind
                                     : 0;
                 if (first_kind < 0) {
-                    first_kind = kind, first_window = window[i], first_size = s->pools[i].size;
+                    first_kind = kind, first_window = window[i], first_size = psize(&s->pools[i]);
                     others_distinct = 1;
                 } else if (kind != first_kind || window[i] != first_window ||
-                           s->pools[i].size != first_size) {
+                           psize(&s->pools[i]) != first_size) {
                     others_distinct = 2;
                 }
             }
@@ -1286,7 +1294,7 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
             for (uint32_t i = 0; i < s->npools; i++) {
                 if (!cached[i] || klass[i] == KIND_PREFIX)
                     continue;
-                uint32_t size = s->pools[i].size;
+                uint32_t size = psize(&s->pools[i]);
                 hit = (uint64_t)group_hit(c, s, &s->pools[i], wp[i], klass[i], window[i],
                                           (uint32_t)(hit / size)) *
                       size;
@@ -1311,13 +1319,13 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
     uint32_t size = 0;
     for (uint32_t i = 0; i < s->npools; i++)
         if (cached[i] && s->pools[i].group == 0) {
-            size = s->pools[i].size;
+            size = psize(&s->pools[i]);
             break;
         }
     if (!size)
         for (uint32_t i = 0; i < s->npools; i++)
-            if (cached[i] && (!size || s->pools[i].size < size))
-                size = s->pools[i].size;
+            if (cached[i] && (!size || psize(&s->pools[i]) < size))
+                size = psize(&s->pools[i]);
     /* `_lower_run`: the fastest tier holding the next block serves it */
     uint64_t tier_tokens[TIER_COUNT] = {0};
     tier_tokens[TIER_GPU] = gpu_tokens;
@@ -1329,7 +1337,7 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
         for (uint32_t b = a; b > 0; b--) {
             const pool_t *x = &s->pools[order[b - 1]], *y = &s->pools[order[b]];
             if (tier_rank(x->tier) < tier_rank(y->tier) ||
-                (x->tier == y->tier && x->size >= y->size))
+                (x->tier == y->tier && psize(x) >= psize(y)))
                 break;
             uint32_t t = order[b];
             order[b] = order[b - 1];
@@ -1340,9 +1348,9 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
         int served = 0;
         for (uint32_t k = 0; k < norder; k++) {
             const pool_t *p = &s->pools[order[k]];
-            if (at % p->size == 0 && held_at(c, s, p, wp[order[k]], (uint32_t)(at / p->size))) {
-                tier_tokens[p->tier] += p->size;
-                at += p->size;
+            if (at % psize(p) == 0 && held_at(c, s, p, wp[order[k]], (uint32_t)(at / psize(p)))) {
+                tier_tokens[p->tier] += psize(p);
+                at += psize(p);
                 served = 1;
                 break;
             }
@@ -1352,8 +1360,8 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
     }
     if (!size)
         for (uint32_t k = 0; k < norder; k++)
-            if (!size || s->pools[order[k]].size < size)
-                size = s->pools[order[k]].size;
+            if (!size || psize(&s->pools[order[k]]) < size)
+                size = psize(&s->pools[order[k]]);
     if (!size) {
         out->ngroups = 0;
         return;
@@ -1440,6 +1448,32 @@ uint32_t prompt_keys(const core_t *c, const uint32_t *small, const int64_t *toke
     if (buf != stack)
         free(buf);
     return done;
+}
+
+/* A prompt's keys in a bigram tree of `size`-pair pages (keys.py's prompt_keys): the
+ * units (t[i], t[i+1]) flattened, then keyed as blocks of 2 * size token ids. Returns 0
+ * (no keys) when out of memory; a lookup then matches nothing there. */
+uint32_t prompt_bigram_keys(const core_t *c, const uint32_t *small, const int64_t *tokens,
+                            uint32_t ntokens, uint32_t size, uint64_t *keys) {
+    if (ntokens < 2 || size == 0)
+        return 0;
+    size_t n = (size_t)ntokens - 1, width = small ? 4 : 8;
+    void *flat = malloc(2 * n * width);
+    if (flat == NULL)
+        return 0;
+    for (size_t i = 0; i < n; i++) {
+        if (small) {
+            ((uint32_t *)flat)[2 * i] = small[i];
+            ((uint32_t *)flat)[2 * i + 1] = small[i + 1];
+        } else {
+            ((int64_t *)flat)[2 * i] = tokens[i];
+            ((int64_t *)flat)[2 * i + 1] = tokens[i + 1];
+        }
+    }
+    uint32_t nkeys = prompt_keys(c, small ? flat : NULL, small ? NULL : flat, (uint32_t)(2 * n),
+                                 2 * size, keys);
+    free(flat);
+    return nkeys;
 }
 
 /* `_walk`: per publisher bit, how many of these blocks it holds in a row from the root

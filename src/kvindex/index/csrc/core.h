@@ -30,6 +30,11 @@
 #define NODE_FREED 0xFFFFFFFFu
 #define MAX_POOLS 32         /* per publisher: (group, medium) pairs */
 #define MAX_GROUPS 64
+/* A tree size's flag: the tree of an EAGLE bigram cache's pages (keys.py's BIGRAM). A
+ * namespace's, a pool's and size_of's sizes are tree sizes; answers count in
+ * BLOCK_SIZE(size). Block sizes are below 2^31, so the flag never meets one. */
+#define BIGRAM_TREE 0x80000000u
+#define BLOCK_SIZE(size) ((size) & ~BIGRAM_TREE)
 
 enum hkind { HK_UINT = 0, HK_NEGATIVE = 1, HK_BYTES = 2 };
 
@@ -56,7 +61,7 @@ typedef struct {
     uint32_t medium; /* interned string id */
     uint8_t tier;
     uint8_t index; /* its bit in `where` */
-    uint32_t size; /* largest block size of its events */
+    uint32_t size; /* largest tree size of its events (BIGRAM_TREE: bigram pages) */
     pmap_t blocks; /* a = hash value, b = hash kind -> node index or NODE_LOOSE */
 } pool_t;
 
@@ -130,6 +135,7 @@ typedef struct {
     uint8_t has_parent, has_group, has_spec, has_window;
     uint8_t keyed;       /* a namespace or own keys: decides namespaces across tiers */
     uint8_t tokens_kept; /* the tokens are in scratch.tokens (all fit 32 bits) */
+    uint8_t bigram;      /* EAGLE bigram pages: tokens are their pairs, flattened */
     phash parent;
     uint32_t nhashes, hashes_off; /* in scratch.hashes */
     uint32_t ntokens;             /* token ids the event carried */
@@ -242,6 +248,8 @@ const uint64_t *set_words_of(const core_t *c, uint32_t holders);
 uint32_t root_find(const core_t *c, uint32_t lora, uint32_t salt, uint32_t size);
 uint32_t prompt_keys(const core_t *c, const uint32_t *small, const int64_t *tokens,
                      uint32_t ntokens, uint32_t size, uint64_t *keys);
+uint32_t prompt_bigram_keys(const core_t *c, const uint32_t *small, const int64_t *tokens,
+                            uint32_t ntokens, uint32_t size, uint64_t *keys);
 typedef struct {
     const uint32_t *path;
     uint32_t len;

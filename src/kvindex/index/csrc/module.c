@@ -318,11 +318,12 @@ static int opt_int(PyObject *obj, int64_t *v, uint8_t *present) {
 /* One op of the Python path, a tuple built by kvindex.index.compiled:
      ("S", hashes, parent|None, keys: list[bytes], ntokens, tokens: bytes|None, block_size,
       lora_name|None, lora_id|None, salt|None, keyed, medium|None, group|None,
-      spec_kind|None, window|None, unrecognised)
+      spec_kind|None, window|None, unrecognised, bigram)
      ("R", hashes, medium|None, group|None)
      ("C",)
    `keys` are the fleet.py tree keys of the blocks (digested here), `tokens` the uint32
-   token bytes when they all fit (kept for shared nodes). */
+   token bytes when they all fit (kept for shared nodes). `bigram`: an EAGLE bigram
+   cache's pages (their pairs flattened in keys and tokens; see keys.py). */
 static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
     if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(t, 0))) {
         PyErr_SetString(PyExc_TypeError, "an op is a tuple starting with its kind");
@@ -349,7 +350,7 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
         sc->nops++;
         return 1;
     }
-    if ((kind[0] == 'S' && size != 16) || (kind[0] == 'R' && size != 4) ||
+    if ((kind[0] == 'S' && size != 17) || (kind[0] == 'R' && size != 4) ||
         (kind[0] != 'S' && kind[0] != 'R')) {
         PyErr_SetString(PyExc_ValueError, "malformed op");
         return 0;
@@ -472,6 +473,10 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
     op->unrecognised = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(t, 15));
     if (PyErr_Occurred())
         return 0;
+    int bigram = PyObject_IsTrue(PyTuple_GET_ITEM(t, 16));
+    if (bigram < 0)
+        return 0;
+    op->bigram = (uint8_t)bigram;
     sc->nops++;
     return 1;
 }
@@ -867,7 +872,7 @@ static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_i
             sizes[k] = c->sizes[i];
             roots[k] = root;
         }
-    out->default_size = nsizes ? sizes[0] : 0;
+    out->default_size = nsizes ? BLOCK_SIZE(sizes[0]) : 0;
     out->nbits = bits;
     uint64_t small_words[8];
     uint64_t *several = words <= 4 ? small_words : calloc(words * 2, sizeof(uint64_t));
@@ -892,15 +897,19 @@ static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_i
         }
     }
     for (uint32_t k = 0; !oom && k < nsizes; k++) {
-        uint32_t nkeys = prompt_keys(c, prompt->small, prompt->wide, ntokens, sizes[k], keys);
+        uint32_t size = BLOCK_SIZE(sizes[k]); /* sizes[k] is a tree size */
+        uint32_t nkeys =
+            sizes[k] & BIGRAM_TREE
+                ? prompt_bigram_keys(c, prompt->small, prompt->wide, ntokens, size, keys)
+                : prompt_keys(c, prompt->small, prompt->wide, ntokens, size, keys);
         memset(depth, 0, (bits + 1) * sizeof(uint32_t));
         uint32_t *path = paths ? paths + (size_t)k * (ntokens + 1) : NULL;
         walks[k].path = path;
         walks[k].len = walk(c, roots[k], keys, nkeys, depth, path, alive, several);
         for (uint32_t b = 0; b < bits; b++) /* the most tokens over the sizes */
-            if (depth[b] && (uint64_t)depth[b] * sizes[k] > (uint64_t)answers[b].blocks * answers[b].size) {
+            if (depth[b] && (uint64_t)depth[b] * size > (uint64_t)answers[b].blocks * answers[b].size) {
                 answers[b].blocks = depth[b];
-                answers[b].size = sizes[k];
+                answers[b].size = size;
             }
     }
     if (!oom && any_several && nsizes) {

@@ -59,21 +59,8 @@ MEDIA = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
 
 # -- why checks fail today ---------------------------------------------------------------
 
-BIGRAM_LOOKUP = (
-    "bigram pages are held by hash, out of the token tree (issue 19): a lookup by tokens "
-    "never walks pairs; SGLang's match_prefix finds them from the raw tokens (page i = "
-    "(t[i], t[i+1]))"
-)
-
 # (engine, scenario) -> why kvindex's lookups differ from SGLang's today.
-LOOKUP_XFAIL: dict[tuple[str, str], str] = {
-    ("sgl-bigram", "diverged"): BIGRAM_LOOKUP,
-    ("sgl-bigram", "plain"): BIGRAM_LOOKUP,
-    ("sgl-bigram", "salted"): BIGRAM_LOOKUP,
-    ("sgl-bigram", "salted-asked-plain"): BIGRAM_LOOKUP,
-    ("sgl-bigram", "salted-wrong-salt"): BIGRAM_LOOKUP,
-    ("sgl-bigram", "tier"): BIGRAM_LOOKUP,
-}
+LOOKUP_XFAIL: dict[tuple[str, str], str] = {}
 # (engine, rank) -> why the pages kvindex holds differ from SGLang's today.
 HELD_XFAIL: dict[tuple[str, int], str] = {}
 
@@ -237,7 +224,8 @@ def test_held_pages_equal_sglang(replayed: FleetIndex, engine: str, rank: int) -
 def test_bigram_pages_as_serve_takes_them() -> None:
     """The payloads as `kvindex serve` applies them (the compiled parser declines pairs,
     the Python decoder takes them): no decode error, every rank's pages equal SGLang's,
-    each held by hash and counted as having no place in the token tree."""
+    every page placed in the token tree (in bigram trees of their own), and every probe's
+    lookup equals what SGLang would reuse."""
     index = FleetIndex()
     malformed = unknown = 0
     for item in recording.read(DATA / "fleet.kvr"):
@@ -254,8 +242,10 @@ def test_bigram_pages_as_serve_takes_them() -> None:
         got = held_by_index(index, SourceKey("sgl-bigram", rank))
         assert got == held_by_sglang("sgl-bigram", rank)
     stats = index.cache_stats("sgl-bigram")
-    assert stats.active > 0 and stats.unplaced >= stats.active
-    assert index.tree_nodes() == 0  # every page of this engine is a bigram page
+    assert stats.active > 0 and stats.unplaced == 0
+    assert index.tree_nodes() > 0
+    for probe in reference("sgl-bigram")["probes"]:
+        assert lookup_ranks(index, "sgl-bigram", probe) == expected_ranks(probe), probe["name"]
 
 
 # -- lookups against SGLang's match_prefix ---------------------------------------------------

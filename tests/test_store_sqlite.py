@@ -18,7 +18,13 @@ from kvindex.store.rows import BlockRow, events_from_rows, hash_key, key_hash
 from kvindex.store.sqlite import SQLiteStore, WriterOptions, current_rows
 from kvindex.store.sqlite.writer import SQLiteWriter
 from kvindex.subscriber import Delivery, Lost, Restarted, SourceKey
-from kvindex.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvindex.wire import (
+    AllBlocksCleared,
+    BigramBlockStored,
+    BlockRemoved,
+    BlockStored,
+    decode_batch,
+)
 from kvindex.wire.publisher import encode_batch
 
 BS = 4
@@ -86,7 +92,7 @@ def matches(index: FleetIndex, prompt: list[int], lora: str | None) -> dict:
 
 # A rich plan's namespaces: None (plain), "x" (LoRA x), "s" (vLLM's salt: block 0's extra
 # keys), "g" (SGLang's cache_salt on every block), "m" (a multimodal key on block 1).
-NAMESPACES = (None, "x", "s", "g", "m")
+NAMESPACES = (None, "x", "s", "g", "m", "e")  # e: SGLang's EAGLE bigram pages
 
 
 def ns_lookup(index: FleetIndex, prompt: list[int], ns: str | None) -> list[Any]:
@@ -322,7 +328,7 @@ def rich_store(p: int, start: int, n: int, ns: str | None, medium: str, tokens: 
     """Blocks start..start+n-1 of a prompt, in namespace `ns` (see NAMESPACES) as each
     engine announces it: vLLM's lower tiers send no extra keys (its offload tracker)."""
     prompt = PROMPTS[p]
-    end = min(start + n, len(prompt) // BS)
+    end = min(start + n, (len(prompt) - (ns == "e")) // BS)
     start = min(start, end - 1)
     hashes = [chain_hash(prompt, i, ns) for i in range(start, end)]
     parent = chain_hash(prompt, start - 1, ns) if start else None
@@ -338,6 +344,9 @@ def rich_store(p: int, start: int, n: int, ns: str | None, medium: str, tokens: 
         fields["extra_keys"] = [["salt-s"] if i == 0 else None for i in range(start, end)]
     elif ns == "m" and keyed:
         fields["extra_keys"] = [[["img", 0]] if i == 1 else None for i in range(start, end)]
+    elif ns == "e" and tokens:  # page i: the units (t[j], t[j + 1]) of its BS positions
+        pairs = [(prompt[j], prompt[j + 1]) for j in range(start * BS, end * BS)]
+        return BigramBlockStored(hashes, parent, block_size=BS, token_pairs=pairs, **fields)
     return BlockStored(hashes, parent, own, BS if tokens else 0, **fields)
 
 

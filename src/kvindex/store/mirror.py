@@ -24,18 +24,21 @@ from typing import Any, TypeAlias
 
 import msgspec
 
-from kvindex.index.fleet import DEFAULT_MEDIUM, is_keyed, is_plain
+from kvindex.index.fleet import DEFAULT_MEDIUM, event_tokens, is_keyed, is_plain
+from kvindex.index.keys import flat_pairs
 from kvindex.index.namespaces import chain_keys, lora_key
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import (
     AllBlocksCleared,
     BatchDecoder,
+    BigramBlockStored,
     BlockHash,
     BlockRemoved,
     BlockStored,
     EventBatch,
     WireError,
 )
+from kvindex.wire.events import _WireBigramBlockStored
 from kvindex.wire.tiers import TIER_GPU, tier_of
 
 __all__ = [
@@ -57,6 +60,20 @@ Tokens: TypeAlias = "list[int] | array[int]"
 
 # A record's events: its chain first (then copies, and the blocks gone since: snapshot.py).
 _decode_events = msgspec.msgpack.Decoder(list[BlockStored | BlockRemoved]).decode
+# A bigram run's record: its chain as SGLang sends bigram pages (`token_ids` pairs).
+_decode_bigram_events = msgspec.msgpack.Decoder(list[_WireBigramBlockStored | BlockRemoved]).decode
+
+
+def _record_chain(blob: bytes) -> BlockStored:
+    """The chain event a record's events start with."""
+    try:
+        chain = _decode_events(blob)[0]
+    except msgspec.ValidationError:
+        wire = _decode_bigram_events(blob)[0]
+        assert isinstance(wire, _WireBigramBlockStored)
+        return wire.event()
+    assert isinstance(chain, BlockStored)
+    return chain
 
 
 class RunKeys(msgspec.Struct, frozen=True, gc=False):
@@ -76,6 +93,9 @@ class RunKeys(msgspec.Struct, frozen=True, gc=False):
     # lookup follows (FleetIndex's group specs).
     spec_kind: str | None = None
     spec_window: int | None = None
+    # SGLang's EAGLE bigram pages: the run's tokens are its pages' pairs, flattened (two
+    # token ids per unit), and its record's chain is written as SGLang sends them.
+    bigram: bool = False
 
     @property
     def plain(self) -> bool:
@@ -85,6 +105,7 @@ class RunKeys(msgspec.Struct, frozen=True, gc=False):
             and self.salt is None
             and self.lookahead is None
             and (self.lora_id is None)
+            and not self.bigram
         )
 
     def part(self, start: int, stop: int) -> RunKeys:
@@ -100,6 +121,7 @@ class RunKeys(msgspec.Struct, frozen=True, gc=False):
             self.legacy,
             self.spec_kind,
             self.spec_window,
+            self.bigram,
         )
 
 
@@ -133,7 +155,8 @@ def run_keys(event: BlockStored) -> RunKeys | None:
     """The keys a run of this store must keep (None: a plain store of an engine that names
     no group spec; LoRA by name only is the run's `lora`)."""
     kind, window = event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window
-    if is_plain(event) and event.lora_id is None:
+    bigram = isinstance(event, BigramBlockStored)
+    if is_plain(event) and event.lora_id is None and not bigram:
         if kind is None and window is None:
             return None
         return _spec_only(kind, window, event.group_idx is None)
@@ -145,6 +168,7 @@ def run_keys(event: BlockStored) -> RunKeys | None:
         event.group_idx is None,
         kind,
         window,
+        bigram,
     )
 
 
@@ -184,16 +208,21 @@ class Run(msgspec.Struct, gc=False, eq=False):
         """Tokens and keys out of `blob` (the record's events as a msgpack array: the
         chain comes first)."""
         if self.blob is not None:
-            chain = _decode_events(self.blob)[0]
-            assert isinstance(chain, BlockStored)
+            chain = _record_chain(self.blob)
             if self.rank:
-                self.tokens = array("q", chain.token_ids)
+                self.tokens = array("q", event_tokens(chain)[0])
             self.keys = run_keys(chain)
             self.blob = None
 
     def event_keys(self) -> RunKeys | None:
         self._unpack()
         return self.keys
+
+    @property
+    def width(self) -> int:
+        """Token ids per block in `tokens`: `size`, or twice that for bigram pages."""
+        keys = self.event_keys()
+        return 2 * self.size if keys is not None and keys.bigram else self.size
 
     def flat_tokens(self) -> list[int] | None:
         """The blocks' tokens, `size` per block (None for hash-only runs)."""
@@ -202,7 +231,7 @@ class Run(msgspec.Struct, gc=False, eq=False):
         tokens = self.tokens
         if tokens is None:
             return None
-        n = self.size * len(self.hashes)
+        n = self.width * len(self.hashes)
         return tokens[:n] if isinstance(tokens, list) else tokens[:n].tolist()
 
     def compact(self) -> None:
@@ -211,7 +240,7 @@ class Run(msgspec.Struct, gc=False, eq=False):
         tokens = self.tokens
         if isinstance(tokens, list):
             try:
-                self.tokens = array("q", tokens[: self.size * len(self.hashes)])
+                self.tokens = array("q", tokens[: self.width * len(self.hashes)])
             except OverflowError:
                 self.tokens, self.rank = None, HASH_ONLY
 
@@ -442,7 +471,7 @@ class Mirror:
         self.next_id += 1
         run = Run(
             self.next_id - 1, pool[0], pool[1], event.parent_block_hash, event.block_hashes,
-            event.block_size, event.lora_name, ts, event.token_ids if rank else None, rank,
+            event.block_size, event.lora_name, ts, _tokens(event) if rank else None, rank,
             keys=run_keys(event),
         )  # fmt: skip
         src.add(run)
@@ -534,12 +563,12 @@ class Mirror:
         `like`'s do even once `like`'s blocks are gone. Its group spec is `own`'s (a run
         of `pool`)."""
         last = max(positions) + 1
-        flat, size = like.flat_tokens(), like.size
+        flat, size, width = like.flat_tokens(), like.size, like.width
         keys = keys_with_spec(like.event_keys(), own.event_keys())
         self.next_id += 1
         run = Run(
             self.next_id - 1, pool[0], pool[1], like.parent, like.hashes[:last], size,
-            like.lora, like.ts, None if flat is None else flat[: last * size], like.rank,
+            like.lora, like.ts, None if flat is None else flat[: last * width], like.rank,
             keys=None if keys is None else keys.part(0, last),
         )  # fmt: skip
         blocks = src.pools[pool].blocks
@@ -590,6 +619,13 @@ class Mirror:
             self.snapshot_of[source] = None
 
 
+def _tokens(event: BlockStored) -> list[int]:
+    """A store's tokens as its run keeps them (a bigram page's pairs flattened)."""
+    if isinstance(event, BigramBlockStored):
+        return flat_pairs(event.token_pairs)
+    return event.token_ids
+
+
 def _keyed(pool_key: PoolKey, event: BlockStored) -> bool:
     """A store whose place decides its blocks' namespace on every tier (FleetIndex's
     `keyed`): a GPU store, or one naming a LoRA adapter, a salt or own keys."""
@@ -611,8 +647,8 @@ def _rank(src: PublisherRuns, pool: Pool, event: BlockStored) -> int:
     """How the index takes a store: hash-only, unplaced or placed in the prefix tree (as
     FleetIndex._anchor decides; token ids past 64 bits are found out when the run is
     first saved)."""
-    size = event.block_size
-    if size <= 0 or len(event.token_ids) != size * len(event.block_hashes):
+    tokens, width, size = event_tokens(event)
+    if size <= 0 or len(tokens) != width * len(event.block_hashes):
         # No tokens, a partial block, or a window group's skipped blocks (their tokens
         # are in the event, their hashes not): the index places each block where the
         # publisher holds its hash elsewhere, which a restart finds again by hash.

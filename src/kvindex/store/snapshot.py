@@ -31,6 +31,7 @@ from kvindex.store.rows import BlockRow
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import (
     BatchDecoder,
+    BigramBlockStored,
     BlockHash,
     BlockRemoved,
     BlockStored,
@@ -190,11 +191,12 @@ def _cut(mirror: Mirror, src: PublisherRuns, run: Run) -> list[Run]:
     if not segments:
         return []
     tokens, size, keys = run.flat_tokens(), run.size, run.event_keys()
+    width = run.width
     pieces = [
         (
             hashes[a - 1] if a else run.parent,
             hashes[a:b],
-            None if tokens is None else tokens[a * size : b * size],
+            None if tokens is None else tokens[a * width : b * width],
             None if keys is None else keys.part(a, b),
         )
         for a, b in segments
@@ -237,7 +239,10 @@ def _record(src: PublisherRuns, run: Run, view: bool) -> Record:
         kv_cache_spec_kind=None if keys is None else keys.spec_kind,
         kv_cache_spec_sliding_window=None if keys is None else keys.spec_window,
     )  # fmt: skip
-    events, n = _encode(chain), 1
+    if keys is not None and keys.bigram and flat:
+        events, n = _encode(_bigram_chain(chain, flat)), 1
+    else:
+        events, n = _encode(chain), 1
     if extras:
         more = [hashes[i] for i, c in extras for _ in range(c - 1)]
         events += _encode(BlockStored(more, None, [], 0, medium=run.medium, group_idx=run.group))
@@ -255,6 +260,14 @@ def _record(src: PublisherRuns, run: Run, view: bool) -> Record:
         _encode((run.parent, hashes, extras, gone, tail)), events, n,
         _blocks_json(run, copies, flat) if view else None,
     )  # fmt: skip
+
+
+def _bigram_chain(chain: BlockStored, flat: list[int]) -> object:
+    """A bigram run's chain as SGLang sends it: its tokens (the pairs, flattened) as pairs."""
+    pairs = list(zip(flat[0::2], flat[1::2], strict=True))
+    fields = msgspec.structs.asdict(chain)
+    fields["token_ids"] = []
+    return BigramBlockStored(**fields, token_pairs=pairs).wire()
 
 
 def _stand_ins(src: PublisherRuns, run: Run, gone: list[int]) -> list[BlockHash]:
@@ -283,7 +296,7 @@ def _blocks_json(run: Run, copies: list[int], flat: list[int] | None) -> str:
     """The blocks the run holds (copies > 0) as [hash, parent, tokens, copies] rows."""
     texts = [render_hash(h) for h in run.hashes]
     parents = [None if run.parent is None else render_hash(run.parent), *texts[:-1]]
-    size = run.size
+    size = run.width
     tokens: list[list[int] | None] = (
         [None] * len(texts)
         if flat is None
@@ -464,10 +477,10 @@ def _run_rows(source: SourceKey, src: PublisherRuns, run: Run) -> Iterator[Block
         return
     pool = src.pools[(run.group, run.medium)]
     flat = run.flat_tokens()
-    size, hashes = run.size, run.hashes
+    size, hashes, width = run.size, run.hashes, run.width
     for i in live:
         h = hashes[i]
-        own = None if flat is None else flat[i * size : (i + 1) * size]
+        own = None if flat is None else flat[i * width : (i + 1) * width]
         parent = hashes[i - 1] if i else run.parent
         yield BlockRow(
             source, run.group, run.medium, h, parent, own, size, run.lora, pool.copies(h), run.ts

@@ -14,7 +14,7 @@ from service_workload import TestClient
 from kvindex.runtime import Fleet
 from kvindex.service.app import create_app
 from kvindex.subscriber import InstanceSpec, ReplayPolicy
-from kvindex.wire import BlockRemoved, BlockStored
+from kvindex.wire import BigramBlockStored, BlockRemoved, BlockStored
 from kvindex.wire.publisher import Publisher
 
 pytestmark = pytest.mark.timeout(60)
@@ -149,6 +149,43 @@ def check_salts(service: Service) -> None:
     assert other["instances"][0]["matched_blocks"] == 0
     # Without the salt only the plain chain answers (3 blocks), never the salted one.
     assert lookup(service, {"token_ids": tokens})["instances"][0]["matched_blocks"] == 3
+
+
+def test_lookup_of_plain_tokens_finds_an_eagle_engines_bigram_pages() -> None:
+    """An SGLang engine with an EAGLE bigram cache publishes pages of pairs; a lookup of
+    the plain token ids answers what its match_prefix reuses (n tokens: n - 1 units, in
+    whole pages), and never mixes them with a plain engine's chain of the same ids."""
+    with (
+        Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as eagle,
+        Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as plain,
+    ):
+        specs = [
+            InstanceSpec("eagle", eagle.endpoint, eagle.replay_endpoint),
+            InstanceSpec("plain", plain.endpoint, plain.replay_endpoint),
+        ]
+        fleet = Fleet(specs, policy=FAST)
+        with TestClient(create_app(fleet), raise_server_exceptions=False) as client:
+            svc = Service(client, eagle, fleet)
+            assert wait_until(lambda: all(i["status"] == "live" for i in svc.instances().values()))
+            tokens = list(range(10, 19))  # 9 tokens: 8 units, 4 pages of 2
+            pairs = list(zip(tokens, tokens[1:], strict=False))
+            eagle.publish([BigramBlockStored([1, 2, 3, 4], None, block_size=2, token_pairs=pairs)])
+            plain.publish([BlockStored([5], None, [10, 11, 11, 12], 4)])  # page 0, flattened
+            svc.wait_blocks("eagle", 4)
+            svc.wait_blocks("plain", 1)
+
+            def rows(ids: list[int]) -> dict[str, tuple[int, int, int]]:
+                answer = lookup(svc, {"token_ids": ids})["instances"]
+                return {
+                    r["name"]: (r["matched_blocks"], r["matched_tokens"], r["block_size"])
+                    for r in answer
+                }
+
+            assert rows(tokens)["eagle"] == (4, 8, 2)
+            assert rows(tokens[:8])["eagle"] == (3, 6, 2)
+            assert rows(tokens)["plain"][0] == 0
+            miss = rows([10, 11, 11, 12])
+            assert miss["eagle"][0] == 0 and miss["plain"] == (1, 4, 4)
 
 
 def test_lookup_by_hashes(service: Service) -> None:

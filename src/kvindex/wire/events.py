@@ -67,12 +67,13 @@ class BlockStored(
 class BigramBlockStored(BlockStored, omit_defaults=True):
     """A `BlockStored` of SGLang's EAGLE bigram cache: its pages' tokens are pairs
     (`token_ids` of `[a, b]` items, page i covering `(t[i], t[i+1])`; `block_size` counts
-    pairs). The pairs are kept in `token_pairs`; `token_ids` stays empty, so every layer
-    holds these pages by hash, out of the token tree (a lookup by tokens can't name a
-    pair), as it holds any page that comes without tokens.
+    pairs). The pairs are kept in `token_pairs`; `token_ids` stays empty, so code that
+    knows nothing of pairs sees a page without tokens. The index places these pages in
+    trees of their own, which a lookup walks with the prompt's units (kvindex.index.keys).
 
     Made by the decoder's slow path only (`kvindex.wire.decode`): ordinary batches never
-    pay for it. Never decoded or encoded as such: the wire calls it `BlockStored`.
+    pay for it. Never decoded or encoded as such: the wire calls it `BlockStored` (`wire`
+    gives SGLang's form, which encoders write).
     """
 
     token_pairs: list[tuple[int, int]] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -168,7 +169,7 @@ def test_lookup_of_plain_tokens_finds_an_eagle_engines_bigram_pages() -> None:
             svc = Service(client, eagle, fleet)
             assert wait_until(lambda: all(i["status"] == "live" for i in svc.instances().values()))
             tokens = list(range(10, 19))  # 9 tokens: 8 units, 4 pages of 2
-            pairs = list(zip(tokens, tokens[1:], strict=False))
+            pairs = list(pairwise(tokens))
             eagle.publish([BigramBlockStored([1, 2, 3, 4], None, block_size=2, token_pairs=pairs)])
             plain.publish([BlockStored([5], None, [10, 11, 11, 12], 4)])  # page 0, flattened
             svc.wait_blocks("eagle", 4)

@@ -262,9 +262,17 @@ class Fleet:
         worker = self._owner.get(spec.name) or min(
             self._workers, key=lambda w: len(w.subscriber.sources())
         )
-        # On the worker's own thread: its sockets are made there. Items the start makes
-        # (a replay from 0 for a late join) are applied there too.
-        worker.call(lambda: self._start_following(worker, spec))
+        # Whole or not at all: what it needs (KV-event and load sockets) is checked first;
+        # the load stream's sockets are reserved (CapacityError: nothing opened yet), then
+        # the KV-event ones on the worker's own thread: its sockets are made there. Items
+        # the start makes (a replay from 0 for a late join) are applied there too.
+        self.subscriber.budget.check(need_of_instances([spec]), f"instance {spec.name!r}")
+        self.load.follow(spec)
+        try:
+            worker.call(lambda: self._start_following(worker, spec))
+        except BaseException:
+            self.load.forget(spec.name)
+            raise
         self._specs[spec.name] = spec
         self._specs_version += 1
         self._ranks[spec.name] = [source.source for source in spec.sources()]
@@ -272,7 +280,6 @@ class Fleet:
         self._counts.pop(spec.name, None)
         if spec.discover is not None:
             self.discovery.track(spec)
-        self.load.follow(spec)
 
     def _start_following(self, worker: IngestWorker, spec: InstanceSpec) -> None:
         for item in worker.subscriber.add_instance(spec):

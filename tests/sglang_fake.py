@@ -62,6 +62,7 @@ class FakeSGLang:
         self.load_sockets: list[zmq.Socket[bytes]] = []
         self.descriptor: dict[str, Any] = {}
         self._load_seq = 0
+        self._load_base = 0
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -122,11 +123,18 @@ class FakeSGLang:
     # -- publishers --------------------------------------------------------------------------
 
     def start_publishers(
-        self, dp: int = 1, *, replay: bool = True, load: bool = False, block_size: int = 16
+        self,
+        dp: int = 1,
+        *,
+        replay: bool = True,
+        load: bool = False,
+        block_size: int = 16,
+        spare: int = 0,
     ) -> None:
-        base = free_ports(dp)
-        replay_base = free_ports(dp) if replay else None
-        load_base = free_ports(dp) if load else None
+        """`spare`: ranks the port runs leave room for (`add_rank`, `start_load`)."""
+        base = free_ports(dp + spare)
+        replay_base = free_ports(dp + spare) if replay else None
+        self._load_base = free_ports(dp + spare)
         for rank in range(dp):
             self.publishers.append(
                 Publisher(
@@ -135,12 +143,6 @@ class FakeSGLang:
                     dp_rank=rank,
                 )
             )
-        if load_base is not None:
-            for rank in range(dp):
-                sock = zmq.Context.instance().socket(zmq.PUB)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.bind(f"tcp://127.0.0.1:{load_base + rank}")
-                self.load_sockets.append(sock)
         self.descriptor = {
             "publisher": "zmq",
             "endpoint_host": self.endpoint_host,
@@ -151,9 +153,38 @@ class FakeSGLang:
         }
         if replay_base is not None:
             self.descriptor["replay_endpoint_port_base"] = replay_base
-        if load_base is not None:
-            self.descriptor["load_endpoint_port_base"] = load_base
-            self.descriptor["load_topic"] = "load"
+        if load:
+            self.start_load()
+
+    def start_load(self) -> None:
+        """Switch the load stream on: a load PUB per rank, advertised (no restart)."""
+        for rank in range(len(self.publishers)):
+            sock = zmq.Context.instance().socket(zmq.PUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(f"tcp://127.0.0.1:{self._load_base + rank}")
+            self.load_sockets.append(sock)
+        self.descriptor["load_endpoint_port_base"] = self._load_base
+        self.descriptor["load_topic"] = "load"
+
+    def add_rank(self) -> Publisher:
+        """One more DP rank at base + rank, advertised (the others untouched: no restart)."""
+        rank = len(self.publishers)
+        replay = self.descriptor.get("replay_endpoint_port_base")
+        pub = Publisher(
+            f"tcp://127.0.0.1:{self.descriptor['endpoint_port_base'] + rank}",
+            None if replay is None else f"tcp://127.0.0.1:{replay + rank}",
+            dp_rank=rank,
+        )
+        self.publishers.append(pub)
+        self.descriptor["dp_size"] = rank + 1
+        return pub
+
+    def drop_ranks(self, dp: int) -> None:
+        """Keep only the first `dp` ranks, advertised so (the others closed)."""
+        for pub in self.publishers[dp:]:
+            pub.close()
+        del self.publishers[dp:]
+        self.descriptor["dp_size"] = dp
 
     def stop_publishers(self) -> None:
         for pub in self.publishers:

@@ -178,6 +178,17 @@ def test_smoke_run_has_every_case_with_real_figures(smoke_run: Any) -> None:
         store = data["stores"][kind]
         assert store.get("per_s", 0) > 0 or "skipped" in store, store
         assert store["target"]["per_s"] > 0
+    shapes = data["page_shapes"]["cases"]  # SGLang page 1 and 16 beside vLLM page 16
+    assert [(c["engine"], c["page_size"]) for c in shapes] == [
+        ("vLLM", 16),
+        ("SGLang", 16),
+        ("SGLang", 1),
+    ]
+    for case in shapes:
+        assert case["mismatched_blocks"] == 0 and case["per_s"] > 0
+        assert case["tokens_per_s"] == case["per_s"] * case["page_size"]
+        assert case["bytes_per_token"] > 0
+        assert case["gpu_tokens_per_instance"] == shapes[0]["gpu_tokens_per_instance"]
     warm = data["warm_restart"]
     assert warm["loaded_blocks"] == warm["blocks"] > 0 and warm["load_seconds"] > 0
     lookup = data["lookup"]
@@ -215,7 +226,13 @@ def test_smoke_run_writes_valid_plots(smoke_run: Any) -> None:
 def test_smoke_run_prints_the_table_with_the_e2e_rows(smoke_run: Any) -> None:
     out, printed, _ = smoke_run
     assert "kvindex bench (smoke mode" in printed
-    for text in ("ingest in process", "SQLite store", "warm restart", "lookup of a 512-block"):
+    for text in (
+        "ingest in process",
+        "SQLite store",
+        "by page shape: SGLang page 1",
+        "warm restart",
+        "lookup of a 512-block",
+    ):
         assert text in printed
     assert "memory per (instance, block) entry" in printed
     assert "fake e2e ingest through ZMQ" in printed and "123456/s" in printed

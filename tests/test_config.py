@@ -82,6 +82,15 @@ def test_the_documented_example_loads_with_every_option(
     ) >= (SERVER_KEYS - {"token_env", "metrics_token_file"})
 
 
+def test_discovery_interval_flag_over_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "k.toml"
+    config.write_text("[server]\ndiscovery_interval = 5\n")
+    assert load_settings(serve_args("--config", str(config))).discovery_interval == 5.0
+    flagged = serve_args("--config", str(config), "--discovery-interval", "0")
+    assert load_settings(flagged).discovery_interval == 0.0
+    assert load_settings(serve_args()).discovery_interval is None  # the default: 30 s
+
+
 def test_flags_win_over_the_file_and_the_file_over_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -116,8 +125,13 @@ def test_flags_win_over_the_file_and_the_file_over_the_environment(
         ("max_body_bytes = 0", "server.max_body_bytes must be a whole number of at least 1"),
         ('request_timeout = "soon"', "server.request_timeout must be a positive number"),
         (
+            "discovery_interval = -1",
+            "server.discovery_interval must be a number of seconds (0: never)",
+        ),
+        ('discovery_interval = "often"', "server.discovery_interval must be a number of seconds"),
+        (
             'tlscert = "x"',
-            "[server]: unknown key 'tlscert' (allowed_hosts, http, ingest_workers, ",
+            "[server]: unknown key 'tlscert' (allowed_hosts, discovery_interval, http, ",
         ),
     ],
 )

@@ -126,7 +126,8 @@ def test_demo_stream_agrees_with_the_api_and_ctrl_c_stops_it() -> None:
         assert [name for name, _ in events] == ["init", "message", "message"]
         init = events[0][1]
         assert set(init) >= {"snapshot", "history", "trends", "sharing", "interval"}
-        assert [r["name"] for r in init["snapshot"]["instances"]] == ["vllm-0", "vllm-1", "vllm-2"]
+        names = [r["name"] for r in init["snapshot"]["instances"]]
+        assert names == ["sglang-0", "vllm-0", "vllm-1", "vllm-2"]  # SGLang found by URL
         assert events[2][1]["point"]["t"] > events[1][1]["point"]["t"]
         # a page that reconnects gets only the history it missed
         seen = events[1][1]["point"]["t"]
@@ -184,6 +185,8 @@ def check_recent_prompt_lookup(url: str) -> None:
     found = 0
     for prompt in prompts:
         body = {"token_ids": prompt["token_ids"], "lora_name": prompt["lora_name"]}
+        if prompt.get("cache_salt"):  # SGLang's salted requests match only under their salt
+            body["cache_salt"] = prompt["cache_salt"]
         answer = httpx.post(url + "v1/lookup", json=body).json()
         rows = {r["name"]: r for r in answer["instances"]}
         found += rows[prompt["instance"]]["matched_blocks"] > 0

@@ -272,3 +272,57 @@ def test_an_instance_that_runs_out_of_descriptors_midway_leaves_nothing_behind()
     assert lines[0] == "refused: Too many open files"
     assert lines[1] == "left: {} 0 0"
     assert lines[2] == "small: ['small'] 4"
+
+
+LOAD_BUDGET = """
+from kvindex.runtime import Fleet
+from kvindex.subscriber import CapacityError, InstanceSpec
+from kvindex.subscriber.capacity import budget_of, subscriber_context
+budget = budget_of(subscriber_context())
+budget.max_fds = 100  # room for 16 ranks with replay (6 descriptors each), 12 with load too
+
+def spec(name, dp, load=True):
+    text = f"{name}=tcp://127.0.0.1:1,replay=tcp://127.0.0.1:2000,dp={dp}"
+    return InstanceSpec.parse(text + (",load=tcp://127.0.0.1:3000" if load else ""))
+
+try:
+    Fleet([spec("big", 14)])
+except CapacityError as exc:
+    print("start:", exc)
+fleet = Fleet()
+for attempt in range(2):
+    try:
+        fleet.add_instance(spec("big", 14))
+    except CapacityError as exc:
+        print("add:", exc)
+    print("left:", sorted(fleet.specs), budget.used, fleet.load.state(("big", 0)))
+fleet.add_instance(spec("big", 14, load=False))
+print("without load:", sorted(fleet.specs), budget.used)
+fleet.remove_instance("big")
+fleet.add_instance(spec("a", 10))
+try:
+    fleet.add_instance(spec("b", 3))
+except CapacityError as exc:
+    print("b:", exc)
+fleet.add_instance(spec("b", 3, load=False))
+print("end:", sorted(fleet.specs), budget.used)
+fleet.close()
+"""
+
+
+def test_load_stream_sockets_count_in_the_budget() -> None:
+    # SGLang's load stream holds one SUB per rank (2 descriptors): an instance whose KV
+    # sockets fit but whose load sockets don't is refused whole, before anything opens.
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_BUDGET], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("start: can't follow instance 'big': its 14 publishers need ")
+    assert "112 file descriptors" in lines[0]
+    assert lines[1] == "add: " + lines[0].removeprefix("start: ")
+    empty = "left: [] Need(sockets=0, fds=0, sources=0) None"
+    assert lines[2] == lines[4] == empty and lines[3] == lines[1]
+    assert lines[5] == "without load: ['big'] Need(sockets=56, fds=84, sources=14)"
+    assert lines[6].startswith("b: can't follow instance 'b': its 3 publishers need 24 ")
+    assert lines[7] == "end: ['a', 'b'] Need(sockets=62, fds=98, sources=13)"

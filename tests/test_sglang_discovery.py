@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import httpx
 import pytest
 from netutil import wait_until
 from service_workload import TestClient
-from sglang_fake import FakeSGLang
+from sglang_fake import FakeSGLang, load_stat
 
 from kvindex.runtime import Fleet
 from kvindex.service.app import create_app
@@ -227,6 +228,64 @@ def test_restart_on_new_ports_is_followed(engine: FakeSGLang) -> None:
         held = client.get("/v1/instances/sgl/blocks").json()["block_hashes"]
         assert held == ["100", "101"]  # the old engine's block went with it
         assert instance(client)["discovery"]["reads"] >= 2
+
+
+def test_server_info_is_read_again_while_well_and_unchanged_ranks_stay(
+    engine: FakeSGLang,
+) -> None:
+    """No restart, no link trouble: the engine gains a DP rank, switches its load stream
+    on, then loses two ranks. The periodic read follows each change; the ranks whose
+    publisher did not change keep what is indexed without asking for it again (no new
+    replay), the ranks gone are dropped (hooks see them restarted)."""
+    engine.start_publishers(dp=2, spare=1)
+    engine.start_http()
+    fleet = Fleet([spec_of(engine)], discovery_interval=0.3)
+    restarted: list[Any] = []
+    fleet.on_item.append(
+        lambda item: restarted.append(item.source) if "Restarted" in type(item).__name__ else None
+    )
+    with TestClient(create_app(fleet)) as client:
+        assert wait_until(lambda: instance(client)["status"] == "live", timeout=15)
+        for rank, pub in enumerate(engine.publishers):
+            pub.publish([stored(10 + rank, [1, 2, 3, rank])])
+        assert wait_until(lambda: instance(client)["blocks"] == 2)
+        replays = [pub.replays_served for pub in engine.publishers]
+
+        engine.add_rank().publish([stored(12, [1, 2, 3, 2])])
+        grown = lambda: instance(client)["dp"] == 3 and instance(client)["blocks"] == 3  # noqa: E731
+        assert wait_until(grown, timeout=10), instance(client)
+        assert [pub.replays_served for pub in engine.publishers[:2]] == replays
+        assert restarted == []
+
+        engine.start_load()
+
+        def loaded() -> bool:  # a gauge re-sent, as SGLang does, until it is read
+            for rank in range(3):
+                engine.publish_load(rank, load_stat(rank, 0, 100, 1000, rank))
+            return all(r["load"] and r["load"]["readings"] for r in instance(client)["ranks"])
+
+        assert wait_until(loaded, timeout=10), instance(client)
+        assert instance(client)["blocks"] == 3
+
+        engine.drop_ranks(1)
+        shrunk = lambda: instance(client)["dp"] == 1 and instance(client)["blocks"] == 1  # noqa: E731
+        assert wait_until(shrunk, timeout=10), instance(client)
+        assert client.get("/v1/instances/sgl/blocks").json()["block_hashes"] == ["10"]
+        assert engine.publishers[0].replays_served == replays[0]
+        assert sorted(restarted) == [("sgl", 1), ("sgl", 2)]
+        assert instance(client)["discovery"]["reads"] >= 3
+
+
+def test_no_periodic_read_with_interval_zero(engine: FakeSGLang) -> None:
+    engine.start_publishers(dp=1, spare=1)
+    engine.start_http()
+    fleet = Fleet([spec_of(engine)], discovery_interval=0)
+    with TestClient(create_app(fleet)) as client:
+        assert wait_until(lambda: instance(client)["status"] == "live", timeout=15)
+        seen = engine.requests
+        engine.add_rank()
+        time.sleep(1.5)
+        assert engine.requests == seen and instance(client)["dp"] == 1
 
 
 def test_post_instances_by_url(engine: FakeSGLang) -> None:

@@ -8,6 +8,7 @@ docs/dashboard.png, the picture the README shows.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -121,7 +122,8 @@ def test_dashboard_live_numbers_lookup_and_screenshot(page: Page, demo: tuple[Pr
     proc, url = demo
     page.wait_for_selector("#instances-body tr[data-instance]", timeout=15_000)
     page.wait_for_function("document.getElementById('conn').dataset.state === 'live'")
-    assert sorted(rows(page)) == ["vllm-0", "vllm-1", "vllm-2", "vllm-3"]
+    # the demo's SGLang engine (found by its URL) beside the vLLM ones
+    assert sorted(rows(page)) == ["sglang-0", "vllm-0", "vllm-1", "vllm-2", "vllm-3"]
 
     # live: the numbers move from one snapshot to the next
     first = fleet_blocks(page)
@@ -190,11 +192,15 @@ def run_lookup_from_the_page(page: Page) -> None:
 
 
 def check_lookup_matches_the_api(page: Page, url: str) -> None:
-    page.click("[data-testid=lookup-go]")
+    with page.expect_request("**/v1/dashboard/lookup") as sent:
+        page.click("[data-testid=lookup-go]")
     page.wait_for_function("document.getElementById('lookup-result').dataset.state === 'done'")
+    body = json.loads(sent.value.post_data or "{}")
     tokens = [int(t) for t in page.input_value("#tokens").replace(",", " ").split()]
     lora = page.input_value("#lora") or None
-    answer = httpx.post(url + "v1/lookup", json={"token_ids": tokens, "lora_name": lora}).json()
+    assert body["token_ids"] == tokens and body.get("lora_name") == lora
+    # the page's own request (an SGLang prompt's cache_salt included) against the API's answer
+    answer = httpx.post(url + "v1/lookup", json=body).json()
     shown = page.eval_on_selector_all(
         "#lookup-result tr[data-instance]",
         "trs => trs.map(tr => [tr.dataset.instance, Number(tr.dataset.matched)])",

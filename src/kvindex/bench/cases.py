@@ -32,6 +32,7 @@ __all__ = [
     "MEMORY_TARGET",
     "ingest_case",
     "lookup_case",
+    "page_shapes_case",
     "run_probe",
     "store_case",
     "warm_restart_case",
@@ -104,6 +105,52 @@ def ingest_case(w: IngestWorkload, slices: int) -> dict[str, Any]:
     }
     case["meets_target"] = case["ratio_vs_naive"] >= INGEST_TARGET["ratio_vs_naive"]
     return case
+
+
+# -- page shapes: SGLang's page size 1 beside page size 16 ----------------------------------
+
+
+def page_shapes_case(workloads: list[IngestWorkload], slices: int) -> dict[str, Any]:
+    """kvindex's ingest of the same kind of steady-state stream (same pools in tokens) in
+    each engine's page shape: vLLM page 16 (the baseline), SGLang page 16 and SGLang page 1
+    (SGLang's default: a block event per token). Per shape: block events/s and tokens/s
+    (block events x page size), and the index's memory per entry and per token held
+    (the compiled core's own structures after the stream, malloc's overhead aside)."""
+    rows = []
+    for w in workloads:
+        rates, consumer = _run_ingest(Kvindex, w, slices)
+        assert isinstance(consumer, Kvindex)
+        index = consumer.index
+        entries = index.entries()
+        memory = getattr(index, "memory", None)
+        held_bytes = sum(memory().values()) if memory is not None else None
+        page = w.spec.page_size
+        per_s = max(rates)
+        rows.append(
+            {
+                "engine": "SGLang" if w.spec.format == "sglang" else "vLLM",
+                "format": w.spec.format,
+                "page_size": page,
+                "instances": w.spec.instances,
+                "gpu_tokens_per_instance": w.spec.gpu_blocks * page,
+                "block_events": w.events,
+                "per_s": per_s,
+                "median_per_s": median(rates),
+                "tokens_per_s": per_s * page,
+                "entries": entries,
+                "core_bytes": held_bytes,
+                "bytes_per_entry": _per(held_bytes, entries),
+                "bytes_per_token": _per(held_bytes, entries * page),
+                "mismatched_blocks": sum(
+                    len(h ^ t) for h, t in zip(consumer.held(), w.truth, strict=True)
+                ),
+            }
+        )
+    return {"cases": rows, "baseline": "vLLM page 16"}
+
+
+def _per(total: int | None, count: int) -> float | None:
+    return total / count if total and count else None
 
 
 # -- ingest with a store --------------------------------------------------------------------

@@ -104,6 +104,32 @@ def _store_rows(results: dict[str, Any]) -> list[Row]:
     return out
 
 
+def _page_shape_rows(results: dict[str, Any]) -> list[Row]:
+    shapes = results.get("page_shapes", {})
+    found = shapes.get("cases", [])
+    if not found:
+        return []
+    base = found[0]
+    out = []
+    for case in found:
+        per_token = case.get("bytes_per_token")
+        memory = "" if per_token is None else f", {per_token:.1f} B/token held"
+        out.append(
+            (
+                f"ingest by page shape: {case['engine']} page {case['page_size']}, "
+                f"{_instances(case['instances'])}",
+                f"{_m(case['per_s'])} blocks = {_m(case['tokens_per_s'])} tokens,"
+                f"{_off(case)}{memory}",
+                "baseline"
+                if case is base
+                else f"{case['tokens_per_s'] / base['tokens_per_s']:.2f}x the tokens/s of "
+                f"{base['engine']} page {base['page_size']}",
+                "-",
+            )
+        )
+    return out
+
+
 def _warm_rows(results: dict[str, Any]) -> list[Row]:
     warm = results.get("warm_restart")
     if not warm or "error" in warm:
@@ -197,7 +223,7 @@ def _e2e_rows(results: dict[str, Any]) -> list[Row]:
 
 
 def _error_rows(results: dict[str, Any]) -> list[Row]:
-    sections = ("ingest", "stores", "warm_restart", "lookup")
+    sections = ("ingest", "stores", "page_shapes", "warm_restart", "lookup")
     return [
         (f"{name}: the section failed", f"error: {results[name]['error']}", "-", "-")
         for name in sections
@@ -208,7 +234,8 @@ def _error_rows(results: dict[str, Any]) -> list[Row]:
 def rows(results: dict[str, Any]) -> list[Row]:
     """(case, kvindex, baseline, target) for every case of a results dict."""
     out: list[Row] = _error_rows(results)
-    for part in (_ingest_rows, _store_rows, _warm_rows, _lookup_rows, _e2e_rows):
+    parts = (_ingest_rows, _store_rows, _page_shape_rows, _warm_rows, _lookup_rows, _e2e_rows)
+    for part in parts:
         out += part(results)
     return out
 

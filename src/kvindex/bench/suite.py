@@ -27,6 +27,7 @@ from kvindex.bench.common import machine_info
 from kvindex.bench.consumers import dynamo_status
 from kvindex.bench.plan import PLANS, Plan, add_arguments, plan_from
 from kvindex.bench.workloads import FillSpec, IngestSpec, IngestWorkload, ingest_workload
+from kvindex.sim import WireFormat
 
 __all__ = ["PLANS", "Plan", "add_arguments", "main", "run", "run_suite"]
 
@@ -67,6 +68,7 @@ def run_suite(plan: Plan, workdir: Path, dynamo: bool = True, e2e: bool = True) 
     results["ingest"] = _timed(results, "ingest", lambda: _ingest(plan, workloads))
     results["stores"] = _timed(results, "stores", lambda: _stores(plan, workloads, workdir))
     workloads.clear()
+    results["page_shapes"] = _timed(results, "page_shapes", lambda: _page_shapes(plan))
     _say(f"warm restart: {plan.warm_blocks:,} blocks")
     results["warm_restart"] = _timed(
         results,
@@ -97,6 +99,26 @@ def _ingest(plan: Plan, keep: dict[int, IngestWorkload]) -> dict[str, Any]:
         if n == plan.store_instances:
             keep[n] = w
     return {"cases": out}
+
+
+PAGE_SHAPES: tuple[tuple[WireFormat, int], ...] = (("0.33", 16), ("sglang", 16), ("sglang", 1))
+
+
+def _page_shapes(plan: Plan) -> dict[str, Any]:
+    """vLLM page 16 (the baseline), SGLang page 16 and page 1: the same pool size in tokens
+    and the same number of measured block events each."""
+    instances = plan.store_instances
+    out = []
+    for fmt, page in PAGE_SHAPES:
+        gpu_blocks = plan.gpu_blocks * 16 // page
+        spec = IngestSpec(
+            instances, plan.ingest_events, gpu_blocks=gpu_blocks, format=fmt, page_size=page
+        )
+        w = ingest_workload(spec)
+        how = "cached" if w.cached else f"generated in {w.generation_seconds:.1f} s"
+        _say(f"page shapes: {fmt} page {page}, {w.events:,} block events ({how})")
+        out.append(w)
+    return cases.page_shapes_case(out, plan.slices)
 
 
 def _stores(plan: Plan, keep: dict[int, IngestWorkload], workdir: Path) -> dict[str, Any]:

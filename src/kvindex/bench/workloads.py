@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 
 from kvindex.bench.common import BLOCK, cache_dir
-from kvindex.sim import SimBatch, SimConfig, Simulation
+from kvindex.sim import SimBatch, SimConfig, Simulation, WireFormat
 from kvindex.wire import BlockHash
 
 __all__ = [
@@ -46,7 +46,8 @@ __all__ = [
 ]
 
 Batch = tuple[int, int, bytes]
-"""One published batch: the instance's number, its seq and the payload (vLLM 0.33 wire)."""
+"""One published batch: the instance's number, its seq and the payload (vLLM 0.33 wire, or
+SGLang's for an `IngestSpec` of format "sglang")."""
 
 _CACHE_FORMAT = 2
 _CACHE_MIN_SECONDS = 1.0  # cheaper workloads are generated again rather than kept
@@ -62,6 +63,8 @@ class IngestSpec:
     batches: int = 0  # ... or measured batches (the bench's cases use events)
     seed: int = 0
     gpu_blocks: int = 1024  # per instance: the steady-state size of each instance's cache
+    format: WireFormat = "0.33"  # or "sglang" (the engines case: SGLang's page shapes)
+    page_size: int = 16  # tokens per block
 
     def __post_init__(self) -> None:
         if self.events <= 0 and self.batches <= 0:
@@ -79,6 +82,8 @@ class IngestSpec:
         return SimConfig(
             instances=self.instances,
             seed=self.seed,
+            format=self.format,
+            block_size=self.page_size,
             gpu_blocks=self.gpu_blocks,
             restart_every=0,
             reset_every=0,
@@ -211,7 +216,7 @@ def _cache_key(spec: IngestSpec) -> str:
         digest.update(source.read_bytes())
     return (
         f"{spec.instances}i-{spec.events}e{spec.batches}b-g{spec.gpu_blocks}-s{spec.seed}"
-        f"-{digest.hexdigest()[:16]}"
+        f"-{spec.format}-p{spec.page_size}-{digest.hexdigest()[:16]}"
     )
 
 

@@ -11,6 +11,7 @@
     max_lookup_tokens = 1000000
     request_timeout = 30.0
     sub_hwm = 100000                          # live messages queued per publisher
+    discovery_interval = 30.0                 # seconds between /server_info reads (0: never)
     allowed_hosts = ["kvindex.example.com"]   # Host names served besides localhost
 
     [[instances]]
@@ -72,7 +73,7 @@ _INT_KEYS = {"max_body_bytes", "max_lookup_tokens"}
 _FLOAT_KEYS = {"request_timeout"}
 _LIST_KEYS = {"allowed_hosts"}
 SERVER_KEYS = (
-    {"http", "store", "ingest_workers", "sub_hwm", "tokenizer"}
+    {"http", "store", "ingest_workers", "sub_hwm", "discovery_interval", "tokenizer"}
     | _SECRET_KEYS
     | _PATH_KEYS
     | _INT_KEYS
@@ -94,6 +95,8 @@ class Settings:
     http_options: dict[str, Any] = field(default_factory=dict)
     ingest_workers: int | None = None  # None: one per core (kvindex.runtime.ingest)
     sub_hwm: int | None = None  # None: the Subscriber's default (100,000)
+    # Seconds between two reads of a well SGLang engine's /server_info (None: 30 s; 0: never)
+    discovery_interval: float | None = None
     # `MODEL=PATH|vllm`: how each model's prompts become token ids (lookups by text)
     tokenizers: list[str] = field(default_factory=list)
 
@@ -111,6 +114,8 @@ def load_settings(args: argparse.Namespace) -> Settings:
         settings.ingest_workers = args.ingest_workers
     if getattr(args, "sub_hwm", None) is not None:
         settings.sub_hwm = args.sub_hwm
+    if getattr(args, "discovery_interval", None) is not None:
+        settings.discovery_interval = args.discovery_interval
     settings.tokenizers += getattr(args, "tokenizer", None) or []
     names = [spec.name for spec in settings.instances]
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -152,6 +157,17 @@ def read_config(path: Path) -> Settings:
         if not isinstance(hwm, int) or isinstance(hwm, bool) or hwm < 1:
             raise UsageError(f"{path}: server.sub_hwm must be a whole number of at least 1")
         settings.sub_hwm = hwm
+    if "discovery_interval" in server:
+        seconds = server["discovery_interval"]
+        if (
+            not isinstance(seconds, int | float)
+            or isinstance(seconds, bool)
+            or not 0 <= seconds < float("inf")
+        ):
+            raise UsageError(
+                f"{path}: server.discovery_interval must be a number of seconds (0: never)"
+            )
+        settings.discovery_interval = float(seconds)
     if "tokenizer" in server:
         listed = server["tokenizer"]
         if not isinstance(listed, list) or not all(isinstance(t, str) for t in listed):

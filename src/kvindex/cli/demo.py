@@ -2,9 +2,12 @@
 
 One process: the simulated vLLM instances publish from a background thread on loopback
 ports, and the service follows them exactly as `kvindex serve` would (same `Fleet`, same
-app), in the server's event loop. The dashboard's lookup box is offered the prompts the
-simulation sent recently. Ctrl+C (or SIGTERM, or `--duration`) stops everything: open
-dashboard streams end at once, then the server, the ingest and the publishers.
+app), in the server's event loop. Beside them, a simulated SGLang engine (page size 1,
+salted requests, host and disk tiers, a load stream) is found by its URL, as
+`--instance NAME=sglang+http://...` finds a real one. The dashboard's lookup box is
+offered the prompts the simulation sent recently. Ctrl+C (or SIGTERM, or `--duration`)
+stops everything: open dashboard streams end at once, then the server, the ingest and the
+publishers.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
+from itertools import zip_longest
 from typing import TYPE_CHECKING, Any
 
 from kvindex.cli.common import UsageError, positive_int, positive_seconds, run_async
@@ -26,7 +31,7 @@ if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
-    from kvindex.sim import SimulatedPublishers
+    from kvindex.sim import SimConfig, SimulatedPublishers
 
 __all__ = ["add_parser", "run"]
 
@@ -46,6 +51,13 @@ def add_parser(subparsers: Any) -> None:
         metavar="HOST:PORT",
         help=f"dashboard and API address (default {DEFAULT_HTTP}, or a free port if busy)",
     )
+    p.add_argument(
+        "--sglang",
+        metavar="N",
+        type=_count,
+        default=1,
+        help="simulated SGLang engines beside them, found by URL (1; 0: none)",
+    )
     sim_arguments(p, rate=40.0, restart=90.0, reset=60.0)
     p.add_argument(
         "--pause-after",
@@ -54,6 +66,26 @@ def add_parser(subparsers: Any) -> None:
         help="stop the simulated load after S seconds; the fleet stays up, idle, to explore",
     )
     p.set_defaults(run=run)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) > 64:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number from 0 to 64")
+    return int(text)
+
+
+def _sglang_fleet(args: argparse.Namespace, vllm: SimConfig) -> SimulatedPublishers | None:
+    """The SGLang engines beside the vLLM ones (none when the fleet is SGLang already):
+    page size 1 (SGLang's default), pools as large in tokens as the vLLM ones'."""
+    from kvindex.sim import SimulatedPublishers
+
+    if args.sglang == 0 or vllm.is_sglang:
+        return None
+    tokens = vllm.gpu_blocks * vllm.block_size
+    flags = {**vars(args), "format": "sglang", "page_size": 1, "gpu_blocks": tokens}
+    config = replace(build_config(argparse.Namespace(**flags), args.sglang), seed=vllm.seed + 1)
+    rate = args.rate * args.sglang / (args.instances + args.sglang)
+    return SimulatedPublishers(config, rate=rate, drop=DEMO_DROP)
 
 
 def _listen(text: str | None) -> socket.socket:
@@ -74,42 +106,59 @@ def _url(sock: socket.socket) -> str:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="kvindex demo: %(levelname)s %(message)s")
     sock = _listen(args.http)
+    fleets: list[SimulatedPublishers] = []
     try:
         config = build_config(args, args.instances)
-        live = open_fleet(args, config, base_port=None, drop=DEMO_DROP)
+        fleets.append(open_fleet(args, config, base_port=None, drop=DEMO_DROP))
+        extra = _sglang_fleet(args, config)
+        if extra is not None:
+            fleets.append(extra)
     except BaseException:
+        for live in fleets:
+            live.close()
         sock.close()
         raise
     try:
-        print(f"kvindex demo: {describe(config, args.rate)}", flush=True)
-        for spec in live.specs():
-            print(f"  {spec.render()}", flush=True)
-        app = _app(live, sock.getsockname()[0])
-        live.start()
+        for live in fleets:
+            print(f"kvindex demo: {describe(live.config, live.rate)}", flush=True)
+            for spec in live.specs():
+                print(f"  {spec.render()}", flush=True)
+        app = _app(fleets, sock.getsockname()[0])
+        for live in fleets:
+            live.start()
         with stop_signals("demo") as stop:
-            pause = partial(_pause, live)
+            pause = partial(_pause, fleets)
             run_async(_serve(app, sock, stop, args.duration, args.pause_after, pause))
     finally:
-        live.close()
+        for live in fleets:
+            live.close()
     print("kvindex demo: stopped", flush=True)
     return 0
 
 
-def _pause(live: SimulatedPublishers) -> None:
-    live.stop()
+def _pause(fleets: list[SimulatedPublishers]) -> None:
+    for live in fleets:
+        live.stop()
     print("kvindex demo: simulated load paused; the fleet stays up, idle", flush=True)
 
 
-def _app(live: SimulatedPublishers, host: str) -> FastAPI:
+def _app(fleets: list[SimulatedPublishers], host: str) -> FastAPI:
     from kvindex.runtime import Fleet
     from kvindex.security.http import HttpGuard, default_allowed_hosts
     from kvindex.service.app import create_app
 
-    fleet = Fleet(live.specs())
+    fleet = Fleet([spec for live in fleets for spec in live.specs()])
     # No token: at least a DNS-rebound name can't read it (see kvindex.security.http).
     app = create_app(fleet, guard=HttpGuard(allowed_hosts=tuple(default_allowed_hosts(host))))
-    app.state.recent_prompts = live.recent_prompts
+    app.state.recent_prompts = partial(_recent_prompts, fleets)
     return app
+
+
+def _recent_prompts(fleets: list[SimulatedPublishers], limit: int = 12) -> list[dict[str, Any]]:
+    """Every simulated fleet's latest prompts, taken in turn (newest first in each)."""
+    lists = [live.recent_prompts(limit) for live in fleets]
+    mixed = [p for group in zip_longest(*lists) for p in group if p is not None]
+    return mixed[:limit]
 
 
 async def _serve(

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvindex.cli import config
-from kvindex.cli.common import UsageError, positive_int, run_async
+from kvindex.cli.common import UsageError, non_negative_seconds, positive_int, run_async
 from kvindex.cli.config import DEFAULT_HTTP, DEFAULT_STORE, Settings
 from kvindex.cli.httpopts import add_http_arguments, http_options, warn_if_exposed
 from kvindex.cli.signals import Stop, stop_signals
@@ -73,6 +73,14 @@ def add_parser(subparsers: Any) -> None:
         type=positive_int,
         help="live messages queued per publisher before ZMQ drops new ones (then replayed, "
         "or counted lost); default 100000 (docs/configuration.md)",
+    )
+    p.add_argument(
+        "--discovery-interval",
+        metavar="S",
+        type=non_negative_seconds,
+        help="seconds between two reads of a well SGLang engine's /server_info (instances "
+        "named by sglang+http://), to follow a changed DP size or ports; 0 = only on a "
+        "restart or link trouble (default 30)",
     )
     p.add_argument(
         "--tokenizer",
@@ -170,6 +178,7 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     import zmq
 
     from kvindex.runtime import Fleet
+    from kvindex.runtime.discovery import DEFAULT_INTERVAL
     from kvindex.service.app import create_app
     from kvindex.service.fastpath import lookup_protocol
     from kvindex.service.routing import Routing
@@ -196,6 +205,11 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
             membership=shared.membership if shared else None,
             ingest_workers=settings.ingest_workers,
             sub_hwm=settings.sub_hwm,
+            discovery_interval=(
+                DEFAULT_INTERVAL
+                if settings.discovery_interval is None
+                else settings.discovery_interval
+            ),
         )
     except (zmq.ZMQError, CapacityError) as exc:
         sock.close()

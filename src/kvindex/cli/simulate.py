@@ -1,8 +1,12 @@
-"""`kvindex simulate`: a fleet of simulated vLLM instances publishing real KV events.
+"""`kvindex simulate`: a fleet of simulated vLLM (or SGLang) instances publishing real KV
+events.
 
 Each instance (and DP rank) is a vLLM-compatible publisher (PUB + replay ROUTER, the wire
 format of the chosen vLLM generation) driven by a chat workload over a bounded block pool
 (see `kvindex.sim`). The instance specs are printed first, ready for `kvindex serve`.
+`--format sglang` makes them SGLang 0.5.23 engines: its event fields and media, page size
+1 (its default) or `--page-size`, salted requests, a load stream per rank and a
+`/server_info` to be found by (`NAME=sglang+http://HOST:PORT`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["add_parser", "build_config", "open_fleet", "run", "sim_arguments"]
 
 DEFAULT_BASE_PORT = 5557
+DEFAULT_GPU_TOKENS = 2048 * 16  # a pool's size in tokens unless --gpu-blocks says otherwise
 
 
 def _fraction(text: str) -> float:
@@ -51,8 +56,18 @@ def _port(text: str) -> int:
 def sim_arguments(p: argparse.ArgumentParser, *, rate: float, restart: float, reset: float) -> None:
     """The workload flags `simulate` and `demo` share."""
     p.add_argument("--rate", type=positive_float, default=rate, help=f"batches/s ({rate:g})")
-    p.add_argument("--format", choices=("0.33", "0.23"), default="0.33", help="vLLM wire format")
-    p.add_argument("--hashes", choices=("int", "bytes"), default="int", help="block hash type")
+    p.add_argument(
+        "--format",
+        choices=("0.33", "0.23", "sglang"),
+        default="0.33",
+        help="wire format: vLLM 0.33 or 0.23, or SGLang 0.5.23 (found by sglang+http://)",
+    )
+    p.add_argument(
+        "--page-size",
+        type=positive_int,
+        help="tokens per block (16; SGLang: 1, its default)",
+    )
+    p.add_argument("--hashes", choices=("int", "bytes"), help="block hash type (int)")
     p.add_argument("--dp", type=positive_int, default=1, help="DP ranks per instance (1)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (0)")
     p.add_argument(
@@ -69,23 +84,29 @@ def sim_arguments(p: argparse.ArgumentParser, *, rate: float, restart: float, re
         default=reset,
         help=f"mean seconds between prefix-cache resets, 0 = never ({reset:g})",
     )
-    p.add_argument("--gpu-blocks", type=positive_int, default=2048, help="blocks per pool (2048)")
+    p.add_argument(
+        "--gpu-blocks",
+        type=positive_int,
+        help="blocks per GPU pool (32,768 tokens' worth: 2048 at page size 16)",
+    )
     p.add_argument("--duration", metavar="S", type=positive_seconds, help="stop after S seconds")
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "simulate",
-        help="run simulated vLLM instances that publish real KV-cache events",
+        help="run simulated vLLM (or SGLang) instances that publish real KV-cache events",
         description="Simulated vLLM instances (PUB + replay ROUTER each, vLLM's wire format) "
-        "driven by a multi-turn chat workload; prints their specs for `kvindex serve`.",
+        "driven by a multi-turn chat workload; prints their specs for `kvindex serve`. "
+        "--format sglang: SGLang engines (load stream, /server_info for discovery).",
     )
     p.add_argument("--instances", type=positive_int, default=3, help="instances (3)")
     p.add_argument(
         "--base-port",
         type=_port,
         default=DEFAULT_BASE_PORT,
-        help=f"first port ({DEFAULT_BASE_PORT}); instance i uses base + 2*dp*i + ...; 0 = free",
+        help=f"first port ({DEFAULT_BASE_PORT}); instance i uses base + 2*dp*i + ... "
+        "(SGLang: base + (3*dp+1)*i + ...); 0 = free",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
     p.add_argument("--drop", type=_fraction, default=0.0, help="share of live sends lost (0)")
@@ -99,18 +120,28 @@ def build_config(args: argparse.Namespace, instances: int) -> SimConfig:
     def batches(seconds: float) -> int:
         return 0 if seconds == 0 else max(1, round(seconds * args.rate))
 
-    if args.gpu_blocks < 8:
+    sglang = args.format == "sglang"
+    if sglang and args.hashes == "bytes":
+        raise UsageError("--hashes bytes: SGLang publishes int hashes only")
+    page_size = args.page_size or (1 if sglang else 16)
+    if page_size > 1024:
+        raise UsageError(f"--page-size {page_size}: at most 1024 tokens per block")
+    gpu_blocks = args.gpu_blocks or max(8, DEFAULT_GPU_TOKENS // page_size)
+    if gpu_blocks < 8:
         raise UsageError("--gpu-blocks must be at least 8")
     return SimConfig(
         instances=instances,
         dp=args.dp,
         format=args.format,
-        hashes=args.hashes,
+        hashes=args.hashes or "int",
         seed=args.seed,
-        gpu_blocks=args.gpu_blocks,
-        cpu_blocks=4 * args.gpu_blocks,
+        block_size=page_size,
+        gpu_blocks=gpu_blocks,
+        cpu_blocks=4 * gpu_blocks,
+        disk_blocks=8 * gpu_blocks if sglang else 0,  # HiCache's storage under its host tier
         restart_every=batches(args.restart_every),
         reset_every=batches(args.reset_every),
+        name_prefix="sglang" if sglang else "vllm",
     )
 
 
@@ -132,10 +163,15 @@ def open_fleet(
 
 
 def describe(config: SimConfig, rate: float) -> str:
+    ranks = f" x {config.dp} DP ranks" if config.dp > 1 else ""
+    if config.is_sglang:
+        return (
+            f"{config.instances} simulated SGLang instance(s){ranks}, SGLang 0.5.23 wire "
+            f"format, page size {config.block_size}, {rate:g} batches/s"
+        )
     return (
-        f"{config.instances} simulated vLLM instance(s)"
-        + (f" x {config.dp} DP ranks" if config.dp > 1 else "")
-        + f", vLLM {config.format} wire format, {config.hashes} hashes, {rate:g} batches/s"
+        f"{config.instances} simulated vLLM instance(s){ranks}, vLLM {config.format} wire "
+        f"format, {config.hashes} hashes, {rate:g} batches/s"
     )
 
 

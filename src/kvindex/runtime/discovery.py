@@ -9,6 +9,9 @@ on its own thread (an HTTP request must never hold up ingest or an answer):
 - again when the engine restarted (its seq went back), its link went down or can't be
   followed: a restarted engine may publish on new ports. Reads back off on failure
   (1 s, doubling to a minute) and stop at the first success;
+- and every `interval` seconds while all is well (30 s by default; 0: never): an engine
+  reconfigured without a restart kvindex could see (its load stream switched on, DP ranks
+  added) is followed within that time;
 - whatever a read finds that differs from what is followed (ports, ranks, topic, load
   stream) is handed to `apply` (the Fleet follows the new publishers in the old ones'
   place).
@@ -36,7 +39,7 @@ from kvindex.subscriber.discovery import (
     resolve,
 )
 
-__all__ = ["Discovery", "DiscoveryView", "first_read"]
+__all__ = ["DEFAULT_INTERVAL", "Discovery", "DiscoveryView", "first_read"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ Fetch = Callable[[InstanceSpec], KvEventsDescriptor]
 MIN_BACKOFF = 1.0
 MAX_BACKOFF = 60.0
 MIN_INTERVAL = 1.0  # two reads of one engine at least this far apart
+DEFAULT_INTERVAL = 30.0  # seconds between two reads of an engine that is well
 
 
 class DiscoveryView(msgspec.Struct, frozen=True, gc=False):
@@ -91,7 +95,8 @@ class _Target:
 
 class Discovery:
     """Reads engines' `/server_info` on a thread of its own; `apply(spec)` gets every new
-    resolution (called from that thread)."""
+    resolution (called from that thread). `interval`: seconds between two reads of an
+    engine that is well (0: only when something looks wrong)."""
 
     def __init__(
         self,
@@ -101,7 +106,11 @@ class Discovery:
         timeout: float = 3.0,
         min_backoff: float = MIN_BACKOFF,
         max_backoff: float = MAX_BACKOFF,
+        interval: float = DEFAULT_INTERVAL,
     ) -> None:
+        if interval < 0:
+            raise ValueError("interval must be 0 (never) or positive")
+        self.interval = interval
         self._apply = apply
         self._fetch: Fetch = fetch or (lambda spec: fetch_descriptor(spec, timeout))
         self._min_backoff = min_backoff
@@ -117,10 +126,14 @@ class Discovery:
         """Follow an engine named by its URL: read it now if its publishers are unknown."""
         with self._wake:
             now = time.monotonic()
-            self._targets[spec.name] = _Target(spec, now if spec.pending else None)
+            self._targets[spec.name] = _Target(spec, now if spec.pending else self._next(now))
             if not spec.pending:
                 self._targets[spec.name].last_read = time.time()
             self._wake.notify()
+
+    def _next(self, now: float) -> float | None:
+        """When to read an engine that is well next (None: not unless asked)."""
+        return now + self.interval if self.interval else None
 
     def forget(self, name: str) -> None:
         with self._wake:
@@ -224,6 +237,8 @@ class Discovery:
             target.backoff = self._min_backoff
             target.reads += 1
             target.last_read = time.time()
+            if target.next_read is None:  # (a reread asked meanwhile stays planned)
+                target.next_read = self._next(time.monotonic())
 
     def _failed(self, name: str, problem: str) -> None:
         with self._wake:

@@ -23,7 +23,7 @@ import zmq
 from kvindex.index import CacheStats, FleetIndex, LookupRow, compiled_index
 from kvindex.index.base import AnswerSlot
 from kvindex.index.sharing import Sharing, sharing
-from kvindex.runtime.discovery import Discovery
+from kvindex.runtime.discovery import DEFAULT_INTERVAL, Discovery
 from kvindex.runtime.ingest import IndexGuard, IngestCounters, IngestWorker, default_workers
 from kvindex.runtime.views import (
     FleetSummary,
@@ -37,6 +37,7 @@ from kvindex.runtime.views import (
 )
 from kvindex.subscriber import (
     DEFAULT_SUB_HWM,
+    CapacityError,
     Checkpoint,
     Connection,
     DecodeFailed,
@@ -149,10 +150,13 @@ class Fleet:
         membership: MembershipFeed | None = None,
         ingest_workers: int | None = None,
         sub_hwm: int | None = None,
+        discovery_interval: float = DEFAULT_INTERVAL,
     ) -> None:
         """`ingest_workers`: threads that read and apply (default: one per core with the
         compiled index). `sub_hwm`: live messages each SUB socket queues before ZMQ drops
-        new ones (default: DEFAULT_SUB_HWM, 100,000). `slice_seconds` and `keep_payload`
+        new ones (default: DEFAULT_SUB_HWM, 100,000). `discovery_interval`: seconds
+        between two reads of a well engine's `/server_info` (engines named by URL; 0:
+        only on a restart or link trouble). `slice_seconds` and `keep_payload`
         are no longer needed: ingest has its own threads, and always hands the hooks the
         payloads as they came.
 
@@ -204,7 +208,7 @@ class Fleet:
         # read again when they restart or their link goes down (see runtime/discovery.py).
         # An instance's publishers change on a worker thread while views read them on the
         # event loop: `_members` keeps the two apart (held briefly, never while waiting).
-        self.discovery = Discovery(self._rediscovered)
+        self.discovery = Discovery(self._rediscovered, interval=discovery_interval)
         self.load = LoadFollower()  # SGLang's load streams, on a thread of their own
         self._members = threading.RLock()
         self.add_link_hook(self._link_trouble)
@@ -262,9 +266,17 @@ class Fleet:
         worker = self._owner.get(spec.name) or min(
             self._workers, key=lambda w: len(w.subscriber.sources())
         )
-        # On the worker's own thread: its sockets are made there. Items the start makes
-        # (a replay from 0 for a late join) are applied there too.
-        worker.call(lambda: self._start_following(worker, spec))
+        # Whole or not at all: what it needs (KV-event and load sockets) is checked first;
+        # the load stream's sockets are reserved (CapacityError: nothing opened yet), then
+        # the KV-event ones on the worker's own thread: its sockets are made there. Items
+        # the start makes (a replay from 0 for a late join) are applied there too.
+        self.subscriber.budget.check(need_of_instances([spec]), f"instance {spec.name!r}")
+        self.load.follow(spec)
+        try:
+            worker.call(lambda: self._start_following(worker, spec))
+        except BaseException:
+            self.load.forget(spec.name)
+            raise
         self._specs[spec.name] = spec
         self._specs_version += 1
         self._ranks[spec.name] = [source.source for source in spec.sources()]
@@ -272,7 +284,6 @@ class Fleet:
         self._counts.pop(spec.name, None)
         if spec.discover is not None:
             self.discovery.track(spec)
-        self.load.follow(spec)
 
     def _start_following(self, worker: IngestWorker, spec: InstanceSpec) -> None:
         for item in worker.subscriber.add_instance(spec):
@@ -304,31 +315,57 @@ class Fleet:
         worker.call(lambda: self._swap(worker, spec))
 
     def _swap(self, worker: IngestWorker, spec: InstanceSpec) -> None:
-        """On the owning worker's thread: the old publishers' sockets and state go (the
-        store forgets them too: the engine restarted), the new ones are followed."""
+        """On the owning worker's thread: the engine's publishers changed. A rank whose
+        publisher is the same goes on untouched (its blocks stay indexed); a rank gone or
+        moved is dropped with what was known of it (the store forgets it too: hooks see a
+        `Restarted` for it); new ranks are followed. When no rank stays (the engine
+        restarted on other ports), the instance is dropped whole and saved again, as a
+        store and the replicas sharing it expect of a restarted engine."""
         name = spec.name
         with self._members:
             old = self._specs.get(name)
             if old is None:
                 return  # removed meanwhile
-            had_sources = bool(self._ranks.get(name))
-            worker.subscriber.remove_instance(name)
+            before = self._ranks.get(name, [])
+            if name in worker.subscriber.instances:
+                items, closed = worker.subscriber.change_instance(spec)
+            else:  # an earlier change failed midway: nothing of it is followed
+                items, closed = worker.subscriber.add_instance(spec), list(before)
+            kept = [source for source in before if source not in closed]
             with self._guard():
-                self.index.remove_instance(name)
-            worker.lag = {k: v for k, v in worker.lag.items() if k.instance != name}
-            items = worker.subscriber.add_instance(spec)
+                if kept:
+                    for source in closed:
+                        self.index.drop_source(source)
+                else:
+                    self.index.remove_instance(name)
+            worker.lag = {k: v for k, v in worker.lag.items() if k not in closed}
             self._specs[name] = spec
             self._specs_version += 1
             self._ranks[name] = [source.source for source in spec.sources()]
             self._counts.pop(name, None)
-            self.load.follow(spec)
-        if had_sources:  # what a store kept of the old publishers is gone with them
+            self._follow_load(old, spec)
+        if kept:
+            why = "the engine no longer publishes there (/server_info changed)"
+            for source in closed:
+                for item_hook in list(self.on_item):
+                    self._call_hook(item_hook, Restarted(source, reason=why))
+        elif before:  # what a store kept of the old publishers is gone with them
             for remove_hook in list(self.on_remove):
                 self._call_hook(remove_hook, name)
             for add_hook in list(self.on_add):
                 self._call_hook(add_hook, spec)
         for item in items:
             worker.apply(item)
+
+    def _follow_load(self, old: InstanceSpec, spec: InstanceSpec) -> None:
+        """The new load stream, if it changed (an unchanged one keeps its readings)."""
+        if (old.load_sources(), old.load_topic) == (spec.load_sources(), spec.load_topic):
+            return
+        try:
+            self.load.follow(spec)
+        except CapacityError as exc:  # the KV-event ranks matter more: they go on
+            log.warning("%s: its load stream is not followed: %s", spec.name, exc)
+            self.load.forget(spec.name)
 
     def _link_trouble(self, notice: Notice) -> None:
         if isinstance(notice, Unreachable):  # its publishers may have moved

@@ -14,6 +14,9 @@ It follows vLLM v1's `BlockPool` and `KVCacheManager` where events are concerned
   physical blocks is announced once per copy;
 - with a CPU tier (`cpu_blocks > 0`), a finished request's full blocks are offloaded
   (hash-only stores, medium "CPU"); the tier evicts in LRU order;
+- SGLang's HiCache tiers (`page_tiers`): the CPU tier's stores carry each page's parent,
+  tokens, adapter and salt (as SGLang's recorder publishes host pages), and with a disk
+  tier (`disk_blocks > 0`) what the CPU tier evicts moves there (LRU as well);
 - `reset_prefix_cache` preempts the running requests and drops every hash
   (`AllBlocksCleared`); `restart` is a new process: everything is gone, silently.
 
@@ -29,10 +32,20 @@ from dataclasses import dataclass, field
 
 from kvindex.sim.workload import Adapter, Digest, Request, Workload, extend_chain
 
-__all__ = ["Cleared", "Engine", "EngineSpec", "Offloaded", "Removed", "SimEvent", "Stored"]
+__all__ = [
+    "Cleared",
+    "Engine",
+    "EngineSpec",
+    "Offloaded",
+    "Page",
+    "Removed",
+    "SimEvent",
+    "Stored",
+]
 
 GPU = "GPU"
 CPU = "CPU"
+DISK = "DISK"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +56,27 @@ class Stored:
     parent: Digest | None
     token_ids: list[int]
     lora: Adapter | None
+    salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """What a lower tier keeps of a block beside its hash (SGLang publishes it)."""
+
+    parent: Digest | None
+    tokens: list[int]
+    lora: Adapter | None
+    salt: str | None
 
 
 @dataclass(frozen=True, slots=True)
 class Offloaded:
-    """Blocks were copied to the CPU tier (hash-only)."""
+    """Blocks were copied to a lower tier: hash-only (vLLM's CPU tier), or with their
+    pages (`pages`, one per digest: SGLang's host and disk tiers)."""
 
     digests: list[Digest]
+    medium: str = CPU
+    pages: list[Page] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +98,8 @@ class EngineSpec:
     block_size: int = 16
     gpu_blocks: int = 1024
     cpu_blocks: int = 0  # 0: no CPU offload tier
+    disk_blocks: int = 0  # 0: no disk tier below the CPU one (SGLang HiCache's storage)
+    page_tiers: bool = False  # lower tiers publish pages, not bare hashes (SGLang)
     max_running: int = 6
     decode_tokens: int = 8  # tokens generated per request and step
 
@@ -108,7 +137,8 @@ class Engine:
         self.spec = spec
         self.rng = rng
         self.pool = _Pool(spec.gpu_blocks)
-        self.cpu: OrderedDict[Digest, None] = OrderedDict()
+        self.cpu: OrderedDict[Digest, Page | None] = OrderedDict()
+        self.disk: OrderedDict[Digest, Page | None] = OrderedDict()
         self.running: list[_Running] = []
         self.waiting: deque[Request] = deque()
 
@@ -120,6 +150,9 @@ class Engine:
 
     def cpu_digests(self) -> list[Digest]:
         return list(self.cpu)
+
+    def disk_digests(self) -> list[Digest]:
+        return list(self.disk)
 
     @property
     def used_blocks(self) -> int:
@@ -164,7 +197,7 @@ class Engine:
     def _start(self, request: Request, events: list[SimEvent]) -> bool:
         bs = self.spec.block_size
         tokens = request.tokens
-        extend_chain(request.digests, tokens, bs, request.lora_name)
+        extend_chain(request.digests, tokens, bs, request.lora_name, request.salt)
         hits = self._hits(request.digests[: (len(tokens) - 1) // bs])
         pool = self.pool
         need = self._blocks_for(len(tokens)) - len(hits)
@@ -210,7 +243,7 @@ class Engine:
         full = len(request.tokens) // bs
         if full <= run.cached:
             return
-        extend_chain(request.digests, request.tokens, bs, request.lora_name)
+        extend_chain(request.digests, request.tokens, bs, request.lora_name, request.salt)
         pool = self.pool
         start = run.cached
         for i in range(start, full):
@@ -221,7 +254,8 @@ class Engine:
         run.cached = full
         parent = request.digests[start - 1] if start else None
         tokens = request.tokens[start * bs : full * bs]
-        events.append(Stored(request.digests[start:full], parent, tokens, request.lora))
+        digests = request.digests[start:full]
+        events.append(Stored(digests, parent, tokens, request.lora, request.salt))
 
     def _decode(self, run: _Running, events: list[SimEvent]) -> None:
         request = run.request
@@ -246,25 +280,59 @@ class Engine:
             if pool.refs[b] == 0:
                 pool.free[b] = None
         if self.spec.cpu_blocks:
-            self._offload(run.request.digests[: run.cached], events)
+            self._offload(run.request, run.cached, events)
 
-    def _offload(self, digests: list[Digest], events: list[SimEvent]) -> None:
+    def _offload(self, request: Request, cached: int, events: list[SimEvent]) -> None:
         cpu = self.cpu
-        new = []
-        for d in digests[-self.spec.cpu_blocks :]:
+        first = max(0, cached - self.spec.cpu_blocks)
+        new: list[Digest] = []
+        pages: list[Page] = []
+        for i in range(first, cached):
+            d = request.digests[i]
             if d in cpu:
                 cpu.move_to_end(d)
-            else:
-                cpu[d] = None
-                new.append(d)
-        evicted = []
+                continue
+            page = self._page(request, i) if self.spec.page_tiers else None
+            cpu[d] = page
+            new.append(d)
+            if page is not None:
+                pages.append(page)
+        evicted: list[tuple[Digest, Page | None]] = []
         while len(cpu) > self.spec.cpu_blocks:
-            d, _ = cpu.popitem(last=False)
+            evicted.append(cpu.popitem(last=False))
+        if new:
+            events.append(Offloaded(new, CPU, pages if self.spec.page_tiers else None))
+        if evicted:
+            events.append(Removed([d for d, _ in evicted], CPU))
+            if self.spec.disk_blocks:
+                self._to_disk(evicted, events)
+
+    def _page(self, request: Request, i: int) -> Page:
+        bs = self.spec.block_size
+        parent = request.digests[i - 1] if i else None
+        return Page(parent, request.tokens[i * bs : (i + 1) * bs], request.lora, request.salt)
+
+    def _to_disk(self, demoted: list[tuple[Digest, Page | None]], events: list[SimEvent]) -> None:
+        """What the CPU tier evicted goes one tier down (HiCache's storage), LRU too."""
+        disk = self.disk
+        new: list[Digest] = []
+        pages: list[Page] = []
+        for d, page in demoted:
+            if d in disk:
+                disk.move_to_end(d)
+                continue
+            disk[d] = page
+            new.append(d)
+            if page is not None:
+                pages.append(page)
+        evicted = []
+        while len(disk) > self.spec.disk_blocks:
+            d, _ = disk.popitem(last=False)
             evicted.append(d)
         if new:
-            events.append(Offloaded(new))
+            events.append(Offloaded(new, DISK, pages if self.spec.page_tiers else None))
         if evicted:
-            events.append(Removed(evicted, CPU))
+            events.append(Removed(evicted, DISK))
 
     # -- incidents -----------------------------------------------------------------------
 
@@ -275,6 +343,7 @@ class Engine:
         self.running.clear()
         self.pool = _Pool(self.spec.gpu_blocks)
         self.cpu.clear()
+        self.disk.clear()
         return [Cleared()]
 
     def restart(self) -> list[Request]:
@@ -284,4 +353,5 @@ class Engine:
         self.waiting.clear()
         self.pool = _Pool(self.spec.gpu_blocks)
         self.cpu.clear()
+        self.disk.clear()
         return lost

@@ -9,27 +9,41 @@ format (3 frames for 0.23, 4 for 0.33).
 An engine restart is what it looks like on the wire: the instance's publishers are closed
 and new ones bound on the same ports, with seq back at 0 and an empty replay buffer.
 
+With the `sglang` format each instance is an SGLang 0.5.23 engine: besides its PUB and
+replay ports (`base + (3 * dp + 1) * i`, replay `+ dp`), a load PUB per rank (`+ 2 * dp`)
+sending `LoadStat` as SGLang's `SchedulerLoadPublisher` does (`[b"load", seq, payload]`,
+on every batch of that rank and at least once a second), and an HTTP server (`+ 3 * dp`)
+whose `GET /server_info` carries the `kv_events` descriptor SGLang advertises: its spec is
+`NAME=sglang+http://HOST:PORT`, found by discovery as a real engine is.
+
 A background thread publishes; `reference()` and `recent_prompts()` may be called from
 other threads (a lock guards the simulation).
 """
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import zmq
 
+from kvindex.sim.engine import Engine
 from kvindex.sim.simulation import Reference, SimBatch, SimConfig, SimItem, Simulation
 from kvindex.subscriber import InstanceSpec
+from kvindex.wire.frames import encode_seq
+from kvindex.wire.load import LOAD_TOPIC, LoadStat, encode_load
 from kvindex.wire.publisher import Publisher
 
 __all__ = ["PortsBusy", "SimulatedPublishers", "free_port_run"]
 
 _BIND_RETRY_SECONDS = 3.0
+_LOAD_HEARTBEAT = 1.0  # SGLang's LOAD_PUBLISH_HEARTBEAT_S
+SGLANG_VERSION = "0.5.23"  # the release whose wire and /server_info the simulator speaks
 
 
 class PortsBusy(OSError):
@@ -87,7 +101,7 @@ class SimulatedPublishers:
         self.host = host
         self.drop = drop
         self.buffer_steps = buffer_steps
-        ports = 2 * config.dp * config.instances
+        ports = self._stride * config.instances
         self.base_port = base_port or free_port_run(ports, host)
         if self.base_port + ports > 65536:
             raise PortsBusy(f"{ports} ports from {self.base_port} run past 65535")
@@ -97,28 +111,51 @@ class SimulatedPublishers:
         self._thread: threading.Thread | None = None
         self.published = 0
         self.publishers: list[Publisher] = []
+        self.load_sockets: list[zmq.Socket[bytes]] = []  # SGLang: one per engine
+        self._load_seqs: list[int] = []
+        self._load_sent = 0.0  # monotonic time of the last heartbeat round
+        self._http: list[ThreadingHTTPServer] = []  # SGLang: one per instance
         try:
             for engine in self.sim.engines:
                 self.publishers.append(self._bind(engine.instance, engine.index % config.dp))
+            if config.is_sglang:
+                self._open_sglang()
         except BaseException:
             self.close()
             raise
 
     # -- endpoints -----------------------------------------------------------------------
 
+    @property
+    def _stride(self) -> int:
+        """Ports per instance: PUB and replay per rank (and SGLang's load per rank + HTTP)."""
+        dp = self.config.dp
+        return 3 * dp + 1 if self.config.is_sglang else 2 * dp
+
     def _ports(self, instance: int) -> tuple[int, int]:
         dp = self.config.dp
-        pub = self.base_port + 2 * dp * instance
+        pub = self.base_port + self._stride * instance
         return pub, pub + dp
+
+    def _sglang_ports(self, instance: int) -> tuple[int, int]:
+        """An SGLang instance's load port base and HTTP port."""
+        pub, _ = self._ports(instance)
+        return pub + 2 * self.config.dp, pub + 3 * self.config.dp
 
     def _endpoint(self, port: int) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"tcp://{host}:{port}"
 
     def specs(self) -> list[InstanceSpec]:
-        """One spec per instance, as `kvindex serve --instance` takes them."""
+        """One spec per instance, as `kvindex serve --instance` takes them (an SGLang one
+        by its URL: discovery reads its ports)."""
         out = []
+        host = f"[{self.host}]" if ":" in self.host else self.host
         for i in range(self.config.instances):
+            if self.config.is_sglang:
+                url = f"sglang+http://{host}:{self._sglang_ports(i)[1]}"
+                out.append(InstanceSpec.parse(f"{self.config.name(i)}={url}"))
+                continue
             pub, replay = self._ports(i)
             out.append(
                 InstanceSpec(
@@ -178,6 +215,13 @@ class SimulatedPublishers:
         for publisher in self.publishers:
             publisher.close()
         self.publishers = []
+        for sock in self.load_sockets:
+            sock.close(linger=0)
+        self.load_sockets = []
+        for server in self._http:
+            server.shutdown()
+            server.server_close()
+        self._http = []
 
     def __enter__(self) -> SimulatedPublishers:
         return self
@@ -189,6 +233,9 @@ class SimulatedPublishers:
         interval = 1.0 / self.rate
         next_at = time.monotonic()
         while not self._stop.is_set():
+            if self.load_sockets and time.monotonic() - self._load_sent >= _LOAD_HEARTBEAT:
+                with self._lock:
+                    self._heartbeat()
             if not self.publish_one():
                 continue
             next_at += interval
@@ -216,12 +263,118 @@ class SimulatedPublishers:
             index = self.sim.names.index(item.instance) * self.config.dp + item.rank
             self.publishers[index].publish_payload(item.payload)
             self.published += 1
+            if self.load_sockets:
+                self._send_load(index)
+                if time.monotonic() - self._load_sent >= _LOAD_HEARTBEAT:
+                    self._heartbeat()
             return
         instance = self.sim.names.index(item.instance)
         for rank in range(self.config.dp):
             index = instance * self.config.dp + rank
             self.publishers[index].close()
             self.publishers[index] = self._bind(instance, rank, retry=True)
+
+    # -- SGLang: load stream and /server_info ---------------------------------------------
+
+    def _open_sglang(self) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        for engine in self.sim.engines:
+            load_base, _ = self._sglang_ports(engine.instance)
+            sock = ctx.socket(zmq.PUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 64)
+            self.load_sockets.append(sock)
+            self._load_seqs.append(0)
+            port = load_base + engine.index % self.config.dp
+            try:
+                sock.bind(self._endpoint(port))
+            except zmq.ZMQError as exc:
+                raise PortsBusy(f"can't bind port {port}: {exc}") from None
+        for i in range(self.config.instances):
+            self._http.append(self._serve_http(i))
+
+    def server_info(self, instance: int) -> dict[str, Any]:
+        """What SGLang's `GET /server_info` says that matters here: `kv_events` is
+        `describe_kv_events_publisher`'s descriptor, its keys in SGLang's order."""
+        cfg = self.config
+        pub, replay = self._ports(instance)
+        load, _ = self._sglang_ports(instance)
+        descriptor: dict[str, Any] = {
+            "publisher": "zmq",
+            "endpoint_host": self.host,
+            "endpoint_port_base": pub,
+            "topic": "",
+            "block_size": cfg.block_size,
+            "dp_size": cfg.dp,
+            "load_endpoint_port_base": load,
+            "load_topic": LOAD_TOPIC,
+            "replay_endpoint_port_base": replay,
+        }
+        return {
+            "model_path": "kvindex-sim",
+            "page_size": cfg.block_size,
+            "dp_size": cfg.dp,
+            "version": SGLANG_VERSION,
+            "kv_events": descriptor,
+        }
+
+    def _serve_http(self, instance: int) -> ThreadingHTTPServer:
+        _, port = self._sglang_ports(instance)
+        body = json.dumps(self.server_info(instance)).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                status, answer = (200, body) if self.path == "/server_info" else (404, b"{}")
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args: Any) -> None:
+                pass  # a quiet engine: the simulator prints its own lines
+
+        try:
+            server = ThreadingHTTPServer((self.host, port), Handler)
+        except OSError as exc:
+            raise PortsBusy(f"can't bind port {port}: {exc}") from None
+        server.daemon_threads = True
+        name = f"kvindex-sim-http-{instance}"
+        threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
+        return server
+
+    def load_stat(self, engine: Engine) -> LoadStat:
+        """The engine's load now, as SGLang's scheduler reports it (tokens are KV slots)."""
+        spec = engine.spec
+        used = engine.used_blocks * spec.block_size
+        waiting = sum(len(r.tokens) for r in engine.waiting)
+        return LoadStat(
+            num_running_reqs=len(engine.running),
+            num_waiting_reqs=len(engine.waiting),
+            num_tokens=used,
+            max_total_num_tokens=spec.gpu_blocks * spec.block_size,
+            attn_dp_rank=engine.index % self.config.dp,
+            num_waiting_uncached_tokens=waiting,
+            num_total_tokens=used + waiting,
+            max_running_requests=spec.max_running,
+        )
+
+    def _send_load(self, index: int) -> None:
+        payload = encode_load(self.load_stat(self.sim.engines[index]))
+        seq = self._load_seqs[index]
+        self._load_seqs[index] = seq + 1
+        try:
+            self.load_sockets[index].send_multipart(
+                [LOAD_TOPIC.encode(), encode_seq(seq), payload], zmq.NOBLOCK
+            )
+        except zmq.Again:
+            pass  # a gauge: a slow reader gets the next one
+
+    def _heartbeat(self) -> None:
+        """Every rank's load again (SGLang re-sends an unchanged gauge every second)."""
+        self._load_sent = time.monotonic()
+        for index in range(len(self.load_sockets)):
+            self._send_load(index)
 
     # -- for tests and the dashboard -----------------------------------------------------
 

@@ -9,6 +9,10 @@ and tests use it directly, `SimulatedPublishers` publishes it over ZeroMQ.
 
 `reference()` is the truth the index must reproduce: per publisher (instance, DP rank) and
 (group, medium), every hash held and its number of physical copies, in wire form.
+
+`format="sglang"` publishes what SGLang 0.5.23 does (`encoding`): page size 1 or 16
+(`block_size`), salted conversations (`cache_salt`), HiCache's host tier (`CPU_PINNED`)
+and storage tier (`DISK`, `disk_blocks`), pages with their tokens on every tier.
 """
 
 from __future__ import annotations
@@ -18,10 +22,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvindex.sim.encoding import FORMATS, HASH_KINDS, HashKind, WireFormat, cpu_hash, encode_step
+from kvindex.sim.encoding import (
+    FORMATS,
+    HASH_KINDS,
+    HashKind,
+    WireFormat,
+    cpu_hash,
+    encode_step,
+    medium_name,
+    sglang_hash,
+)
 from kvindex.sim.encoding import wire_hash as _wire_hash
 from kvindex.sim.engine import (
     CPU,
+    DISK,
     GPU,
     Engine,
     EngineSpec,
@@ -53,6 +67,8 @@ class SimConfig:
     gpu_blocks: int = 1024
     cpu_blocks: int = 4096
     cpu_every: int = 2  # instances 1, 1 + cpu_every, ... have a CPU tier; 0: none
+    disk_blocks: int = 0  # a disk tier under each CPU tier (SGLang's HiCache storage); 0: none
+    salt_share: float | None = None  # salted conversations; None: 0.2 for sglang, else 0
     max_running: int = 6
     restart_every: int = 4000  # batches (fleet-wide) between engine restarts; 0: never
     reset_every: int = 3000  # batches between prefix-cache resets; 0: never
@@ -68,8 +84,28 @@ class SimConfig:
             raise ValueError(f"hashes must be one of {', '.join(HASH_KINDS)}")
         if self.block_size < 1 or self.gpu_blocks < 8:
             raise ValueError("block_size must be >= 1 and gpu_blocks >= 8")
-        if min(self.restart_every, self.reset_every, self.cpu_every, self.cpu_blocks) < 0:
-            raise ValueError("restart_every, reset_every, cpu_every, cpu_blocks must be >= 0")
+        counts = (self.restart_every, self.reset_every, self.cpu_every, self.cpu_blocks)
+        if min(*counts, self.disk_blocks) < 0:
+            raise ValueError(
+                "restart_every, reset_every, cpu_every, cpu_blocks, disk_blocks must be >= 0"
+            )
+        if self.format == "sglang" and self.hashes != "int":
+            raise ValueError("SGLang publishes int hashes only")
+        if self.disk_blocks and self.format != "sglang":
+            raise ValueError("a disk tier is simulated for the sglang format only")
+        if self.salt_share is not None and not 0.0 <= self.salt_share <= 1.0:
+            raise ValueError("salt_share must be between 0 and 1")
+
+    @property
+    def is_sglang(self) -> bool:
+        return self.format == "sglang"
+
+    @property
+    def salts(self) -> float:
+        """The share of conversations under a cache_salt."""
+        if self.salt_share is not None:
+            return self.salt_share
+        return 0.2 if self.is_sglang else 0.0
 
     def name(self, instance: int) -> str:
         return f"{self.name_prefix}-{instance}"
@@ -120,8 +156,8 @@ class Simulation:
         self.config = config = config or SimConfig()
         self.rng = random.Random(config.seed)
         shape = config.workload
-        if shape.block_size != config.block_size:
-            shape = replace(shape, block_size=config.block_size)
+        if shape.block_size != config.block_size or shape.salt_share != config.salts:
+            shape = replace(shape, block_size=config.block_size, salt_share=config.salts)
         self.workload = Workload(random.Random(self.rng.random()), config.instances, shape)
         self.engines: list[Engine] = []
         for i in range(config.instances):
@@ -129,6 +165,8 @@ class Simulation:
                 block_size=config.block_size,
                 gpu_blocks=config.gpu_blocks,
                 cpu_blocks=config.cpu_blocks if config.has_cpu_tier(i) else 0,
+                disk_blocks=config.disk_blocks if config.has_cpu_tier(i) else 0,
+                page_tiers=config.is_sglang,
                 max_running=config.max_running,
             )
             for _ in range(config.dp):
@@ -227,6 +265,19 @@ class Simulation:
         out: Reference = {}
         for engine in self.engines:
             pools: dict[PoolKey, dict[BlockHash, int]] = {}
+            if cfg.is_sglang:
+                tiers = [
+                    (GPU, engine.gpu_copies()),
+                    (CPU, dict.fromkeys(engine.cpu_digests(), 1)),
+                    (DISK, dict.fromkeys(engine.disk_digests(), 1)),
+                ]
+                for medium, held in tiers:
+                    if held:
+                        pools[(0, medium_name(medium, cfg.format))] = {
+                            sglang_hash(d): n for d, n in held.items()
+                        }
+                out[self.source_of(engine)] = pools
+                continue
             gpu = {_wire_hash(d, cfg.hashes): n for d, n in engine.gpu_copies().items()}
             if gpu:
                 pools[(0, GPU)] = gpu
@@ -244,6 +295,7 @@ class Simulation:
             {
                 "instance": cfg.name(p.instance),
                 "lora_name": p.lora_name,
+                "cache_salt": p.salt,
                 "token_ids": p.token_ids,
                 "kind": p.kind,
                 "block_size": cfg.block_size,

@@ -5,12 +5,15 @@ popular ones by most). A conversation stays on its home instance (sticky routing
 for the occasional turn a router sends elsewhere, so the same prefixes end up cached on
 several instances. Each turn re-sends the whole history plus a new user message; the
 engine appends the answer it generates. Some conversations run under a LoRA adapter (their
-blocks hash differently and are published with `lora_name`), and some one-shot jobs send
+blocks hash differently and are published with `lora_name`), some (when the shape asks
+for it: SGLang's `cache_salt`) under a salt of their own, and some one-shot jobs send
 the same block-aligned prompt twice at once (vLLM then caches a second physical copy of
 the last block, which it recomputes).
 
 Block hashes chain like vLLM's: `H(parent or NONE_HASH, block tokens, extra keys)`, a
-32-byte digest; how it goes on the wire (int or bytes) is the encoder's business.
+32-byte digest; a salted chain starts from a root of its own (as SGLang seeds a salted
+request's chain from its salt). How it goes on the wire (int or bytes) is the encoder's
+business.
 """
 
 from __future__ import annotations
@@ -41,8 +44,19 @@ NONE_HASH: Digest = hashlib.sha256(b"kvindex-sim NONE_HASH").digest()
 VOCAB = 32_000
 
 
-def block_digest(parent: Digest | None, tokens: Sequence[int], lora: str | None) -> Digest:
-    """The hash of one full block under its parent (and LoRA adapter, an extra key)."""
+def _unit(block_size: int) -> int:
+    """Prompt lengths are drawn in units of this many tokens: the block size, or 16 for
+    page size 1 (SGLang's default), so one-token pages serve prompts of a usual length."""
+    return block_size if block_size > 1 else 16
+
+
+def block_digest(
+    parent: Digest | None, tokens: Sequence[int], lora: str | None, salt: str | None = None
+) -> Digest:
+    """The hash of one full block under its parent (and LoRA adapter, an extra key); a
+    salted chain's first block hangs from the salt's own root."""
+    if parent is None and salt is not None:
+        parent = hashlib.sha256(NONE_HASH + b"salt:" + salt.encode()).digest()
     h = hashlib.sha256(parent or NONE_HASH)
     h.update(array("q", tokens).tobytes())
     if lora is not None:
@@ -51,12 +65,17 @@ def block_digest(parent: Digest | None, tokens: Sequence[int], lora: str | None)
 
 
 def extend_chain(
-    digests: list[Digest], tokens: Sequence[int], block_size: int, lora: str | None
+    digests: list[Digest],
+    tokens: Sequence[int],
+    block_size: int,
+    lora: str | None,
+    salt: str | None = None,
 ) -> None:
     """Append the hashes of the full blocks of `tokens` that `digests` does not cover yet."""
     for i in range(len(digests), len(tokens) // block_size):
         parent = digests[-1] if digests else None
-        digests.append(block_digest(parent, tokens[i * block_size : (i + 1) * block_size], lora))
+        page = tokens[i * block_size : (i + 1) * block_size]
+        digests.append(block_digest(parent, page, lora, salt))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +96,7 @@ class Conversation:
     turns_left: int
     ready_at: int = 0  # tick from which the user sends the next turn
     busy: bool = False
+    salt: str | None = None  # SGLang's cache_salt: a namespace of its own
 
 
 @dataclass(slots=True)
@@ -91,6 +111,7 @@ class Request:
     lora: Adapter | None
     conversation: Conversation | None = None
     kind: str = "chat"
+    salt: str | None = None
 
     @property
     def lora_name(self) -> str | None:
@@ -112,6 +133,8 @@ class WorkloadShape:
     user_tokens: tuple[int, int] = (12, 160)
     output_tokens: tuple[int, int] = (16, 240)
     think_ticks: tuple[int, int] = (0, 60)
+    salt_share: float = 0.0  # conversations under a cache_salt (SGLang); 0: none
+    salts: int = 3  # how many distinct salts (tenants) there are
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +146,7 @@ class RecentPrompt:
     token_ids: list[int]
     kind: str
     tick: int
+    salt: str | None = None
 
 
 class Workload:
@@ -145,8 +169,8 @@ class Workload:
         bs = self.shape.block_size
         # Some are block-aligned (their last block is recomputed when fully cached), some not.
         blocks = self.rng.randint(4, 48)
-        extra = 0 if i % 2 == 0 else self.rng.randint(1, bs - 1)
-        return self.tokens(blocks * bs + extra)
+        extra = 0 if i % 2 == 0 or bs == 1 else self.rng.randint(1, bs - 1)
+        return self.tokens(blocks * _unit(bs) + extra)
 
     def tokens(self, n: int) -> list[int]:
         rand = self.rng.randrange
@@ -199,6 +223,8 @@ class Workload:
             digests=[],
             turns_left=self.rng.randint(2, 9),
         )
+        if self.shape.salt_share and self.rng.random() < self.shape.salt_share:
+            conversation.salt = f"tenant-{self.rng.randrange(self.shape.salts)}"
         self.conversations.append(conversation)
         return conversation
 
@@ -214,13 +240,14 @@ class Workload:
             output_len=self.rng.randint(*self.shape.output_tokens),
             lora=conversation.lora,
             conversation=conversation,
+            salt=conversation.salt,
         )
 
     def _duplicated_job(self, engine: int) -> Request:
         """A block-aligned one-shot prompt sent twice at once (say, n=2 sampling)."""
         bs = self.shape.block_size
         system = self.rng.choices(self.systems, self.weights)[0]
-        body = self.tokens(self.rng.randint(1, 8) * bs)
+        body = self.tokens(self.rng.randint(1, 8) * _unit(bs))
         prompt = system[: len(system) // bs * bs] + body
         output = self.rng.randint(*self.shape.output_tokens)
         first, second = (
@@ -235,7 +262,9 @@ class Workload:
     def started(self, request: Request, instance: int, tick: int) -> None:
         """An engine admitted the request: its prompt is cached there now."""
         prompt = request.tokens[: request.prompt_len]
-        self.recent.append(RecentPrompt(instance, request.lora_name, prompt, request.kind, tick))
+        self.recent.append(
+            RecentPrompt(instance, request.lora_name, prompt, request.kind, tick, request.salt)
+        )
 
     def finished(self, request: Request, tick: int) -> None:
         """The request completed: its conversation's history now holds the answer."""

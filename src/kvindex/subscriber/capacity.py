@@ -6,7 +6,9 @@ descriptors for as long as it is followed:
 - its SUB socket, and the pair of PAIR sockets of the SUB's monitor: 3 sockets, each with
   a mailbox (an eventfd), plus the TCP connection: 4 descriptors;
 - with a replay endpoint, a DEALER while a replay runs (every rank may replay at once,
-  after a fleet-wide reconnect): 1 socket, 2 descriptors (mailbox, connection).
+  after a fleet-wide reconnect): 1 socket, 2 descriptors (mailbox, connection);
+- with a load stream (SGLang's, `kvindex.subscriber.load`), its SUB: 1 socket, 2
+  descriptors (mailbox, connection).
 
 A ZMQ context refuses sockets past its MAX_SOCKETS (1,023 by default: ~250 publishers with
 replay), and the process its descriptors past RLIMIT_NOFILE (`ulimit -n`, often 1,024).
@@ -38,6 +40,7 @@ __all__ = [
     "budget_of",
     "need_of",
     "need_of_instances",
+    "need_of_load",
     "raise_fd_limit",
     "subscriber_context",
 ]
@@ -49,6 +52,8 @@ _SOCKETS_PER_SOURCE = 3  # SUB + its monitor's two PAIR sockets
 _FDS_PER_SOURCE = 4  # their mailboxes + the TCP connection
 _SOCKETS_PER_REPLAY = 1  # the DEALER of a replay request
 _FDS_PER_REPLAY = 2  # its mailbox + its connection
+_SOCKETS_PER_LOAD = 1  # a load stream's SUB (no monitor, no replay)
+_FDS_PER_LOAD = 2  # its mailbox + its connection
 
 
 class CapacityError(ValueError):
@@ -77,9 +82,19 @@ def need_of(sources: int, replay: bool) -> Need:
     return Need(sources * sockets, sources * fds, sources)
 
 
+def need_of_load(ranks: int) -> Need:
+    """What following `ranks` ranks' load streams holds (publishers are not counted: the
+    load SUB of a rank goes with its KV-event one)."""
+    return Need(ranks * _SOCKETS_PER_LOAD, ranks * _FDS_PER_LOAD)
+
+
 def need_of_instances(specs: Iterable[InstanceSpec]) -> Need:
-    """What following these instances (every DP rank of each) holds."""
-    return sum((need_of(s.dp, s.replay_endpoint is not None) for s in specs), Need())
+    """What following these instances (every DP rank of each, its load stream too) holds."""
+    total = Need()
+    for s in specs:
+        total += need_of(s.dp, s.replay_endpoint is not None)
+        total += need_of_load(len(s.load_sources()))
+    return total
 
 
 def raise_fd_limit() -> int:
@@ -166,12 +181,13 @@ class SocketBudget:
         self._check(need, used, what)
 
     def reserve(self, owner: int, name: str, need: Need, what: str | None = None) -> None:
-        """Hold `need` for instance `name` of `owner` (a Subscriber), or raise CapacityError
-        (nothing held then)."""
+        """Hold `need` for instance `name` of `owner` (a Subscriber), in place of what it
+        held, or raise CapacityError (what it held stays held then)."""
         with self._lock:
-            used = sum(self._held.values(), Need())
+            key = (owner, name)
+            used = sum((n for k, n in self._held.items() if k != key), Need())
             self._check(need, used, what or f"instance {name!r}")
-            self._held[(owner, name)] = need
+            self._held[key] = need
 
     def release(self, owner: int, name: str) -> None:
         with self._lock:

@@ -225,6 +225,38 @@ class Subscriber:
             self._handle(src, src.state.start(now), items)
         return items
 
+    def change_instance(self, spec: InstanceSpec) -> tuple[list[Item], list[SourceKey]]:
+        """Follow `spec` in place of the instance of that name (an engine whose publishers
+        changed: more or fewer DP ranks, other ports), keeping the ranks whose publisher
+        is the same: their sockets, seqs and state go on untouched. Returns the items the
+        new ranks start with, and the ranks closed (gone, or moved: what was known of them
+        is void). Raises `CapacityError` (nothing changed) if the new ranks don't fit; if
+        one can't be opened anyway (zmq.ZMQError), the instance is no longer followed."""
+        old = self._instances[spec.name].sources()
+        new = spec.sources()
+        need = need_of(len(new), spec.replay_endpoint is not None)
+        self._budget.reserve(id(self), spec.name, need)  # in place of what it held
+        closed = [s.source for s in old if s not in new]
+        for source in closed:
+            self._close_source(self._sources.pop(source))
+        self._instances[spec.name] = spec
+        opened: list[_SourceSockets] = []
+        try:
+            for source_spec in new:
+                if source_spec not in old:
+                    opened.append(self._open_source(source_spec))
+        except BaseException:
+            del self._instances[spec.name]
+            for source in [k for k in self._sources if k.instance == spec.name]:
+                self._close_source(self._sources.pop(source))
+            self._budget.release(id(self), spec.name)
+            raise
+        items: list[Item] = []
+        now = time.monotonic()
+        for src in opened:
+            self._handle(src, src.state.start(now), items)
+        return items, closed
+
     def remove_instance(self, name: str) -> None:
         spec = self._instances.pop(name)
         for source_spec in spec.sources():

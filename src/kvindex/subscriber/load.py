@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from kvindex.subscriber.capacity import SocketBudget, budget_of, need_of_load, subscriber_context
 from kvindex.subscriber.messages import SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 from kvindex.wire.load import LoadStat, LoadStatError, decode_load
@@ -57,7 +58,11 @@ class LoadFollower:
     """Every followed instance's load stream, one SUB socket per DP rank."""
 
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
-        self._ctx = context or zmq.Context.instance()
+        """Sockets are made on `context`, by default the subscribers' own, and counted in
+        its `SocketBudget` beside theirs (`follow` refuses what does not fit)."""
+        self._ctx = context or subscriber_context()
+        self._budget: SocketBudget = budget_of(self._ctx)
+        self._reserved: set[str] = set()  # instances whose sockets the budget holds
         self._lock = threading.Lock()  # guards _states and _pending
         self._states: dict[SourceKey, LoadState] = {}
         self._pending: list[tuple[str, InstanceSpec | None]] = []  # (name, spec or forget)
@@ -76,12 +81,25 @@ class LoadFollower:
 
     def follow(self, spec: InstanceSpec) -> None:
         """Follow `spec`'s load stream (every rank), in place of what was followed under
-        its name; nothing if it has none."""
+        its name; nothing if it has none. Raises `CapacityError` (and nothing changes) if
+        its sockets don't fit beside what the process follows."""
+        ranks = len(spec.load_sources())
+        if ranks:
+            what = f"the load stream of {spec.name!r}"
+            self._budget.reserve(id(self), spec.name, need_of_load(ranks), what)
+            self._reserved.add(spec.name)
+        else:
+            self._release(spec.name)
         self._change(spec.name, spec)
 
     def forget(self, name: str) -> None:
         """Stop following the instance's load stream and drop its readings."""
+        self._release(name)
         self._change(name, None)
+
+    def _release(self, name: str) -> None:
+        self._budget.release(id(self), name)
+        self._reserved.discard(name)
 
     def _change(self, name: str, spec: InstanceSpec | None) -> None:
         with self._lock:
@@ -141,6 +159,8 @@ class LoadFollower:
                 if sock is not None:
                     sock.close(linger=0)
             self._sockets.clear()
+        for name in list(self._reserved):
+            self._release(name)
 
     def _run(self) -> None:
         try:

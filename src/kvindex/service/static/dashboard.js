@@ -395,6 +395,7 @@
     select.innerHTML = `<option value="">Recent prompts (${state.prompts.length})…</option>` + state.prompts.map((p, i) => {
       const bits = [p.instance, fmtInt(p.token_ids.length) + " tokens"];
       if (p.lora_name) bits.push("LoRA " + p.lora_name);
+      if (p.cache_salt) bits.push("salted");
       if (p.kind && p.kind !== "chat") bits.push(p.kind === "pair" ? "batch pair" : p.kind);
       return `<option value="${i}">${esc(bits.join(" · "))}</option>`;
     }).join("");
@@ -420,6 +421,8 @@
     const body = { token_ids: tokens };
     const lora = $("lora").value.trim();
     if (lora) body.lora_name = lora;
+    // A salted prompt (SGLang's cache_salt) matches only under its salt.
+    if (state.chosen && state.chosen.cache_salt) body.cache_salt = state.chosen.cache_salt;
     out.dataset.state = "running";
     try {
       const res = await fetch("/v1/dashboard/lookup", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });

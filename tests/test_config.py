@@ -20,7 +20,7 @@ from test_http_security import self_signed
 
 from kvindex.cli import build_parser
 from kvindex.cli.common import UsageError
-from kvindex.cli.config import SERVER_KEYS, load_settings
+from kvindex.cli.config import ROUTING_KEYS, SERVER_KEYS, load_settings
 from kvindex.cli.httpopts import http_options
 from kvindex.security.curve import generate_keys
 
@@ -76,6 +76,11 @@ def test_the_documented_example_loads_with_every_option(
     )
     assert http.max_body_bytes == 33554432 and http.guard.max_lookup_items == 1000000
     assert http.guard.request_timeout == 30.0
+    assert settings.prediction_ttl == 2.0
+    assert settings.weights == {
+        "prefix": 3.0, "queue": 2.0, "running": 1.0, "kv": 1.0, "predicted": 1.0,
+        "gpu": 1.0, "cpu": 0.8, "disk": 0.5, "external": 0.5,
+    }  # fmt: skip
     # every [server] key is in the example, so the example shows them all
     assert set(
         re.findall(r"^#? ?(\w+) =", EXAMPLE.read_text().split("[[instances]]")[0], re.M)
@@ -109,6 +114,14 @@ def test_flags_win_over_the_file_and_the_file_over_the_environment(
     assert http_options(flagged, load_settings(flagged).http_options).guard.token == (
         "from-the-flag-0123456789"
     )
+    # the routing score: a weight flag over the file's, the others kept; the TTL's flag wins
+    config.write_text("[routing]\nprediction_ttl = 3\n[routing.weights]\ncpu = 0.5\nqueue = 1\n")
+    routed = load_settings(
+        serve_args("--config", str(config), "--weights", "queue=4,kv=0", "--prediction-ttl", ".5")
+    )
+    assert routed.weights == {"cpu": 0.5, "queue": 4.0, "kv": 0.0}
+    assert routed.prediction_ttl == 0.5
+    assert load_settings(serve_args("--config", str(config))).prediction_ttl == 3.0
     config.write_text("[server]\n")
     plain = serve_args("--config", str(config))
     assert http_options(plain, load_settings(plain).http_options).guard.token == (
@@ -143,6 +156,47 @@ def test_config_problems_are_one_line(tmp_path: Path, server: str, message: str)
     assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
+@pytest.mark.parametrize(
+    ("routing", "message"),
+    [
+        ("prediction_ttl = 0", "routing.prediction_ttl must be a positive number of seconds"),
+        ('prediction_ttl = "2s"', "routing.prediction_ttl must be a positive number"),
+        ("weights = 3", "routing.weights must be a table"),
+        ("weights = {cache = 1}", "routing.weights: unknown routing weight 'cache' (prefix,"),
+        ("weights = {cpu = -0.5}", "routing.weights: tier weight cpu must be a number >= 0"),
+        ("weights = {queue = nan}", "routing.weights: routing weight queue must be a number >= 0"),
+        ('weights = {queue = "high"}', "routing.weights.queue must be a number, got 'high'"),
+        ("ttl = 2", "[routing]: unknown key 'ttl' (prediction_ttl, weights)"),
+    ],
+)
+def test_bad_routing_settings_are_one_line(tmp_path: Path, routing: str, message: str) -> None:
+    config = tmp_path / "k.toml"
+    config.write_text(f"[routing]\n{routing}\n")
+    with pytest.raises(UsageError) as exc:
+        load_settings(serve_args("--config", str(config)))
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--weights", "cache=1"], "argument --weights: unknown routing weight 'cache' (prefix,"),
+        (["--weights", "queue"], "argument --weights: 'queue' must be NAME=NUMBER"),
+        (["--weights", "gpu=-1"], "argument --weights: tier weight gpu must be a number >= 0"),
+        (["--weights", "kv=inf"], "argument --weights: routing weight kv must be a number >= 0"),
+        (["--prediction-ttl", "0"], "argument --prediction-ttl: '0' must be a positive number"),
+    ],
+)
+def test_serve_refuses_bad_routing_flags_in_one_line(flags: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvindex", "serve", "--store", "memory", "--http", "127.0.0.1:0",
+         *flags],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 def test_an_instance_with_a_bad_key_file_is_one_line(tmp_path: Path) -> None:
     config = tmp_path / "k.toml"
     config.write_text(
@@ -161,10 +215,10 @@ def test_every_serve_flag_has_a_config_key_and_is_documented() -> None:
         if action.option_strings and action.dest not in ("help", "config", "instance")
     }
     as_keys = {flag.removeprefix("--").replace("-", "_") for flag in flags}
-    keys = {k.removesuffix("_file").removesuffix("_env") for k in SERVER_KEYS}
+    keys = {k.removesuffix("_file").removesuffix("_env") for k in SERVER_KEYS | ROUTING_KEYS}
     assert as_keys - {"max_lookup_tokens"} <= keys and "max_lookup_tokens" in keys
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    for key in SERVER_KEYS:
+    for key in SERVER_KEYS | ROUTING_KEYS:
         assert f"| `{key}` |" in doc, key
     for flag in flags:
         assert f"`{flag}" in doc, flag

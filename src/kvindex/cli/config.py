@@ -14,6 +14,12 @@
     discovery_interval = 30.0                 # seconds between /server_info reads (0: never)
     allowed_hosts = ["kvindex.example.com"]   # Host names served besides localhost
 
+    [routing]                                 # the routing score (docs/routing.md)
+    prediction_ttl = 2.0                      # seconds a /v1/route choice is predicted
+    [routing.weights]                         # any of them; the rest keep their defaults
+    prefix = 3.0
+    cpu = 0.8
+
     [[instances]]
     name = "vllm-0"
     endpoint = "tcp://10.0.0.5:6557"
@@ -49,7 +55,15 @@ from kvindex.security.curve import KeyFileError, read_public_key
 from kvindex.subscriber import InstanceSpec, SpecError
 from kvindex.subscriber.spec import DISCOVERY_SCHEMES
 
-__all__ = ["DEFAULT_HTTP", "DEFAULT_STORE", "SERVER_KEYS", "Settings", "load_settings"]
+__all__ = [
+    "DEFAULT_HTTP",
+    "DEFAULT_STORE",
+    "ROUTING_KEYS",
+    "SERVER_KEYS",
+    "Settings",
+    "load_settings",
+    "parse_weights",
+]
 
 DEFAULT_HTTP = "127.0.0.1:8080"
 DEFAULT_STORE = "sqlite:///kvindex.sqlite"  # interface.md: a file in the working directory
@@ -81,6 +95,8 @@ SERVER_KEYS = (
     | _LIST_KEYS
 )
 
+ROUTING_KEYS = {"weights", "prediction_ttl"}  # [routing]: the score's weights, predictions
+
 
 @dataclass(slots=True)
 class Settings:
@@ -99,6 +115,10 @@ class Settings:
     discovery_interval: float | None = None
     # `MODEL=PATH|vllm`: how each model's prompts become token ids (lookups by text)
     tokenizers: list[str] = field(default_factory=list)
+    # The routing score's weights by name (`kvindex.runtime.routing.Weights.of`), checked;
+    # the ones not given keep their defaults.
+    weights: dict[str, float] = field(default_factory=dict)
+    prediction_ttl: float | None = None  # None: the router's default (2 s)
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
@@ -117,6 +137,10 @@ def load_settings(args: argparse.Namespace) -> Settings:
     if getattr(args, "discovery_interval", None) is not None:
         settings.discovery_interval = args.discovery_interval
     settings.tokenizers += getattr(args, "tokenizer", None) or []
+    for given in getattr(args, "weights", None) or []:
+        settings.weights.update(given)
+    if getattr(args, "prediction_ttl", None) is not None:
+        settings.prediction_ttl = args.prediction_ttl
     names = [spec.name for spec in settings.instances]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -138,9 +162,9 @@ def read_config(path: Path) -> Settings:
         raise UsageError(f"can't read {path}: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path} is not valid TOML: {exc}") from None
-    unknown = set(data) - {"server", "instances", "store"}
+    unknown = set(data) - {"server", "instances", "routing", "store"}
     if unknown:
-        raise UsageError(f"{path}: unknown key {sorted(unknown)[0]!r} (server, instances)")
+        raise UsageError(f"{path}: unknown key {sorted(unknown)[0]!r} (server, instances, routing)")
     server = _table(data.get("server", {}), f"{path}: [server]", SERVER_KEYS)
     settings = Settings()
     settings.http = _string(server.get("http", DEFAULT_HTTP), f"{path}: server.http")
@@ -173,6 +197,7 @@ def read_config(path: Path) -> Settings:
         if not isinstance(listed, list) or not all(isinstance(t, str) for t in listed):
             raise UsageError(f'{path}: server.tokenizer must be a list of "MODEL=PATH|vllm"')
         settings.tokenizers = list(listed)
+    _routing(data.get("routing", {}), path, settings)
     instances = data.get("instances", [])
     if not isinstance(instances, list):
         raise UsageError(f"{path}: 'instances' must be an array of tables ([[instances]])")
@@ -180,6 +205,58 @@ def read_config(path: Path) -> Settings:
         where = f"{path}: instances[{i}]"
         settings.instances.append(_config_instance(_table(entry, where, INSTANCE_KEYS), where))
     return settings
+
+
+def _routing(table: object, path: Path, settings: Settings) -> None:
+    """`[routing]`: `prediction_ttl` and the `weights` table, each value checked."""
+    routing = _table(table, f"{path}: [routing]", ROUTING_KEYS)
+    if "prediction_ttl" in routing:
+        ttl = routing["prediction_ttl"]
+        if not _number(ttl) or not 0 < ttl < float("inf"):
+            raise UsageError(f"{path}: routing.prediction_ttl must be a positive number of seconds")
+        settings.prediction_ttl = float(ttl)
+    if "weights" in routing:
+        weights = routing["weights"]
+        where = f"{path}: routing.weights"
+        if not isinstance(weights, dict):
+            raise UsageError(f"{where} must be a table (NAME = number)")
+        for name, value in weights.items():
+            if not _number(value):
+                raise UsageError(f"{where}.{name} must be a number, got {value!r}")
+        try:
+            settings.weights = _checked_weights(weights)
+        except ValueError as exc:
+            raise UsageError(f"{where}: {exc}") from None
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _checked_weights(values: dict[str, Any]) -> dict[str, float]:
+    """The weights as floats, if the router takes them (ValueError says why not)."""
+    from kvindex.runtime.routing import Weights  # not on `kvindex --help`'s path
+
+    weights = {name: float(value) for name, value in values.items()}
+    Weights.of(weights)
+    return weights
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """`--weights NAME=VALUE[,NAME=VALUE...]`, checked (argparse's one-line error)."""
+    values: dict[str, Any] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        try:
+            values[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{part!r} must be NAME=NUMBER, e.g. queue=1.5")
+    try:
+        return _checked_weights(values)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _http_options(server: dict[str, Any], path: Path) -> dict[str, Any]:

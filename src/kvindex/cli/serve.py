@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvindex.cli import config
-from kvindex.cli.common import UsageError, non_negative_seconds, positive_int, run_async
+from kvindex.cli.common import (
+    UsageError,
+    non_negative_seconds,
+    positive_int,
+    positive_seconds,
+    run_async,
+)
 from kvindex.cli.config import DEFAULT_HTTP, DEFAULT_STORE, Settings
 from kvindex.cli.httpopts import add_http_arguments, http_options, warn_if_exposed
 from kvindex.cli.signals import Stop, stop_signals
@@ -90,6 +96,22 @@ def add_parser(subparsers: Any) -> None:
         help="how MODEL's prompts become token ids for lookups by text: a Hugging Face model "
         "directory or tokenizer.json (the tokenize extra), or 'vllm' for the instance's own "
         "POST /tokenize (its spec's http=); repeatable",
+    )
+    p.add_argument(
+        "--weights",
+        metavar="NAME=VALUE[,...]",
+        action="append",
+        type=config.parse_weights,
+        help="the routing score's weights: prefix, queue, running, kv, predicted, and the "
+        "tiers gpu, cpu, disk, external (docs/routing.md); the others keep their defaults; "
+        "repeatable",
+    )
+    p.add_argument(
+        "--prediction-ttl",
+        metavar="SECONDS",
+        type=positive_seconds,
+        help="how long POST /v1/route's choice counts as predicted blocks on the chosen "
+        "instance, unless its real blocks show first (default 2)",
     )
     add_http_arguments(p)
     p.set_defaults(run=run)
@@ -179,6 +201,7 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
 
     from kvindex.runtime import Fleet
     from kvindex.runtime.discovery import DEFAULT_INTERVAL
+    from kvindex.runtime.routing import DEFAULT_TTL, Predictions, Weights
     from kvindex.service.app import create_app
     from kvindex.service.fastpath import lookup_protocol
     from kvindex.service.routing import Routing
@@ -225,7 +248,12 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     if shared is not None:
         shared.share(fleet.specs.values())
     try:
-        routing = Routing.of(fleet, _tokenizers(fleet, settings.tokenizers))
+        routing = Routing.of(
+            fleet,
+            _tokenizers(fleet, settings.tokenizers),
+            weights=Weights.of(settings.weights),
+            predictions=Predictions(settings.prediction_ttl or DEFAULT_TTL),
+        )
     except UsageError:
         fleet.close()
         sock.close()

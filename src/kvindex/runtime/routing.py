@@ -34,6 +34,7 @@ exact, nothing predicted is stored or persisted, and plain lookups never see the
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from array import array
@@ -52,6 +53,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_TTL",
+    "WEIGHT_NAMES",
     "Candidate",
     "Load",
     "LoadSource",
@@ -65,7 +68,10 @@ __all__ = [
 ]
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's, for an instance whose block size nothing has shown yet
+DEFAULT_TTL = 2.0  # seconds a route's prediction lasts unless its real blocks show first
 TIERS = ("gpu", "cpu", "disk", "external")
+# What `Weights.of` takes: the scorers' weights, then each tier's.
+WEIGHT_NAMES = ("prefix", "queue", "running", "kv", "predicted", *TIERS)
 
 
 class Load(msgspec.Struct, frozen=True, gc=False):
@@ -76,6 +82,13 @@ class Load(msgspec.Struct, frozen=True, gc=False):
     kv_usage: float | None = None  # 0 to 1
     at: float = 0.0  # time.monotonic() when it was read
     block_size: int | None = None  # the engine's, where the source knows it
+
+
+def _non_negative(value: object) -> bool:
+    """A finite number, 0 or more (not a bool, not NaN)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    return math.isfinite(value) and value >= 0
 
 
 class LoadSource(Protocol):
@@ -105,13 +118,27 @@ class Weights:
     def __post_init__(self) -> None:
         for name in ("prefix", "queue", "running", "kv", "predicted", "max_load_age"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            if not _non_negative(value):
                 raise ValueError(f"routing weight {name} must be a number >= 0, got {value!r}")
         for tier, value in self.tiers.items():
             if tier not in TIERS:
                 raise ValueError(f"unknown tier {tier!r} in the tier weights ({', '.join(TIERS)})")
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            if not _non_negative(value):
                 raise ValueError(f"tier weight {tier} must be a number >= 0, got {value!r}")
+
+    @classmethod
+    def of(cls, values: Mapping[str, float]) -> Weights:
+        """The defaults with `values` over them, by flat name (`prefix`, `queue`, `running`,
+        `kv`, `predicted`, or a tier: `gpu`, `cpu`, `disk`, `external`), as `serve
+        --weights` and the config file's `[routing.weights]` give them; ValueError names a
+        bad one."""
+        unknown = sorted(set(values) - set(WEIGHT_NAMES))
+        if unknown:
+            raise ValueError(f"unknown routing weight {unknown[0]!r} ({', '.join(WEIGHT_NAMES)})")
+        default = cls()
+        tiers = {**default.tiers, **{t: v for t, v in values.items() if t in TIERS}}
+        scorers = {k: v for k, v in values.items() if k not in TIERS}
+        return cls(**scorers, tiers=tiers)
 
     def tier(self, name: str) -> float:
         return float(self.tiers.get(name, 0.0))
@@ -249,11 +276,11 @@ class Predictions:
 
     def __init__(
         self,
-        ttl: float = 2.0,
+        ttl: float = DEFAULT_TTL,
         max_entries: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not ttl > 0:
+        if not (_non_negative(ttl) and ttl > 0):
             raise ValueError(f"the prediction TTL must be > 0 seconds, got {ttl!r}")
         self.ttl = ttl
         self.max_entries = max_entries

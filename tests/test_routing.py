@@ -268,7 +268,13 @@ def test_spec_router_options_round_trip_and_bad_ones_are_one_line_errors() -> No
         (3, "tcp://g:9"),
     ]
     assert InstanceSpec.parse(ranks.render()) == ranks
+    registered = InstanceSpec.parse("7:2=tcp://h:1,rank=2,routing_group=east,block_size=8")
+    assert (registered.routing_group, registered.block_size) == ("east", 8)
+    assert InstanceSpec.parse(registered.render()) == registered
     for bad, message in [
+        ("a=tcp://h:1,routing_group=a b", "routing_group"),
+        ("a=tcp://h:1,block_size=0", "block_size must be between 1 and"),
+        ("a=tcp://h:1,block_size=16k", "block_size must be a whole number"),
         ("a=tcp://h:1,http=ftp://x", "not an http"),
         ("a=tcp://h:1,model=a b", "model"),
         ("a=tcp://h:1,dp=2,rank@3=tcp://g:9", "don't go together"),

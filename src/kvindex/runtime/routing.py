@@ -498,9 +498,13 @@ class Router:
     # -- scoring ----------------------------------------------------------------------
 
     def _block_size(self, instance: str, model: str | None) -> int:
-        """The instance's block size: as its answers showed it, else as its load source
-        says (vLLM's cache_config_info), else another instance's of the model."""
+        """The instance's block size: as its answers showed it, else as its spec says
+        (`block_size=`, e.g. from `/register`), else as its load source says (vLLM's
+        cache_config_info), else another instance's of the model."""
         size = self._sizes.get(instance)
+        if size is None:
+            spec = self.fleet.specs.get(instance)
+            size = spec.block_size if spec is not None else None
         if size is None:
             size = next((ld.block_size for ld in (self.load(instance) or {}).values()), None)
         if size is None and model is not None:  # another instance of the model showed one

@@ -9,16 +9,18 @@
   request's format).
 
 A worker registered by `/register` is a kvindex instance named `ID:RANK` (one per DP rank,
-as Dynamo registers them) with `model=` its `model_name`; `/query` answers every instance of
-the model, keyed by worker id (an instance not named `ID:RANK`, followed by `--instance`,
-answers under its name, with its DP ranks).
+as Dynamo registers them) with `model=` its `model_name`, `routing_group=` and `block_size=`
+its own (in the spec: the store keeps them with the instance, so they survive a restart);
+`/query` answers every instance of the model and routing group, keyed by worker id (an
+instance not named `ID:RANK`, followed by `--instance`, answers under its name, with its
+DP ranks).
 """
 
 from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -34,7 +36,6 @@ from kvindex.runtime.stream_load import StreamLoads
 from kvindex.runtime.tokenize import Chat, NoTokenizer, TokenizeFailed, Tokenizers
 from kvindex.service.metrics import ServiceMetrics
 from kvindex.service.schema import (
-    BadBody,
     ChatLookupRequest,
     LookupRequest,
     PeerInstance,
@@ -69,14 +70,12 @@ _MSGPACK = ("application/msgpack", "application/x-msgpack", "application/vnd.msg
 @dataclass
 class Routing:
     """The router's parts a service holds: the score and predictions, the tokenizers, the
-    engines' metrics, and the routing group and block size of each `/register`ed worker."""
+    engines' metrics."""
 
     fleet: Fleet
     router: Router
     tokenizers: Tokenizers
     scraper: MetricsScraper
-    groups: dict[str, str] = field(default_factory=dict)  # instance name -> routing group
-    block_sizes: dict[str, int] = field(default_factory=dict)  # from /register
 
     @classmethod
     def of(cls, fleet: Fleet, tokenizers: Tokenizers | None = None, **router: Any) -> Routing:
@@ -213,20 +212,36 @@ def _is_msgpack(request: Request) -> bool:
     return kind in _MSGPACK
 
 
-def _decode_peer(raw: bytes, kind: type[Any], msgpack: bool) -> Any:
-    """A peer body, JSON or msgpack. Lax (`strict=False`): JSON Schema counts `1.0` as an
-    integer, and so do these bodies."""
+class _PeerFailure(Exception):
+    """A peer request refused: answered as `{"error"}` in the request's own format."""
+
+    def __init__(self, status: int, message: str, msgpack: bool) -> None:
+        super().__init__(message)
+        self.status = status
+        self.msgpack = msgpack
+
+
+async def _peer_body(request: Request, kind: type[Any]) -> tuple[Any, bool]:
+    """A peer body, JSON or msgpack, and whether it was msgpack (the answer follows it).
+    Lax (`strict=False`): JSON Schema counts `1.0` as an integer, and so do these bodies."""
+    msgpack = _is_msgpack(request)
+    raw = await request.body()
     if not raw.strip():
-        raise BadBody(400, "a body is required")
+        raise _PeerFailure(400, "a body is required", msgpack)
     try:
         if msgpack:
-            return msgspec.msgpack.decode(raw, type=kind, strict=False)
-        return msgspec.json.decode(raw, type=kind, strict=False)
+            return msgspec.msgpack.decode(raw, type=kind, strict=False), msgpack
+        return msgspec.json.decode(raw, type=kind, strict=False), msgpack
     except msgspec.ValidationError as exc:
-        raise BadBody(422, f"invalid body: {exc}") from None
+        raise _PeerFailure(422, f"invalid body: {exc}", msgpack) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         what = "msgpack" if msgpack else "JSON"
-        raise BadBody(400, f"body is not valid {what}: {exc}") from None
+        raise _PeerFailure(400, f"body is not valid {what}: {exc}", msgpack) from None
+
+
+async def _peer_failed(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, _PeerFailure)
+    return _peer_error(exc.status, str(exc), exc.msgpack)
 
 
 def _peer_answer(content: Any, status: int, msgpack: bool) -> Response:
@@ -250,10 +265,12 @@ def peer_query_answer(routing: Routing, rows: list[InstanceMatch], group: str) -
     """Dynamo's `/query` answer from a lookup's rows (matched tokens, per worker and rank)."""
     scores: dict[str, dict[str, int]] = {}
     instances: dict[str, PeerInstance] = {}
+    specs = routing.fleet.specs
     for row in rows:
-        if routing.groups.get(row.name, "default") != group or not row.matched_blocks:
+        spec = specs.get(row.name)
+        if spec is None or _group(spec) != group or not row.matched_blocks:
             continue
-        size = row.block_size or routing.block_sizes.get(row.name, 0)
+        size = row.block_size or spec.block_size or 0
         worker, rank = worker_of(row.name)
         tiers = row.by_tier or {"gpu": row.matched_blocks}
         gpu = tiers.get("gpu", 0)
@@ -281,9 +298,15 @@ def peer_query_answer(routing: Routing, rows: list[InstanceMatch], group: str) -
     return QueryAnswer(scores, [], instances)
 
 
+def _group(spec: InstanceSpec) -> str:
+    """The instance's routing group in the peers' API (Dynamo's default is `default`)."""
+    return spec.routing_group or "default"
+
+
 def _served(routing: Routing, model: str, group: str) -> bool:
+    specs = routing.fleet.specs
     return any(
-        routing.groups.get(name, "default") == group
+        name in specs and _group(specs[name]) == group
         for name in routing.fleet.models().get(model, [])
     )
 
@@ -306,22 +329,19 @@ def _add_peer_routes(app: FastAPI, routing: Routing, metrics: ServiceMetrics) ->
     )
     async def register(request: Request) -> Response:
         """Follow a worker's DP rank (Dynamo's shape): `{"status": "ok"}`, 201."""
-        packed = _is_msgpack(request)
+        body: RegisterRequest
+        body, packed = await _peer_body(request, RegisterRequest)
         try:
-            body: RegisterRequest = _decode_peer(await request.body(), RegisterRequest, packed)
-            name = f"{body.instance_id}:{body.dp_rank}"
             spec = InstanceSpec(
-                name,
+                f"{body.instance_id}:{body.dp_rank}",
                 body.endpoint,
                 body.replay_endpoint or None,
                 model=body.model_name,
                 rank=body.dp_rank,
+                block_size=body.block_size,
+                routing_group=None if body.routing_group == "default" else body.routing_group,
             )
-            routing.groups[name] = body.routing_group
-            routing.block_sizes[name] = body.block_size
             fleet.add_instance(spec)
-        except BadBody as exc:
-            return _peer_error(exc.status_code, str(exc), packed)
         except DuplicateInstance:
             message = f"instance {body.instance_id} dp_rank {body.dp_rank} already registered"
             return _peer_error(409, message, packed)
@@ -338,20 +358,15 @@ def _add_peer_routes(app: FastAPI, routing: Routing, metrics: ServiceMetrics) ->
     )
     async def unregister(request: Request) -> Response:
         """Stop following a worker (every rank and group of the model, or the one named)."""
-        packed = _is_msgpack(request)
-        try:
-            body: UnregisterRequest = _decode_peer(await request.body(), UnregisterRequest, packed)
-        except BadBody as exc:
-            return _peer_error(exc.status_code, str(exc), packed)
+        body: UnregisterRequest
+        body, packed = await _peer_body(request, UnregisterRequest)
         gone = []
         for name in fleet.models().get(body.model_name, []):
             worker, rank = worker_of(name)
-            if worker != str(body.instance_id):
+            spec = fleet.specs.get(name)
+            if worker != str(body.instance_id) or spec is None:
                 continue
-            if (
-                body.routing_group is not None
-                and routing.groups.get(name, "default") != body.routing_group
-            ):
+            if body.routing_group is not None and _group(spec) != body.routing_group:
                 continue
             if body.dp_rank is not None and body.routing_group is not None and rank != body.dp_rank:
                 continue
@@ -359,8 +374,6 @@ def _add_peer_routes(app: FastAPI, routing: Routing, metrics: ServiceMetrics) ->
                 fleet.remove_instance(name)
             except UnknownInstance:
                 continue
-            routing.groups.pop(name, None)
-            routing.block_sizes.pop(name, None)
             gone.append(name)
         if not gone:
             return _peer_error(404, f"instance {body.instance_id} not found", packed)
@@ -371,7 +384,7 @@ def _add_peer_routes(app: FastAPI, routing: Routing, metrics: ServiceMetrics) ->
         """Every worker: model, routing group, block size, endpoints and listeners per rank."""
         out: dict[tuple[str, str, str], dict[str, Any]] = {}
         for name, spec in sorted(fleet.specs.items()):
-            group = routing.groups.get(name, "default")
+            group = _group(spec)
             if spec.model is None or (model_name is not None and spec.model != model_name):
                 continue
             if routing_group is not None and group != routing_group:
@@ -385,7 +398,7 @@ def _add_peer_routes(app: FastAPI, routing: Routing, metrics: ServiceMetrics) ->
                     "status": "active",
                     "model_name": spec.model,
                     "routing_group": group,
-                    "block_size": routing.block_sizes.get(name),
+                    "block_size": spec.block_size,
                     "endpoints": {},
                     "listeners": {},
                 },
@@ -406,11 +419,8 @@ def _add_peer_routes(app: FastAPI, routing: Routing, metrics: ServiceMetrics) ->
     )
     async def query(request: Request) -> Response:
         """Per worker and DP rank, the matched tokens of the prompt (Dynamo's shape)."""
-        packed = _is_msgpack(request)
-        try:
-            body: QueryRequest = _decode_peer(await request.body(), QueryRequest, packed)
-        except BadBody as exc:
-            return _peer_error(exc.status_code, str(exc), packed)
+        body: QueryRequest
+        body, packed = await _peer_body(request, QueryRequest)
         if not _served(routing, body.model_name, body.routing_group):
             return _peer_error(404, _no_indexer(body.model_name, body.routing_group), packed)
         start = time.perf_counter()
@@ -430,13 +440,8 @@ def _add_peer_routes(app: FastAPI, routing: Routing, metrics: ServiceMetrics) ->
     async def query_by_hash(request: Request) -> Response:
         """Not answered: Dynamo's hashes are its own (XXH3 of each block's tokens), which
         kvindex does not keep (docs/routing.md); 501 with the reason."""
-        packed = _is_msgpack(request)
-        try:
-            body: QueryByHashRequest = _decode_peer(
-                await request.body(), QueryByHashRequest, packed
-            )
-        except BadBody as exc:
-            return _peer_error(exc.status_code, str(exc), packed)
+        body: QueryByHashRequest
+        body, packed = await _peer_body(request, QueryByHashRequest)
         if not _served(routing, body.model_name, body.routing_group):
             return _peer_error(404, _no_indexer(body.model_name, body.routing_group), packed)
         if body.cache_salt is not None:
@@ -471,5 +476,6 @@ def install_routing(
 ) -> None:
     """`/v1/route` and the peers' API on `app` (the lookup route calls `lookup_answer`)."""
     app.state.routing = routing
+    app.add_exception_handler(_PeerFailure, _peer_failed)
     _add_route(app, routing, metrics, route_doc)
     _add_peer_routes(app, routing, metrics)

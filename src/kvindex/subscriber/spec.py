@@ -4,8 +4,11 @@ and `load=LOAD_PUB` for SGLang's load stream (rank r on its port + r).
 
 What a router needs beside the stream: `model=MODEL` (the model the engine serves: lookups
 that name a model see only its instances), `http=URL` (the engine's own HTTP server, for
-`POST /tokenize` and, by default, `/metrics`) and `metrics=URL` (where its Prometheus
-metrics are, if not at `http`'s `/metrics`).
+`POST /tokenize` and, by default, `/metrics`), `metrics=URL` (where its Prometheus
+metrics are, if not at `http`'s `/metrics`), and what the peers' `/register` says of a
+worker: `routing_group=GROUP` (Dynamo's routing group; none: `default`) and
+`block_size=N` (its tokens per block, before its first BlockStored shows it). Being in
+the spec, they are kept by the store with the instance and come back after a restart.
 
 DP ranks are on ports +0..+dp-1 of both endpoints, as vLLM binds them; a rank elsewhere is
 named by `rank@R=PUB` and `replay@R=REPLAY` (the peers' `/register` gives an endpoint per
@@ -32,6 +35,7 @@ __all__ = ["DISCOVERY_SCHEMES", "InstanceSpec", "SourceSpec", "SpecError", "offs
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")
 _ENDPOINT = re.compile(r"(tcp|ipc|inproc)://\S+")
 _MAX_DP = 1024
+_MAX_BLOCK_SIZE = 1 << 20
 _OPTIONS = (
     "replay",
     "topic",
@@ -43,6 +47,8 @@ _OPTIONS = (
     "metrics",
     "rank",
     "load",
+    "routing_group",
+    "block_size",
 )
 _RANK_OPTION = re.compile(r"(rank|replay)@([0-9]{1,4})")
 _MODEL = re.compile(r"[^\s,=]{1,256}")
@@ -119,7 +125,9 @@ class InstanceSpec:
     discover: str | None = None
     api_key_env: str | None = None
     api_key_file: str | None = None
-    block_size: int | None = None  # as the engine advertised it (discovered engines)
+    # Tokens per block: as the engine advertised it (discovered engines) or `block_size=`.
+    block_size: int | None = None
+    routing_group: str | None = None  # the peers' routing group (None: "default")
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -152,6 +160,13 @@ class InstanceSpec:
             _check_url(self.http, "http")
         if self.metrics is not None:
             _check_url(self.metrics, "metrics")
+        if self.routing_group is not None and not _MODEL.fullmatch(self.routing_group):
+            raise SpecError(
+                f"routing_group {self.routing_group!r} must be 1-256 characters, "
+                "no spaces, ',' or '='"
+            )
+        if self.block_size is not None and not 1 <= self.block_size <= _MAX_BLOCK_SIZE:
+            raise SpecError(f"block_size must be between 1 and {_MAX_BLOCK_SIZE}")
         if self.rank != 0 or self.extra_ranks:
             if self.dp != 1:
                 raise SpecError("dp= and explicit ranks (rank=, rank@R=) don't go together")
@@ -268,6 +283,9 @@ class InstanceSpec:
         rank_text = fields.get("rank", "0")
         if not rank_text.isdigit():
             raise SpecError(f"rank must be a whole number, got {rank_text!r}")
+        size_text = fields.get("block_size")
+        if size_text is not None and not (size_text.isdigit() and len(size_text) < 10):
+            raise SpecError(f"block_size must be a whole number, got {size_text!r}")
         return cls(
             name=name,
             endpoint=endpoint,
@@ -282,6 +300,8 @@ class InstanceSpec:
             rank=int(rank_text),
             extra_ranks=_extra_ranks(fields, text),
             load_endpoint=fields.get("load") or None,
+            block_size=None if size_text is None else int(size_text),
+            routing_group=fields.get("routing_group") or None,
         )
 
     def sources(self) -> list[SourceSpec]:
@@ -346,6 +366,10 @@ class InstanceSpec:
             text += f",rank@{rank}={endpoint}" + (f",replay@{rank}={replay}" if replay else "")
         if self.load_endpoint is not None:
             text += f",load={self.load_endpoint}"
+        if self.routing_group is not None:
+            text += f",routing_group={self.routing_group}"
+        if self.block_size is not None:
+            text += f",block_size={self.block_size}"
         return text
 
 

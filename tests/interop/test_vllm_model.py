@@ -13,23 +13,40 @@ Subscriber follows all five into a FleetIndex; then, per scenario:
   tokens, LoRA and salt (`get_computed_blocks`, then the offload connector's own lookup);
 - the per-tier and per-group detail equals vLLM's split of that answer.
 
+The same stream also feeds kvindex's whole runtime as a router asks it (issue 15): a
+`kvindex.runtime.Fleet` with `model=` per instance, and `POST /v1/lookup` by prompt text
+(a word-level tokenizer built on the fly whose words are vLLM's token ids), per model,
+with the probes' salts and LoRA adapters, on a real HTTP server; and the peers' `/query`.
+Salted and multimodal probes included: the answer must be what vLLM would reuse.
+
 Checks kvindex fails today are marked xfail(strict=True) per scenario (issue 20): when a
 case starts passing, strict mode fails it, and its marker comes off.
 """
 
 from __future__ import annotations
 
+import json
+import socket
+import threading
+import time
 from collections.abc import Iterator
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import uvicorn
 from driver_proc import spawn
 from follow import caught_up, run_until
 from warm_restart import restarted_through_store
 
 from kvindex.index import FleetIndex
+from kvindex.runtime import Fleet as Runtime
+from kvindex.runtime.tokenize import Tokenizers
+from kvindex.service.app import create_app
+from kvindex.service.routing import Routing
 from kvindex.subscriber import InstanceSpec, Lost, ReplayPolicy, SourceKey, Subscriber
 
 DRIVER = Path(__file__).with_name("vllm_model_driver.py")
@@ -75,12 +92,47 @@ class Fleet:
     restarted: FleetIndex  # the same stream through the SQLite store and a warm restart
     ref: dict[str, Any]  # scenario -> the driver's reference for it
     index: FleetIndex  # the one a test asks (see `fleet`)
+    runtime: Runtime  # kvindex's runtime on the same streams, `model=vllm-SCENARIO` each
+    url: str  # the service over `runtime` (a word tokenizer for vllm-keys: see below)
+
+
+VOCAB = 32000  # the driver's model config
+
+
+def word_tokenizer(folder: Path) -> Path:
+    """A Hugging Face tokenizer whose word `tN` is token id N, nothing added: a prompt
+    written in its words tokenizes to exactly the driver's token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1 << 20}))
+    return folder
+
+
+@contextmanager
+def serving(app: Any) -> Iterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started and thread.is_alive():
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 @pytest.fixture(scope="module")
 def followed(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     out = tmp_path_factory.mktemp("vllm-model") / "reference.json"
     driver = spawn(vllm_python, DRIVER, out, "--wait-go", "--linger", "120")
+    stack = ExitStack()
     try:
         ready = driver.wait_ready()
         specs = [
@@ -89,6 +141,13 @@ def followed(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         ]
         index = FleetIndex()
         policy = ReplayPolicy(first_reply_timeout=2, idle_timeout=1, max_attempts=5)
+        runtime = stack.enter_context(closing(Runtime(with_models(specs))))
+        tokenizers = Tokenizers(runtime)
+        words = word_tokenizer(tmp_path_factory.mktemp("words"))
+        tokenizers.add(model("keys"), str(words))
+        url = stack.enter_context(  # its lifespan starts the runtime's ingest
+            serving(create_app(runtime, routing=Routing.of(runtime, tokenizers)))
+        )
         with Subscriber(instances=specs, policy=policy) as sub:
             driver.go()
             ref = driver.wait_done()["scenarios"]
@@ -102,9 +161,30 @@ def followed(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
             assert not behind, f"the subscriber did not catch up with {behind}"
         assert not [i for i in items if isinstance(i, Lost)]
         restarted = restarted_through_store(items, out.with_name("store.sqlite"))
-        yield Fleet(index, restarted, ref, index)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not runtime_caught_up(runtime, ref):
+            time.sleep(0.05)
+        yield Fleet(index, restarted, ref, index, runtime, url)
     finally:
+        stack.close()
         driver.stop()
+
+
+def with_models(specs: list[InstanceSpec]) -> list[InstanceSpec]:
+    """The scenarios' instances as a router's fleet names them: one model each."""
+    return [InstanceSpec(s.name, s.endpoint, s.replay_endpoint, model=model(s.name)) for s in specs]
+
+
+def model(scenario: str) -> str:
+    return f"vllm-{scenario}"
+
+
+def runtime_caught_up(runtime: Runtime, ref: dict[str, Any]) -> bool:
+    views = {v.name: v for v in runtime.instance_views()}
+    return all(
+        views[name].last_seq == r["published_batches"] - 1 and views[name].status.value == "live"
+        for name, r in ref.items()
+    )
 
 
 @pytest.fixture(params=["live", "restarted"])
@@ -112,7 +192,9 @@ def fleet(followed: Fleet, request: pytest.FixtureRequest) -> Fleet:
     """Each check on the live index, then on the one a warm restart from the SQLite store
     rebuilt (issue 20: the same answers before and after a restart)."""
     index = followed.live if request.param == "live" else followed.restarted
-    return Fleet(followed.live, followed.restarted, followed.ref, index)
+    return Fleet(
+        followed.live, followed.restarted, followed.ref, index, followed.runtime, followed.url
+    )
 
 
 def scenario_ref(fleet: Fleet, scenario: str) -> dict[str, Any]:
@@ -237,3 +319,51 @@ def test_lookup_detail_equals_engine(fleet: Fleet, scenario: str) -> None:
                     f"{got_groups if got_groups is not None else 'missing'}"
                 )
     assert not problems, f"{scenario}: {len(problems)} problems:\n" + "\n".join(problems)
+
+
+# -- the router's path: prompt text, model, salt, over HTTP (issue 15) ----------------------
+
+
+def test_prompt_lookups_by_model_equal_engine(followed: Fleet) -> None:
+    """Every probe of the `keys` scenario (plain, salted, LoRA, the tokens of multimodal
+    and prompt-embeds requests) as a router sends it: `POST /v1/lookup {"prompt", "model",
+    "cache_salt", "lora_name"}`, the prompt tokenized by the model's tokenizer; and the
+    same token ids to the peers' `/query`. Each answer is vLLM's reuse, and only the
+    model's instance answers (the five scenarios are five models on one fleet)."""
+    scenario = "keys"
+    ref = scenario_ref(followed, scenario)
+    views = [v.ranks for v in followed.runtime.instance_views() if v.name == scenario]
+    assert runtime_caught_up(followed.runtime, followed.ref), f"the runtime is behind: {views}"
+    kinds = {"salt": 0, "multimodal": 0}
+    problems = []
+    with httpx.Client(base_url=followed.url, timeout=30) as client:
+        for probe in ref["probes"]:
+            want = probe["expected"]["tokens"]
+            namespace = {"lora_name": probe["lora_name"], "cache_salt": probe["cache_salt"]}
+            body = {
+                "prompt": " ".join(f"t{t}" for t in probe["token_ids"]),
+                "model": model(scenario),
+                **{k: v for k, v in namespace.items() if v is not None},
+            }
+            answer = client.post("/v1/lookup", json=body)
+            assert answer.status_code == 200, answer.text
+            rows = answer.json()["instances"]
+            assert [r["name"] for r in rows] == [scenario], probe_label(probe)
+            got = rows[0]["matched_tokens"]
+            peer = client.post(
+                "/query",
+                json={"token_ids": probe["token_ids"], "model_name": model(scenario), **namespace},
+            ).json()
+            by_peer = peer["instances"].get(scenario, {}).get("longest_matched", 0)
+            if (got, by_peer) != (want, want):
+                problems.append(
+                    f"{probe_label(probe)}: vLLM reuses {want} tokens, kvindex's prompt lookup "
+                    f"{got}, its /query {by_peer}"
+                )
+            kinds["salt"] += probe["cache_salt"] is not None
+            kinds["multimodal"] += "mm" in probe["name"] and want > 0
+    # the scenario holds salted probes and the tokens of image requests, some matching
+    assert kinds["salt"] >= 4 and kinds["multimodal"] >= 2, kinds
+    assert not problems, f"{len(problems)} of {len(ref['probes'])} probes differ:\n" + "\n".join(
+        problems
+    )

@@ -262,6 +262,32 @@ def test_readme_section_is_rewritten_between_its_markers(
     assert readme.read_text() == text
 
 
+def test_one_case_runs_apart_into_the_last_results(
+    smoke_run: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """`--only routing` runs that case alone and puts it into the results file beside the
+    last run's figures, which stay; the README says it ran apart, when and how."""
+    out, _, fake = smoke_run
+    mine = tmp_path / "results.json"
+    mine.write_text(out.read_text())
+    monkeypatch.setenv("KVINDEX_BENCH_CACHE", str(tmp_path / "cache"))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert bench.main(["--smoke", "--only", "routing", "--out", str(mine)]) == 0
+    before, after = json.loads(out.read_text()), json.loads(mine.read_text())
+    routing = after["e2e"].pop("e2e_routing")
+    assert "error" not in routing and "error" not in routing.get("http", {}), routing
+    assert after.pop("runs_apart")["routing"]["mode"] == "smoke"
+    assert after == before  # the rest as the last run left it
+    assert "e2e POST /v1/route" in printed.getvalue()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{report.START}\n{report.END}\n")
+    monkeypatch.setitem(sys.modules, "kvindex.bench.e2e", fake)
+    assert report.main(["--readme", str(readme), "--results", str(mine)]) == 0
+    assert "The routing rows were run apart on " in readme.read_text()
+    assert "`python -m kvindex.bench --only routing`" in readme.read_text()
+
+
 def test_readme_without_markers_is_refused(smoke_run: Any, tmp_path: Path) -> None:
     out, _, _ = smoke_run
     readme = tmp_path / "README.md"

@@ -28,6 +28,7 @@ CASES = (
     "e2e_lookup",
     "e2e_freshness",
     "e2e_warm_restart",
+    "e2e_routing",
 )
 
 
@@ -139,9 +140,31 @@ def test_warm_restart_loaded_every_block(results: dict[str, Any]) -> None:
     assert r["cold_healthz_seconds"] > 0
 
 
+def test_routing_requests_answered_exactly_beside_their_baselines(
+    results: dict[str, Any],
+) -> None:
+    """Every kind of request (plain lookup, with a model, by prompt text, route) answered
+    each prompt as the fill holds it; each cost read against its baseline of the same run;
+    the word-level tokenizer gives back the fill's token ids exactly."""
+    r = results["e2e_routing"]
+    if "skipped" in r:
+        pytest.skip(r["skipped"])
+    http = r["http"]
+    for kind in ("lookup", "lookup_model", "prompt", "route"):
+        assert http[kind]["count"] == SMOKE.lookups, kind
+        assert http[kind]["wrong_answers"] == 0, kind
+        assert 0 < http[kind]["p50_ms"] <= http[kind]["p99_ms"]
+    for kind, base in (("prompt", "lookup_model"), ("route", "lookup_model")):
+        ratio = http[kind]["p50_ms"] / http[base]["p50_ms"]
+        assert http[kind]["p50_vs_baseline"] == pytest.approx(ratio)
+    alone = r["tokenize"]
+    assert alone["word_level"]["exact"] and alone["word_level"]["tokens_per_prompt"] == 512 * 16
+    assert alone["bpe"]["us_per_token"] > 0
+
+
 def test_table_rows_render_every_case(results: dict[str, Any]) -> None:
     rows = e2e.table_rows(results)
-    assert len(rows) == 9
+    assert len(rows) == 12
     for row in rows:
         assert len(row) == 4 and all(isinstance(cell, str) and cell for cell in row)
         assert not row[1].startswith(("failed", "not run")), row
@@ -159,7 +182,8 @@ def test_table_rows_survive_failed_and_skipped_cases() -> None:
         "e2e_lookup": {"kvindex": {"error": "BenchError: timed out"}, "dynamo": skipped},
     }
     rows = e2e.table_rows(results)
-    assert len(rows) == 9
+    assert len(rows) == 12
+    assert [row[1] for row in rows[9:]] == ["not run"] * 3
     assert rows[0][1].startswith("failed: BenchError")
     assert "Dynamo standalone skipped: ai-dynamo-runtime is not installed" in rows[0][2]
     assert rows[2][1] == "skipped: redis-server is not installed"

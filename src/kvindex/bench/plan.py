@@ -150,6 +150,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-dynamo", action="store_true", help="leave out the Dynamo baselines")
     parser.add_argument("--no-e2e", action="store_true", help="leave out the end-to-end cases")
+    parser.add_argument(
+        "--only",
+        choices=["routing"],
+        help="run only this end-to-end case and put its results into --out's existing ones "
+        "(the table and README then show it beside the last full run's)",
+    )
 
 
 def plan_from(args: argparse.Namespace) -> Plan:

@@ -277,6 +277,7 @@ def readme_section(results: dict[str, Any], plots_dir: str) -> str:
     lines = [
         f"Last run: {date}, `{command}` ({mode} mode) on {_machine_line(results)}.",
         f"Every baseline was measured in the same run. Method: {results.get('method', METHOD)}.",
+        *_apart_lines(results),
         "",
         "| case | kvindex | baseline | target |",
         "| --- | --- | --- | --- |",
@@ -287,6 +288,16 @@ def readme_section(results: dict[str, Any], plots_dir: str) -> str:
         links = ", ".join(f"[{Path(p).stem.replace('_', ' ')}]({plots_dir}/{p})" for p in plots)
         lines += ["", f"Plots: {links}."]
     return "\n".join(lines)
+
+
+def _apart_lines(results: dict[str, Any]) -> list[str]:
+    """Cases run apart (`--only CASE`) after that run: when, and how to run them again."""
+    return [
+        f"The {case} rows were run apart on {str(run.get('date', '?'))[:10]} "
+        f"(`python -m kvindex.bench --only {case}`, {run.get('mode', '?')} mode, same "
+        "machine), each beside its own baseline in that run."
+        for case, run in sorted((results.get("runs_apart") or {}).items())
+    ]
 
 
 def rewrite_readme(readme: Path, results_path: Path) -> None:

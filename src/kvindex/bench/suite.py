@@ -25,7 +25,7 @@ from typing import Any
 from kvindex.bench import cases, plots, report
 from kvindex.bench.common import machine_info
 from kvindex.bench.consumers import dynamo_status
-from kvindex.bench.plan import PLANS, Plan, add_arguments, plan_from
+from kvindex.bench.plan import PLANS, EndToEnd, Plan, add_arguments, plan_from
 from kvindex.bench.workloads import FillSpec, IngestSpec, IngestWorkload, ingest_workload
 from kvindex.sim import WireFormat
 
@@ -163,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.only:
+        return _run_only(args.only, plan, out)
     _say(f"mode {plan.mode}; results to {out}")
     with tempfile.TemporaryDirectory(prefix="kvindex-bench-") as tmp:
         results = run_suite(plan, Path(tmp), dynamo=not args.no_dynamo, e2e=not args.no_e2e)
@@ -170,6 +172,33 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(results, indent=2) + "\n")
     report.print_table(results)
     print(f"written: {out} and {', '.join(results['plots'])} in {out.parent}")
+    return 0
+
+
+def _run_only(case: str, plan: Plan, out: Path) -> int:
+    """One end-to-end case (`--only`), its results put into `out`'s, which keeps the rest
+    of the last run and says which case ran apart, when and in which mode."""
+    from kvindex.bench.e2e.routing import routing_case
+
+    cases: dict[str, Callable[[EndToEnd, Path], dict[str, Any]]] = {"routing": routing_case}
+    results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {"e2e": {}}
+    _say(f"only the {case} case, mode {plan.mode}; into {out}")
+    with tempfile.TemporaryDirectory(prefix="kvindex-bench-") as tmp:
+        started = time.perf_counter()
+        value = cases[case](plan.e2e, Path(tmp))
+    e2e = results.setdefault("e2e", {})
+    if not isinstance(e2e, dict) or "skipped" in e2e or "error" in e2e:
+        e2e = results["e2e"] = {}
+    e2e[f"e2e_{case}"] = value
+    results.setdefault("runs_apart", {})[case] = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "mode": plan.mode,
+        "machine": machine_info(),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    report.print_table(results)
+    print(f"written: {out}")
     return 0
 
 

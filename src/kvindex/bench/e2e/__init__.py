@@ -3,8 +3,8 @@ beside NVIDIA Dynamo's standalone KV indexer (`python -m dynamo.indexer`) as the
 
 The package: `streams` (what is published), `procs` (the bench's side of its children),
 `programs` (the child programs), `probes` (HTTP and state probes), `runs` (runs into
-figures), `dynamo` (the peer), the cases (`ingest`, `lookup`, and `cases`: freshness, warm
-restart and the order they all run in) and `table` (their rows in the bench table).
+figures), `dynamo` (the peer), the cases (`ingest`, `lookup`, `routing`, and `cases`:
+freshness, warm restart and the order they all run in) and `table` (their rows in the bench table).
 
 Every process the cases start is a child of the bench: publishers (vLLM-compatible
 `Publisher`s, one per instance, all in one child process so they never share serve's
@@ -53,6 +53,11 @@ processes of one machine):
    store before it binds its port, so an answer means loaded) and until `/v1/instances`
    counts all N blocks. Baseline, same run: the same start with an empty memory store
    (interpreter, imports, sockets: what any start costs).
+5. a router's requests (`routing`): on a filled 8-instance fleet with `model=` and a
+   word-level tokenizer, `POST /v1/lookup` by token ids (the plain path), with a model, by
+   prompt text, and `POST /v1/route`, interleaved on one connection: each beside its
+   baseline in the same run; tokenization alone in the bench process (word-level and a
+   byte-level BPE).
 """
 
 from __future__ import annotations

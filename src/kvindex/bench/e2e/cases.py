@@ -1,5 +1,6 @@
 """The end-to-end cases, run in order: ingest (`ingest`), lookups beside Dynamo (`lookup`),
-freshness and warm restart (here). See the package's docstring for how each is measured."""
+freshness and warm restart (here), a router's requests (`routing`). See the package's
+docstring for how each is measured."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kvindex.bench.e2e.probes import (
     wait_persisted,
 )
 from kvindex.bench.e2e.procs import Publishers, bench_child, child, healthz_ok, publishers, serve
+from kvindex.bench.e2e.routing import routing_case
 from kvindex.bench.e2e.runs import attempt, summarize_ms
 from kvindex.bench.e2e.streams import SteadyStream, filled, steady_state, warm_items, write_items
 from kvindex.bench.plan import EndToEnd, Plan
@@ -64,6 +66,7 @@ def run_e2e(plan: Plan, workdir: Path, dynamo: bool = True) -> dict[str, Any]:
     results["e2e_lookup"] = attempt(lambda: _lookup(sizes, workdir, peer))
     results["e2e_freshness"] = attempt(lambda: case_fresh(sizes, workdir))
     results["e2e_warm_restart"] = attempt(lambda: case_warm(sizes, workdir))
+    results["e2e_routing"] = attempt(lambda: routing_case(sizes, workdir))
     results["e2e_seconds"] = time.monotonic() - started
     return results
 

@@ -204,10 +204,15 @@ def serve(
     tag: str,
     http: str = "127.0.0.1:0",
     wait: bool = True,
+    spec_options: str = "",
+    options: Sequence[str] = (),
 ) -> Iterator[Serve]:
+    """`kvindex serve` following `names` at `endpoints`; `spec_options` ends every instance
+    spec (e.g. `,model=M`), `options` are more flags."""
     args = [sys.executable, "-m", "kvindex", "serve", "--http", http, "--store", store]
     for name, (pub, replay) in zip(names, endpoints, strict=True):
-        args += ["--instance", f"{name}={pub},replay={replay}"]
+        args += ["--instance", f"{name}={pub},replay={replay}{spec_options}"]
+    args += options
     with child(args, workdir / f"serve-{tag}.log", cwd=workdir) as c:
         s = Serve(c)
         if wait:

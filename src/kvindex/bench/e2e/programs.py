@@ -34,6 +34,10 @@ def child_main(argv: list[str]) -> None:
         lookups_main(args[0], args[1], Path(args[2]), int(args[3]), int(args[4]), float(args[5]))
     elif role == "fresh":
         fresh_main(args[0], int(args[1]), args[2], float(args[3]))
+    elif role == "routes":
+        from kvindex.bench.e2e.routing import routes_main
+
+        routes_main(args[0], Path(args[1]), int(args[2]), float(args[3]))
     else:
         raise SystemExit(f"unknown bench child {role!r}")
 

@@ -18,6 +18,7 @@ def table_rows(results: dict[str, Any]) -> list[Row]:
         *_lookup_rows(results.get("e2e_lookup", {})),
         _fresh_row(results.get("e2e_freshness", {})),
         _warm_row(results.get("e2e_warm_restart", {})),
+        *_routing_rows(results.get("e2e_routing", {})),
     ]
 
 
@@ -187,3 +188,55 @@ def _warm_row(case: dict[str, Any]) -> Row:
     ours = f"{case['healthz_seconds']:.2f} s to healthz"
     ours += f", {case['blocks_listed_seconds']:.2f} s to all blocks counted"
     return (name, ours, f"empty memory store: {case['cold_healthz_seconds']:.2f} s", target)
+
+
+def _routing_rows(case: dict[str, Any]) -> list[Row]:
+    """A router's requests beside their baselines (`routing`); tokenization alone."""
+    size = f"{case.get('instances', '?')} x {case.get('per_instance', 0):,} blocks"
+    tokens = f"{case.get('prompt_tokens', 0):,}-token prompt"
+    http = case.get("http", {})
+    failed = _failed(case) or _failed(http)
+
+    def side(kind: str) -> str:
+        phase = http[kind]
+        text = _latency(phase)
+        if "p50_extra_ms" in phase:
+            text += f" (p50 +{phase['p50_extra_ms']:.2f} ms)"
+        wrong = phase["wrong_answers"]
+        return text + (", exact" if wrong == 0 else f", {wrong} WRONG ANSWERS")
+
+    plain = "" if failed else f"POST /v1/lookup token ids (plain path): {side('lookup')}"
+    rows: list[Row] = [
+        (
+            f"e2e POST /v1/lookup by prompt text (tokenized in serve), {tokens}, {size}",
+            failed or side("prompt"),
+            failed or f"the same token ids with the model: {side('lookup_model')}; {plain}",
+            "-",
+        ),
+        (
+            f"e2e POST /v1/route (score + prediction), {tokens}, {size}",
+            failed or side("route"),
+            failed or f"POST /v1/lookup, same token ids and model: {side('lookup_model')}",
+            "-",
+        ),
+    ]
+    alone = case.get("tokenize", {})
+    alone_failed = _failed(case) or _failed(alone)
+    if alone_failed:
+        mine = alone_failed
+    else:
+        mine = "; ".join(
+            f"{label} p50 {alone[key]['p50_ms']:.2f} ms "
+            f"({alone[key]['tokens_per_prompt']:,.0f} tokens, "
+            f"{alone[key]['us_per_token']:.2f} us/token)"
+            for key, label in (("word_level", "word-level"), ("bpe", "byte-level BPE"))
+        )
+    rows.append(
+        (
+            "tokenization alone (kvindex's LocalTokenizer, in process), per prompt",
+            mine,
+            failed or f"plain lookup round trip {_latency(http['lookup'])}",
+            "-",
+        )
+    )
+    return rows

@@ -64,6 +64,13 @@ def test_the_documented_example_loads_with_every_option(
     assert settings.store == f"sqlite:///{tmp_path}/kvindex.sqlite"
     names = [(s.name, s.dp, s.topic, s.curve is not None) for s in settings.instances]
     assert names == [("vllm-0", 1, "", False), ("vllm-1", 2, "", True), ("vllm-2", 1, "kv", False)]
+    zero = settings.instances[0]
+    assert (zero.model, zero.http, zero.metrics_url) == (
+        "llama",
+        "http://127.0.0.1:8000",
+        "http://127.0.0.1:8000/metrics",
+    )
+    assert settings.tokenizers == ["llama=vllm"]
     one = settings.instances[1]
     assert one.client_key == str(tmp_path / "etc" / "kvindex.key_secret")
     assert len(one.sources()) == 2 and one.sources()[1].endpoint == "tcp://10.0.0.6:6558"
@@ -195,6 +202,24 @@ def test_serve_refuses_bad_routing_flags_in_one_line(flags: list[str], message: 
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ("model = 5", "instances[0].model must be a string"),
+        ('model = "a b"', "instances[0]: model 'a b' must be 1-256 characters"),
+        ('http = "ftp://x"', "instances[0]: http 'ftp://x' is not an http(s) URL"),
+    ],
+)
+def test_bad_router_fields_of_an_instance_are_one_line(
+    tmp_path: Path, fields: str, message: str
+) -> None:
+    config = tmp_path / "k.toml"
+    config.write_text(f'[[instances]]\nname = "a"\nendpoint = "tcp://127.0.0.1:1"\n{fields}\n')
+    with pytest.raises(UsageError) as exc:
+        load_settings(serve_args("--config", str(config)))
+    assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_an_instance_with_a_bad_key_file_is_one_line(tmp_path: Path) -> None:

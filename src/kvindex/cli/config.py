@@ -29,6 +29,9 @@
     curve = "/etc/kvindex/relay-0.key"        # optional: the relay's public key (or its file)
     client_key = "/etc/kvindex/client.key_secret"   # optional, with curve
     load = "tcp://10.0.0.5:6560"              # optional: SGLang's load stream (rank r: +r)
+    model = "meta-llama/Llama-3.1-8B"         # optional: lookups naming a model see its own
+    http = "http://10.0.0.5:8000"             # optional: the engine's HTTP (/tokenize, /metrics)
+    metrics = "http://10.0.0.5:8000/metrics"  # optional: if not at http's /metrics
 
     [[instances]]
     name = "sgl-0"
@@ -79,6 +82,9 @@ INSTANCE_KEYS = {
     "load",
     "api_key_env",
     "api_key_file",
+    "model",
+    "http",
+    "metrics",
 }
 # [server] keys beside http and store: what `HttpOptions` takes (see cli/httpopts.py).
 _SECRET_KEYS = {"token_file", "token_env", "metrics_token_file", "metrics_token_env"}
@@ -338,6 +344,7 @@ def _config_instance(entry: dict[str, Any], where: str) -> InstanceSpec:
         curve = entry.get("curve")
         client_key = entry.get("client_key")
         load = entry.get("load")
+        router = {key: _optional(entry, key, where) for key in ("model", "http", "metrics")}
         return InstanceSpec(
             name=_string(entry["name"], f"{where}.name"),
             endpoint=endpoint,
@@ -347,15 +354,21 @@ def _config_instance(entry: dict[str, Any], where: str) -> InstanceSpec:
             curve=None if curve is None else _server_key(_string(curve, f"{where}.curve")),
             client_key=None if client_key is None else _string(client_key, f"{where}.client_key"),
             load_endpoint=None if load is None else _string(load, f"{where}.load"),
+            **router,
         )
     except SpecError as exc:
         raise UsageError(f"{where}: {exc}") from None
 
 
+def _optional(entry: dict[str, Any], key: str, where: str) -> str | None:
+    value = entry.get(key)
+    return None if value is None else _string(value, f"{where}.{key}")
+
+
 def _discovered_instance(entry: dict[str, Any], url: str, where: str) -> InstanceSpec:
     """An SGLang engine named by its URL: its publishers come from its /server_info, so
     only the API key's source may be given beside it."""
-    given = set(entry) - {"name", "endpoint", "api_key_env", "api_key_file"}
+    given = set(entry) - {"name", "endpoint", "api_key_env", "api_key_file", "model"}
     if given:
         raise SpecError(
             f"'{sorted(given)[0]}' does not go with an SGLang URL (its /server_info says it)"
@@ -366,6 +379,8 @@ def _discovered_instance(entry: dict[str, Any], url: str, where: str) -> Instanc
         spec += f",api_key_env={_string(key_env, f'{where}.api_key_env')}"
     if key_file is not None:
         spec += f",api_key_file={_string(key_file, f'{where}.api_key_file')}"
+    if "model" in entry:
+        spec += f",model={_string(entry['model'], f'{where}.model')}"
     return InstanceSpec.parse(spec)
 
 

@@ -344,7 +344,6 @@ def _config_instance(entry: dict[str, Any], where: str) -> InstanceSpec:
         curve = entry.get("curve")
         client_key = entry.get("client_key")
         load = entry.get("load")
-        router = {key: _optional(entry, key, where) for key in ("model", "http", "metrics")}
         return InstanceSpec(
             name=_string(entry["name"], f"{where}.name"),
             endpoint=endpoint,
@@ -354,7 +353,9 @@ def _config_instance(entry: dict[str, Any], where: str) -> InstanceSpec:
             curve=None if curve is None else _server_key(_string(curve, f"{where}.curve")),
             client_key=None if client_key is None else _string(client_key, f"{where}.client_key"),
             load_endpoint=None if load is None else _string(load, f"{where}.load"),
-            **router,
+            model=_optional(entry, "model", where),
+            http=_optional(entry, "http", where),
+            metrics=_optional(entry, "metrics", where),
         )
     except SpecError as exc:
         raise UsageError(f"{where}: {exc}") from None

@@ -1,10 +1,13 @@
 """Small real HTTP servers on loopback for the router tests: a vLLM-like engine that answers
-`POST /tokenize` (with a real tokenizer) and `GET /metrics` (Prometheus text it is told)."""
+`POST /tokenize` (with a real tokenizer) and `GET /metrics` (Prometheus text it is told),
+and kvindex's own app under uvicorn on a thread (`serve_app`)."""
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -133,3 +136,23 @@ def serve_engine(engine: FakeEngine) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+@contextmanager
+def serve_app(app: Any) -> Iterator[str]:
+    """An ASGI app (kvindex's) under uvicorn on a thread, on a free loopback port; yields
+    its base URL. Its lifespan runs: a Fleet given to `create_app` ingests meanwhile."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started and thread.is_alive():
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -163,22 +163,28 @@ def test_config_problems_are_one_line(tmp_path: Path, server: str, message: str)
     assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
+INSTANCE = '[[instances]]\nname = "a"\nendpoint = "tcp://127.0.0.1:1"\n'
+
+
 @pytest.mark.parametrize(
-    ("routing", "message"),
+    ("text", "message"),
     [
-        ("prediction_ttl = 0", "routing.prediction_ttl must be a positive number of seconds"),
-        ('prediction_ttl = "2s"', "routing.prediction_ttl must be a positive number"),
-        ("weights = 3", "routing.weights must be a table"),
-        ("weights = {cache = 1}", "routing.weights: unknown routing weight 'cache' (prefix,"),
-        ("weights = {cpu = -0.5}", "routing.weights: tier weight cpu must be a number >= 0"),
-        ("weights = {queue = nan}", "routing.weights: routing weight queue must be a number >= 0"),
-        ('weights = {queue = "high"}', "routing.weights.queue must be a number, got 'high'"),
-        ("ttl = 2", "[routing]: unknown key 'ttl' (prediction_ttl, weights)"),
+        ("[routing]\nprediction_ttl = 0", "routing.prediction_ttl must be a positive number"),
+        ('[routing]\nprediction_ttl = "2s"', "routing.prediction_ttl must be a positive number"),
+        ("[routing]\nweights = 3", "routing.weights must be a table"),
+        ("[routing]\nweights = {cache = 1}", "routing.weights: unknown routing weight 'cache'"),
+        ("[routing]\nweights = {cpu = -0.5}", "tier weight cpu must be a number >= 0"),
+        ("[routing]\nweights = {queue = nan}", "routing weight queue must be a number >= 0"),
+        ('[routing]\nweights = {queue = "high"}', "routing.weights.queue must be a number"),
+        ("[routing]\nttl = 2", "[routing]: unknown key 'ttl' (prediction_ttl, weights)"),
+        (INSTANCE + "model = 5", "instances[0].model must be a string"),
+        (INSTANCE + 'model = "a b"', "instances[0]: model 'a b' must be 1-256 characters"),
+        (INSTANCE + 'http = "ftp://x"', "instances[0]: http 'ftp://x' is not an http(s) URL"),
     ],
 )
-def test_bad_routing_settings_are_one_line(tmp_path: Path, routing: str, message: str) -> None:
+def test_bad_routing_settings_are_one_line(tmp_path: Path, text: str, message: str) -> None:
     config = tmp_path / "k.toml"
-    config.write_text(f"[routing]\n{routing}\n")
+    config.write_text(text + "\n")
     with pytest.raises(UsageError) as exc:
         load_settings(serve_args("--config", str(config)))
     assert message in str(exc.value) and "\n" not in str(exc.value)
@@ -202,24 +208,6 @@ def test_serve_refuses_bad_routing_flags_in_one_line(flags: list[str], message: 
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-
-
-@pytest.mark.parametrize(
-    ("fields", "message"),
-    [
-        ("model = 5", "instances[0].model must be a string"),
-        ('model = "a b"', "instances[0]: model 'a b' must be 1-256 characters"),
-        ('http = "ftp://x"', "instances[0]: http 'ftp://x' is not an http(s) URL"),
-    ],
-)
-def test_bad_router_fields_of_an_instance_are_one_line(
-    tmp_path: Path, fields: str, message: str
-) -> None:
-    config = tmp_path / "k.toml"
-    config.write_text(f'[[instances]]\nname = "a"\nendpoint = "tcp://127.0.0.1:1"\n{fields}\n')
-    with pytest.raises(UsageError) as exc:
-        load_settings(serve_args("--config", str(config)))
-    assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_an_instance_with_a_bad_key_file_is_one_line(tmp_path: Path) -> None:

@@ -5,12 +5,12 @@ peers' `/register` (routing group, block size) kept by a SQLite store across a r
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 from clitools import Proc, kvindex
+from test_router_service import until
 
 from kvindex.wire import BlockStored
 from kvindex.wire.publisher import Publisher
@@ -116,12 +116,3 @@ def _answered(client: httpx.Client, query: dict[str, object]) -> bool:
 def _listening(client: httpx.Client) -> bool:
     workers = client.get("/workers").json()
     return bool(workers) and all(w["status"] == "active" for w in workers)
-
-
-def until(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return bool(predicate())

@@ -5,21 +5,17 @@ msgpack; `serve --tokenizer`'s one-line errors."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 import pytest
-import uvicorn
-from httpfixture import FakeEngine, serve_engine, vllm_metrics
+from httpfixture import FakeEngine, serve_app, serve_engine, vllm_metrics
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizer_fixture import build_tokenizer
 
@@ -39,22 +35,6 @@ def stored(tokens: list[int], medium: str | None = None) -> BlockStored:
     blocks = len(tokens) // BS
     hashes = [hash(("h", *tokens[: (i + 1) * BS])) for i in range(blocks)]
     return BlockStored(hashes, None, tokens[: blocks * BS], BS, medium=medium)
-
-
-@contextmanager
-def serving(app: Any) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started and thread.is_alive():
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def until(predicate: Any, timeout: float = 10.0) -> bool:
@@ -92,7 +72,7 @@ def test_lookups_by_prompt_and_messages_per_model_scored_and_routed(model_dir: P
         tokenizers.add("m", str(model_dir))
         tokenizers.add("e", "vllm")
         app = create_app(fleet, routing=Routing.of(fleet, tokenizers))
-        url = stack.enter_context(serving(app))
+        url = stack.enter_context(serve_app(app))
         client = stack.enter_context(httpx.Client(base_url=url, timeout=10))
         half = len(prompt_ids) // 2
         pubs[0].publish([stored(prompt_ids)])  # m0: the whole prompt
@@ -152,7 +132,7 @@ def test_the_peers_api_answers_as_dynamos_indexer_does() -> None:
         pubs = [stack.enter_context(Publisher("tcp://127.0.0.1:*")) for _ in range(3)]
         fleet = Fleet()
         app = create_app(fleet)
-        url = stack.enter_context(serving(app))
+        url = stack.enter_context(serve_app(app))
         client = stack.enter_context(httpx.Client(base_url=url, timeout=10))
         reg = {"instance_id": 7, "model_name": "llama", "block_size": BS}
         ok = client.post("/register", json={**reg, "endpoint": pubs[0].endpoint})
@@ -262,9 +242,8 @@ def test_engines_hit_rate_kv_usage_and_pool_on_metrics_and_the_dashboard() -> No
         )
         routing = Routing.of(fleet)
         routing.scraper.interval = 0.05
-        client = stack.enter_context(
-            httpx.Client(base_url=stack.enter_context(serving(create_app(fleet, routing=routing))))
-        )
+        url = stack.enter_context(serve_app(create_app(fleet, routing=routing)))
+        client = stack.enter_context(httpx.Client(base_url=url))
         assert routing.scraper.wait_round()
         busy.metrics = vllm_metrics(waiting=3, running=5, kv=0.42, queries=1400, hits=550)
         assert routing.scraper.wait_round()  # 300 hits of 400 queries since the last one

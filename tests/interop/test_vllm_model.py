@@ -15,7 +15,7 @@ Subscriber follows all five into a FleetIndex; then, per scenario:
 
 The same stream also feeds kvindex's whole runtime as a router asks it (issue 15): a
 `kvindex.runtime.Fleet` with `model=` per instance, and `POST /v1/lookup` by prompt text
-(a word-level tokenizer built on the fly whose words are vLLM's token ids), per model,
+(the bench's word-level tokenizer, built on the fly: its words are vLLM's token ids), per model,
 with the probes' salts and LoRA adapters, on a real HTTP server; and the peers' `/query`.
 Salted and multimodal probes included: the answer must be what vLLM would reuse.
 
@@ -25,23 +25,21 @@ case starts passing, strict mode fails it, and its marker comes off.
 
 from __future__ import annotations
 
-import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, closing, contextmanager
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from driver_proc import spawn
 from follow import caught_up, run_until
+from httpfixture import serve_app
 from warm_restart import restarted_through_store
 
+from kvindex.bench.e2e.routing import word_prompt, word_tokenizer
 from kvindex.index import FleetIndex
 from kvindex.runtime import Fleet as Runtime
 from kvindex.runtime.tokenize import Tokenizers
@@ -96,38 +94,6 @@ class Fleet:
     url: str  # the service over `runtime` (a word tokenizer for vllm-keys: see below)
 
 
-VOCAB = 32000  # the driver's model config
-
-
-def word_tokenizer(folder: Path) -> Path:
-    """A Hugging Face tokenizer whose word `tN` is token id N, nothing added: a prompt
-    written in its words tokenizes to exactly the driver's token ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1 << 20}))
-    return folder
-
-
-@contextmanager
-def serving(app: Any) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started and thread.is_alive():
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def followed(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     out = tmp_path_factory.mktemp("vllm-model") / "reference.json"
@@ -146,7 +112,7 @@ def followed(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         words = word_tokenizer(tmp_path_factory.mktemp("words"))
         tokenizers.add(model("keys"), str(words))
         url = stack.enter_context(  # its lifespan starts the runtime's ingest
-            serving(create_app(runtime, routing=Routing.of(runtime, tokenizers)))
+            serve_app(create_app(runtime, routing=Routing.of(runtime, tokenizers)))
         )
         with Subscriber(instances=specs, policy=policy) as sub:
             driver.go()
@@ -341,7 +307,7 @@ def test_prompt_lookups_by_model_equal_engine(followed: Fleet) -> None:
             want = probe["expected"]["tokens"]
             namespace = {"lora_name": probe["lora_name"], "cache_salt": probe["cache_salt"]}
             body = {
-                "prompt": " ".join(f"t{t}" for t in probe["token_ids"]),
+                "prompt": word_prompt(probe["token_ids"]),
                 "model": model(scenario),
                 **{k: v for k, v in namespace.items() if v is not None},
             }

@@ -9,6 +9,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from kvindex.bench.common import BLOCK, percentile
 from kvindex.bench.e2e.probes import Client, connect, request
 from kvindex.bench.e2e.streams import MARKER_BASE, Item, marker_payload, read_items
 
-__all__ = ["FRESH_PAUSE", "child_main"]
+__all__ = ["FRESH_PAUSE", "child_main", "paced_steps", "say"]
 
 FRESH_PAUSE = 0.001  # seconds between two freshness polls
 
@@ -257,6 +258,18 @@ def _matched(api: str, answer: Any) -> dict[str, int]:
     return {row["name"]: row["matched_blocks"] for row in answer["instances"]}
 
 
+def paced_steps(count: int, interval: float) -> Iterator[int]:
+    """0 .. count-1, one every `interval` seconds (at once after a step that ran late)."""
+    clock = time.perf_counter
+    next_at = clock()
+    for i in range(count):
+        pause = next_at - clock()
+        if pause > 0:
+            time.sleep(pause)
+        next_at = max(next_at + interval, clock())
+        yield i
+
+
 def lookups_main(
     api: str, url: str, prompts_file: Path, count: int, gets: int, interval: float
 ) -> None:
@@ -279,12 +292,7 @@ def lookups_main(
         floor_times.append(clock() - start)
     latencies: list[float] = []
     answers: list[dict[str, int]] = []
-    next_at = clock()
-    for i in range(count):
-        pause = next_at - clock()
-        if pause > 0:
-            time.sleep(pause)
-        next_at = max(next_at + interval, clock())
+    for i in paced_steps(count, interval):
         start = clock()
         answer = client.send(lookups[i % len(lookups)])
         latencies.append(clock() - start)

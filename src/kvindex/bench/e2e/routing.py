@@ -36,7 +36,7 @@ import msgspec
 from kvindex.bench.common import median
 from kvindex.bench.e2e.probes import wait_applied, wait_live
 from kvindex.bench.e2e.procs import bench_child, child, publishers, serve
-from kvindex.bench.e2e.programs import say
+from kvindex.bench.e2e.programs import paced_steps, say
 from kvindex.bench.e2e.runs import attempt, summarize_ms
 from kvindex.bench.e2e.streams import Filled, filled, write_items
 from kvindex.bench.plan import EndToEnd
@@ -220,12 +220,7 @@ def routes_main(url: str, prompts_file: Path, steps: int, interval: float) -> No
     clock = time.perf_counter
     latencies: dict[str, list[float]] = {kind: [] for kind in KINDS}
     answers: dict[str, list[dict[str, int]]] = {kind: [] for kind in KINDS}
-    next_at = clock()
-    for i in range(steps):
-        pause = next_at - clock()
-        if pause > 0:
-            time.sleep(pause)
-        next_at = max(next_at + interval, clock())
+    for i in paced_steps(steps, interval):
         for kind in KINDS:
             start = clock()
             answer = client.send(prepared[kind][i % len(prompts)])

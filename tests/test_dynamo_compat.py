@@ -20,7 +20,8 @@ from typing import Any
 
 import httpx
 import pytest
-from test_router_service import serving, until
+from httpfixture import serve_app
+from test_router_service import until
 
 from kvindex.bench.e2e.dynamo import Peer, standalone, standalone_status
 from kvindex.bench.e2e.probes import http_json
@@ -127,7 +128,7 @@ def test_same_publishers_same_requests_same_answers_as_dynamos_indexer(dynamo: P
             (5, 0): publisher(),  # cleared
         }
         fleet = Fleet()
-        url = stack.enter_context(serving(create_app(fleet)))
+        url = stack.enter_context(serve_app(create_app(fleet)))
         both = Both(dynamo, stack.enter_context(httpx.Client(base_url=url, timeout=10)))
 
         for (worker, rank), pub in pubs.items():

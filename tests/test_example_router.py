@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from httpfixture import FakeEngine, serve_engine
-from test_router_service import serving, stored, until
+from httpfixture import FakeEngine, serve_app, serve_engine
+from test_router_service import stored, until
 from tokenizer_fixture import build_tokenizer
 
 from kvindex.runtime import Fleet
@@ -74,7 +74,7 @@ def test_the_example_router_sends_each_request_where_its_prefix_is(tmp_path: Pat
         tokenizers = Tokenizers(fleet)
         tokenizers.add("m", str(model_dir))
         kvindex = stack.enter_context(
-            serving(create_app(fleet, routing=Routing.of(fleet, tokenizers)))
+            serve_app(create_app(fleet, routing=Routing.of(fleet, tokenizers)))
         )
         client = stack.enter_context(proxy(kvindex, urls))
 

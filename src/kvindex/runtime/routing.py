@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from kvindex.runtime.views import InstanceMatch, LookupAnswer, RankMatch
+from kvindex.runtime.views import InstanceMatch, LookupAnswer
 from kvindex.subscriber import Status
 
 if TYPE_CHECKING:
@@ -175,19 +175,10 @@ class Candidate(msgspec.Struct, frozen=True, gc=False):
     load: LoadOut | None = None
 
 
-class ScoredMatch(msgspec.Struct, frozen=True, gc=False):
-    """A lookup row (as `InstanceMatch`) with its routing score: `route_rank` is the rank
+class ScoredMatch(InstanceMatch, frozen=True, gc=False, kw_only=True):
+    """A lookup row (an `InstanceMatch`) with its routing score: `route_rank` is the rank
     the score picks (its `score`), `predicted_blocks` the blocks predictions add there."""
 
-    name: str
-    status: Status
-    matched_blocks: int
-    matched_tokens: int | None
-    block_size: int | None
-    best_rank: int
-    ranks: list[RankMatch]
-    by_tier: dict[str, int]
-    by_group: dict[int, int]
     score: float | None  # None: not a candidate (down)
     route_rank: int | None
     predicted_blocks: int
@@ -605,19 +596,11 @@ class Router:
             top = max(mine, key=lambda c: (c.score, c.matched, -c.rank), default=None)
             rows.append(
                 ScoredMatch(
-                    row.name,
-                    row.status,
-                    row.matched_blocks,
-                    row.matched_tokens,
-                    row.block_size,
-                    row.best_rank,
-                    row.ranks,
-                    row.by_tier,
-                    row.by_group,
-                    round(top.score, 6) if top else None,
-                    top.rank if top else None,
-                    max(0, top.predicted - top.matched) if top else 0,
-                    [_candidate(c, now) for c in mine],
+                    **msgspec.structs.asdict(row),  # the lookup row as it is
+                    score=round(top.score, 6) if top else None,
+                    route_rank=top.rank if top else None,
+                    predicted_blocks=max(0, top.predicted - top.matched) if top else 0,
+                    candidates=[_candidate(c, now) for c in mine],
                 )
             )
         rows.sort(key=lambda r: (r.score is None, -(r.score or 0.0), -r.matched_blocks, r.name))

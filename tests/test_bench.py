@@ -288,6 +288,28 @@ def test_one_case_runs_apart_into_the_last_results(
     assert "`python -m kvindex.bench --only routing`" in readme.read_text()
 
 
+def test_page_shapes_run_apart_into_the_last_results(
+    smoke_run: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """`--only page_shapes` measures the three page shapes again (vLLM page 16 beside
+    SGLang's page 16 and page 1) and replaces that section only."""
+    out, _, _ = smoke_run
+    mine = tmp_path / "results.json"
+    mine.write_text(out.read_text())
+    monkeypatch.setenv("KVINDEX_BENCH_CACHE", str(tmp_path / "cache"))
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench.main(["--smoke", "--only", "page_shapes", "--out", str(mine)]) == 0
+    before, after = json.loads(out.read_text()), json.loads(mine.read_text())
+    shapes = after.pop("page_shapes")
+    before.pop("page_shapes")
+    assert "error" not in shapes, shapes
+    assert after.pop("runs_apart")["page_shapes"]["mode"] == "smoke"
+    assert after == before  # the rest as the last run left it
+    shapes_run = [(c["format"], c["page_size"]) for c in shapes["cases"]]
+    assert shapes_run == [("0.33", 16), ("sglang", 16), ("sglang", 1)]
+    assert all(c["mismatched_blocks"] == 0 and c["per_s"] > 0 for c in shapes["cases"])
+
+
 def test_readme_without_markers_is_refused(smoke_run: Any, tmp_path: Path) -> None:
     out, _, _ = smoke_run
     readme = tmp_path / "README.md"

@@ -288,6 +288,29 @@ def test_one_case_runs_apart_into_the_last_results(
     assert "`python -m kvindex.bench --only routing`" in readme.read_text()
 
 
+def test_ingest_workers_run_apart_into_the_last_results(
+    smoke_run: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """`--only ingest_workers` runs serve with 1 and with 2 ingest workers on the same
+    stream and puts that case alone into the last results."""
+    out, _, _ = smoke_run
+    mine = tmp_path / "results.json"
+    mine.write_text(out.read_text())
+    monkeypatch.setenv("KVINDEX_BENCH_CACHE", str(tmp_path / "cache"))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert bench.main(["--smoke", "--only", "ingest_workers", "--out", str(mine)]) == 0
+    before, after = json.loads(out.read_text()), json.loads(mine.read_text())
+    case = after["e2e"].pop("e2e_ingest_workers")
+    assert after.pop("runs_apart")["ingest_workers"]["mode"] == "smoke"
+    assert after == before
+    for n in ("1", "2"):
+        assert case["workers"][n]["exact"] is True, case
+        assert case["workers"][n]["ingest_workers"] == int(n)
+    assert case["speedup"] > 0
+    assert "2 workers vs 1" in printed.getvalue()
+
+
 def test_page_shapes_run_apart_into_the_last_results(
     smoke_run: Any, tmp_path: Path, monkeypatch: Any
 ) -> None:

@@ -25,6 +25,7 @@ CASES = (
     "e2e_ingest_sqlite",
     "e2e_ingest_redis",
     "e2e_ingest_dynamo",
+    "e2e_ingest_workers",
     "e2e_lookup",
     "e2e_freshness",
     "e2e_warm_restart",
@@ -65,6 +66,18 @@ def test_serve_ingested_the_whole_workload_exactly(results: dict[str, Any], case
     assert r["lost_batches"] == 0 and r["decode_errors"] == 0
     if case != "e2e_ingest_memory":
         assert r["persist_lag_seconds"] >= 0
+
+
+def test_one_and_two_ingest_workers_each_ingested_the_whole_workload_exactly(
+    results: dict[str, Any],
+) -> None:
+    r = results["e2e_ingest_workers"]
+    assert set(r["workers"]) == {"1", "2"}
+    for n, run in r["workers"].items():
+        assert run["ingest_workers"] == int(n)
+        assert run["exact"] is True and run["exact_every_run"] is True, (n, run)
+        assert run["lost_batches"] == 0 and run["per_s"] > 0
+    assert r["speedup"] == r["workers"]["2"]["per_s"] / r["workers"]["1"]["per_s"]
 
 
 def test_dynamo_applied_every_event_and_holds_the_truth(results: dict[str, Any]) -> None:
@@ -164,7 +177,8 @@ def test_routing_requests_answered_exactly_beside_their_baselines(
 
 def test_table_rows_render_every_case(results: dict[str, Any]) -> None:
     rows = e2e.table_rows(results)
-    assert len(rows) == 12
+    assert len(rows) == 13
+    assert "x 1 worker" in rows[3][1] and rows[3][2].startswith("1 worker ")
     for row in rows:
         assert len(row) == 4 and all(isinstance(cell, str) and cell for cell in row)
         assert not row[1].startswith(("failed", "not run")), row
@@ -182,14 +196,15 @@ def test_table_rows_survive_failed_and_skipped_cases() -> None:
         "e2e_lookup": {"kvindex": {"error": "BenchError: timed out"}, "dynamo": skipped},
     }
     rows = e2e.table_rows(results)
-    assert len(rows) == 12
-    assert [row[1] for row in rows[9:]] == ["not run"] * 3
+    assert len(rows) == 13
+    assert [row[1] for row in rows[10:]] == ["not run"] * 3
     assert rows[0][1].startswith("failed: BenchError")
     assert "Dynamo standalone skipped: ai-dynamo-runtime is not installed" in rows[0][2]
     assert rows[2][1] == "skipped: redis-server is not installed"
-    assert rows[3][1] == "failed: BenchError: timed out"
-    assert rows[3][2].startswith("Dynamo standalone skipped")
-    assert rows[7][1] == "not run"
+    assert rows[3][1] == "not run"  # the ingest-workers case
+    assert rows[4][1] == "failed: BenchError: timed out"
+    assert rows[4][2].startswith("Dynamo standalone skipped")
+    assert rows[8][1] == "not run"
 
 
 def test_a_missing_dynamo_indexer_is_a_reason_not_a_failure(monkeypatch: Any) -> None:

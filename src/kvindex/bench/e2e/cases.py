@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvindex.bench.e2e.dynamo import standalone_status
-from kvindex.bench.e2e.ingest import ingest_cases
+from kvindex.bench.e2e.ingest import ingest_cases, workers_case
 from kvindex.bench.e2e.lookup import LOAD_RATE, lookup_case
 from kvindex.bench.e2e.probes import (
     BenchError,
@@ -30,7 +30,7 @@ from kvindex.bench.e2e.streams import SteadyStream, filled, steady_state, warm_i
 from kvindex.bench.plan import EndToEnd, Plan
 from kvindex.bench.workloads import FillSpec
 
-__all__ = ["TARGETS", "run_e2e"]
+__all__ = ["TARGETS", "ingest_workers_case", "run_e2e"]
 
 FRESH_RATE = 100_000  # block events/s while freshness is measured
 
@@ -63,6 +63,7 @@ def run_e2e(plan: Plan, workdir: Path, dynamo: bool = True) -> dict[str, Any]:
         "prepare_seconds": time.monotonic() - started,
     }
     results |= ingest_cases(work, sizes, workdir, peer)
+    results["e2e_ingest_workers"] = attempt(lambda: workers_case(work, sizes, workdir))
     results["e2e_lookup"] = attempt(lambda: _lookup(sizes, workdir, peer))
     results["e2e_freshness"] = attempt(lambda: case_fresh(sizes, workdir))
     results["e2e_warm_restart"] = attempt(lambda: case_warm(sizes, workdir))
@@ -197,3 +198,9 @@ def time_start(
             srv.wait_url(10)
             out["serve_says"] = srv.banner.split("(", 1)[-1].rstrip(")")
     return out
+
+
+def ingest_workers_case(sizes: EndToEnd, workdir: Path) -> dict[str, Any]:
+    """The ingest-workers case alone (`--only ingest_workers`), on its own stream."""
+    work = steady_state(sizes.ingest_instances, sizes.ingest_events, workdir, "ingest")
+    return workers_case(work, sizes, workdir)

@@ -31,13 +31,17 @@ from kvindex.bench.e2e.runs import attempt, best_run, ingest_figures
 from kvindex.bench.e2e.streams import SteadyStream
 from kvindex.bench.plan import EndToEnd
 
-__all__ = ["TARGETS", "ingest_cases"]
+__all__ = ["TARGETS", "WORKERS", "ingest_cases", "workers_case"]
 
 # Issue 13: serve ingests at least twice as fast as Dynamo's indexer with the memory store,
 # 1.5 times as fast with SQLite (until committed); Redis keeps its absolute target.
 TARGETS = {"memory_vs_dynamo": 2.0, "sqlite_vs_dynamo": 1.5, "redis_per_s": 300_000}
 
 Case = Callable[[str], dict[str, Any]]
+
+# The ingest-worker counts measured side by side (`serve --ingest-workers N`): 1, and 2,
+# the default on these 2-core machines (one per core).
+WORKERS = (1, 2)
 
 
 def ingest_cases(
@@ -103,12 +107,37 @@ def case_naive(work: SteadyStream, sizes: EndToEnd, workdir: Path, tag: str) -> 
     }
 
 
-def case_serve(work: SteadyStream, sizes: EndToEnd, workdir: Path, store: str, tag: str) -> Any:
-    """The stream into `serve --store STORE`, as fast as it takes it."""
+def workers_case(work: SteadyStream, sizes: EndToEnd, workdir: Path) -> dict[str, Any]:
+    """The memory-store case with each count of `WORKERS` ingest threads, in interleaved
+    rounds (best run each), and the rate of the most workers as a ratio to one worker's."""
+    runs: dict[int, list[dict[str, Any]]] = {n: [] for n in WORKERS}
+    for r in range(max(1, sizes.ingest_runs)):
+        for n in WORKERS:
+            tag = f"ingest_workers{n}-{r}"
+            runs[n].append(attempt(partial(case_serve, work, sizes, workdir, "memory", tag, n)))
+    best = {str(n): best_run(found) for n, found in runs.items()}
+    out: dict[str, Any] = {"workers": best, "instances": len(work.names)}
+    one, most = best[str(WORKERS[0])].get("per_s"), best[str(WORKERS[-1])].get("per_s")
+    if one and most:
+        out["speedup"] = most / one
+    return out
+
+
+def case_serve(
+    work: SteadyStream,
+    sizes: EndToEnd,
+    workdir: Path,
+    store: str,
+    tag: str,
+    workers: int | None = None,
+) -> Any:
+    """The stream into `serve --store STORE` (with `workers` ingest threads, else serve's
+    default), as fast as it takes it."""
     kind = store.split(":", 1)[0]
+    options = ["--ingest-workers", str(workers)] if workers else []
     with (
         publishers(workdir, work.path, len(work.names), tag) as pub,
-        serve(workdir, work.names, pub.endpoints, store, tag) as srv,
+        serve(workdir, work.names, pub.endpoints, store, tag, options=options) as srv,
     ):
         wait_live(srv.url, sizes.timeout)
         warm = pub.burst(sizes.timeout, count=work.warmup)
@@ -125,6 +154,7 @@ def case_serve(work: SteadyStream, sizes: EndToEnd, workdir: Path, store: str, t
         out["serve_rss_mib"] = {"before": rss_before, "after": rss_mib(srv.child.proc.pid)}
         out["replays_served"] = pub.stats()["replays_served"]
         out["send_seconds"] = sent["t1"] - sent["t0"]
+    out["ingest_workers"] = workers or "default"
     return {"store": kind, "instances": len(work.names), "batches": work.measured, **out}
 
 

@@ -15,6 +15,7 @@ def table_rows(results: dict[str, Any]) -> list[Row]:
     """(case, kvindex, baseline, target) rows for the bench table."""
     return [
         *_ingest_rows(results),
+        _workers_row(results.get("e2e_ingest_workers", {})),
         *_lookup_rows(results.get("e2e_lookup", {})),
         _fresh_row(results.get("e2e_freshness", {})),
         _warm_row(results.get("e2e_warm_restart", {})),
@@ -88,6 +89,19 @@ def _ingest_rows(results: dict[str, Any]) -> list[Row]:
             ">= 0.3 M/s",
         ),
     ]
+
+
+def _workers_row(case: dict[str, Any]) -> Row:
+    """serve's ingest with 1 ingest worker beside the default of one per core (2 here)."""
+    label = "e2e ingest by ingest workers: the same stream, memory store, 2 workers vs 1"
+    failed = _failed(case)
+    if failed:
+        return (label, failed, "-", "-")
+    two, one = case["workers"].get("2", {}), case["workers"].get("1", {})
+    ours = _ingest(two)
+    if "speedup" in case:
+        ours += f" ({case['speedup']:.2f}x 1 worker)"
+    return (label, ours, f"1 worker {_ingest(one)}", "-")
 
 
 def _latency(phase: dict[str, Any], unit: str = "ms") -> str:

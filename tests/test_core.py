@@ -40,7 +40,7 @@ CompiledIndex = compiled.CompiledIndex
 BS = 4
 SOURCES = [SourceKey("a"), SourceKey("b", 0), SourceKey("b", 1), SourceKey("c")]
 BASE = [list(range(10, 30)), list(range(100, 120)), [7] * 20]
-POOLS = [(0, None), (0, "GPU"), (0, "CPU"), (1, None), (0, "CPU_PINNED"), (2, "DISK")]
+POOLS = [(0, None), (0, "GPU"), (0, "CPU"), (1, None), (0, "CPU_PINNED"), (2, "DISK"), (0, "")]
 NAMESPACES = [
     {},
     {"lora_name": "ad-1"},

@@ -21,7 +21,6 @@ from kvindex.index.namespaces import salt_digest
 from kvindex.recording import BatchRec, NoticeRec, Record
 from kvindex.subscriber import SourceKey
 from kvindex.wire import (
-    MEDIUM_GPU,
     AllBlocksCleared,
     BatchDecoder,
     BlockHash,
@@ -30,10 +29,10 @@ from kvindex.wire import (
     EventBatch,
     WireError,
 )
+from kvindex.wire.pools import DEFAULT_MEDIUM, PoolCopies, PoolKey, pool_of
 
 __all__ = ["NamespaceTrack", "SourceTrack", "Tracker"]
 
-Pool = tuple[int, str]  # (group_idx, medium)
 Namespace = tuple[str | None, str | None]  # (LoRA name, the cache salt's digest)
 
 
@@ -74,11 +73,11 @@ class _Step:
 @dataclass(slots=True)
 class SourceTrack:
     key: SourceKey
-    pools: dict[Pool, dict[BlockHash, int]] = field(default_factory=dict)
-    since: dict[tuple[Pool, BlockHash], float] = field(default_factory=dict)
+    pools: dict[PoolKey, dict[BlockHash, int]] = field(default_factory=dict)
+    since: dict[tuple[PoolKey, BlockHash], float] = field(default_factory=dict)
     # The content id each GPU entry was held under: a hash can be stored again with other
     # content (an offloaded copy stored by hash only), and the release must undo the hold.
-    gpu_held: dict[tuple[Pool, BlockHash], int] = field(default_factory=dict)
+    gpu_held: dict[tuple[PoolKey, BlockHash], int] = field(default_factory=dict)
     known: dict[BlockHash, int] = field(default_factory=dict)  # hash -> content id
     ever: set[int] = field(default_factory=set)  # content ids ever stored on the GPU
     held: Counter[str] = field(default_factory=Counter)  # blocks held per medium
@@ -89,10 +88,6 @@ class SourceTrack:
     restore_flags: bytearray = field(default_factory=bytearray)  # per access: a re-store
     counts: Counter[str] = field(default_factory=Counter)
     last_t: float | None = None
-
-
-def _medium(value: str | None) -> str:
-    return MEDIUM_GPU if value is None else value
 
 
 class Tracker:
@@ -114,6 +109,13 @@ class Tracker:
         self.t0: float | None = None
         self.t1: float | None = None
         self.decode_failures = 0
+
+    def copies(self, key: SourceKey) -> PoolCopies:
+        """What the publisher holds now: pool -> hash -> copies (pools::PoolCopies)."""
+        src = self.sources.get(key)
+        if src is None:
+            return {}
+        return {pool: dict(held) for pool, held in src.pools.items() if held}
 
     def _source(self, key: SourceKey) -> SourceTrack:
         src = self.sources.get(key)
@@ -169,9 +171,9 @@ class Tracker:
     # -- events --------------------------------------------------------------------------
 
     def _store(self, src: SourceTrack, event: BlockStored, t: float, step: _Step) -> None:
-        pool: Pool = (event.group_idx or 0, _medium(event.medium))
+        pool = pool_of(event.group_idx, event.medium)
         copies = src.pools.setdefault(pool, {})
-        gpu = pool[1] == MEDIUM_GPU
+        gpu = pool[1] == DEFAULT_MEDIUM
         ids = self.content.blocks(event, src.known)
         step.media.add(pool[1])
         self._namespace(event)
@@ -214,7 +216,7 @@ class Tracker:
             step.routable_tokens += size
 
     def _remove(self, src: SourceTrack, event: BlockRemoved, t: float, step: _Step) -> None:
-        pool: Pool = (event.group_idx or 0, _medium(event.medium))
+        pool = pool_of(event.group_idx, event.medium)
         copies = src.pools.get(pool, {})
         step.media.add(pool[1])
         for h in event.block_hashes:
@@ -229,7 +231,7 @@ class Tracker:
             del copies[h]
             self._release(src, pool, h, t)
 
-    def _release(self, src: SourceTrack, pool: Pool, h: BlockHash, t: float) -> None:
+    def _release(self, src: SourceTrack, pool: PoolKey, h: BlockHash, t: float) -> None:
         since = src.since.pop((pool, h), None)
         if since is not None:
             src.lifetimes.append(max(0.0, t - since))

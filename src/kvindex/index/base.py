@@ -18,7 +18,7 @@ from kvindex.index.reuse import Reuse
 from kvindex.index.stats import CacheStats, RateWindow
 from kvindex.subscriber.messages import Delivery, Item, Restarted, SourceKey
 from kvindex.wire import BatchDecoder, BlockHash, EventBatch
-from kvindex.wire.events import MEDIUM_GPU
+from kvindex.wire.pools import DEFAULT_POOL
 from kvindex.wire.tiers import tier_of
 
 __all__ = ["AnswerSlot", "IndexBase", "LookupRow", "PayloadResult", "Publisher", "medium_matches"]
@@ -78,7 +78,6 @@ class Publisher(Protocol):
 P = TypeVar("P", bound=Publisher)
 
 Layout = list[tuple[str, list[tuple[int, int]]]]  # instance -> [(DP rank, bit)]
-DEFAULT_POOL = (0, MEDIUM_GPU)
 
 
 class IndexBase(Generic[P]):

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvindex.index._core import Core, parse_lookup
 from kvindex.index.base import AnswerSlot, IndexBase, LookupRow, PayloadResult
-from kvindex.index.fleet import Namespace, PoolKey, event_tokens, is_keyed, is_plain
+from kvindex.index.fleet import Namespace, event_tokens, is_keyed, is_plain
 from kvindex.index.keys import chain_keys_bytes
 from kvindex.index.namespaces import PLAIN, chain_keys
 from kvindex.index.reuse import Reuse
@@ -41,6 +41,7 @@ from kvindex.wire import (
     EventBatch,
     WireError,
 )
+from kvindex.wire.pools import PoolCopies, PoolKey
 
 __all__ = ["CompiledIndex", "batch_ops", "parse_lookup_body"]
 
@@ -146,7 +147,7 @@ class CompiledIndex(IndexBase[_Pub]):
             namespace_moved=moved,
         )
 
-    def copies(self, source: SourceKey) -> dict[PoolKey, dict[BlockHash, int]]:
+    def copies(self, source: SourceKey) -> PoolCopies:
         """The pools of one publisher: (group, medium) -> hash -> copies (a snapshot)."""
         pub = self._sources.get(source)
         if pub is None:

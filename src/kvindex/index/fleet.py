@@ -70,15 +70,13 @@ from kvindex.wire import (
     BlockStored,
     EventBatch,
 )
-from kvindex.wire.events import MEDIUM_GPU
+from kvindex.wire.pools import DEFAULT_POOL, PoolCopies, PoolKey, pool_of
 from kvindex.wire.tiers import TIER_GPU, TIERS, tier_of
 
 __all__ = [
-    "DEFAULT_MEDIUM",
     "FleetIndex",
     "LookupRow",
     "Namespace",
-    "PoolKey",
     "block_keys",
     "event_tokens",
     "is_keyed",
@@ -86,9 +84,6 @@ __all__ = [
     "medium_matches",
 ]
 
-DEFAULT_MEDIUM = MEDIUM_GPU
-
-PoolKey = tuple[int, str]  # (group_idx, medium)
 # (LoRA adapter, cache salt, tree size: the block size, with keys.BIGRAM for the pages of
 # an EAGLE bigram cache)
 Namespace = tuple[LoraKey, str | None, int]
@@ -194,7 +189,7 @@ class FleetIndex(IndexBase[_Source]):
         extra = src.extra
         refs = src.refs
         fast: Pool | None = None
-        fast_key: PoolKey = (0, DEFAULT_MEDIUM)
+        fast_key: PoolKey = DEFAULT_POOL
         medium: str | None = None
         group: int | None = None
         keep = ~src.flag
@@ -203,7 +198,7 @@ class FleetIndex(IndexBase[_Source]):
                 hashes = event.block_hashes
                 removed += len(hashes)
                 if fast is None or event.medium != medium or event.group_idx != group:
-                    fast_key = (event.group_idx or 0, event.medium or DEFAULT_MEDIUM)
+                    fast_key = pool_of(event.group_idx, event.medium)
                     fast = pools.get(fast_key) if len(pools) == 1 else None
                     if fast is None:
                         self._remove(src, fast_key, hashes)
@@ -277,7 +272,7 @@ class FleetIndex(IndexBase[_Source]):
         return pool, info
 
     def _store(self, src: _Source, event: BlockStored) -> None:
-        pool_key = (event.group_idx or 0, event.medium or DEFAULT_MEDIUM)
+        pool_key = pool_of(event.group_idx, event.medium)
         found = self._pool(src, pool_key)
         if found is None:
             return  # a pool past MAX_POOLS: its blocks are not held
@@ -602,7 +597,7 @@ class FleetIndex(IndexBase[_Source]):
     def _stats(self, pub: _Source) -> CacheStats:
         return pub.stats
 
-    def copies(self, source: SourceKey) -> dict[PoolKey, dict[BlockHash, int]]:
+    def copies(self, source: SourceKey) -> PoolCopies:
         """The pools of one publisher: (group, medium) -> hash -> copies (a snapshot)."""
         src = self._sources.get(source)
         if src is None:

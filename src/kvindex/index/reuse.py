@@ -23,11 +23,10 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
+from kvindex.wire.pools import PoolKey
 from kvindex.wire.tiers import TIER_GPU, TIERS, tier_of
 
 __all__ = ["GroupSpec", "Reuse", "engine_reuse"]
-
-PoolKey = tuple[int, str]
 
 # vLLM's KVCacheSpecKind values whose groups reuse a leading run of blocks.
 _PREFIX_KINDS = frozenset(

@@ -47,11 +47,11 @@ from kvindex.sim.engine import (
 from kvindex.sim.workload import Workload, WorkloadShape
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import BlockHash
+from kvindex.wire.pools import PoolCopies, PoolKey
 
 __all__ = ["Reference", "SimBatch", "SimConfig", "SimItem", "SimRestart", "Simulation", "payloads"]
 
-PoolKey = tuple[int, str]  # (group_idx, medium), as FleetIndex.copies() keys its pools
-Reference = dict[SourceKey, dict[PoolKey, dict[BlockHash, int]]]
+Reference = dict[SourceKey, PoolCopies]
 
 
 @dataclass(frozen=True, slots=True)

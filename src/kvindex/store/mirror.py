@@ -24,7 +24,7 @@ from typing import Any, TypeAlias
 
 import msgspec
 
-from kvindex.index.fleet import DEFAULT_MEDIUM, event_tokens, is_keyed, is_plain
+from kvindex.index.fleet import event_tokens, is_keyed, is_plain
 from kvindex.index.keys import flat_pairs
 from kvindex.index.namespaces import chain_keys, lora_key
 from kvindex.subscriber.messages import SourceKey
@@ -39,6 +39,7 @@ from kvindex.wire import (
     WireError,
 )
 from kvindex.wire.events import _WireBigramBlockStored
+from kvindex.wire.pools import PoolCopies, PoolKey, pool_of
 from kvindex.wire.tiers import TIER_GPU, tier_of
 
 __all__ = [
@@ -53,7 +54,6 @@ __all__ = [
     "RunKeys",
 ]
 
-PoolKey = tuple[int, str]
 HASH_ONLY, UNPLACED, PLACED = 0, 1, 2  # run ranks: a block belongs to its best run
 # A store's own token list until its run is saved, then int64 (a fifth of the memory).
 Tokens: TypeAlias = "list[int] | array[int]"
@@ -387,7 +387,7 @@ class Mirror:
             if isinstance(event, BlockRemoved):
                 if pool is None or event.medium != medium or event.group_idx != group:
                     medium, group = event.medium, event.group_idx
-                    pool = src.pools.get((group or 0, medium or DEFAULT_MEDIUM))
+                    pool = src.pools.get(pool_of(group, medium))
                     if pool is None:
                         continue
                     blocks = pool.blocks
@@ -418,6 +418,17 @@ class Mirror:
         self.touched = {s for s in self.touched if s.instance != name}
         self.removed.add(name)
 
+    def copies(self, key: SourceKey) -> PoolCopies:
+        """What the publisher holds now: pool -> hash -> copies (pools::PoolCopies)."""
+        src = self.sources.get(key)
+        if src is None:
+            return {}
+        return {
+            pool_key: {h: pool.copies(h) for h in pool.blocks}
+            for pool_key, pool in src.pools.items()
+            if pool.blocks
+        }
+
     def source(self, key: SourceKey) -> PublisherRuns:
         src = self.sources.get(key)
         if src is None:
@@ -430,7 +441,7 @@ class Mirror:
 
     def _store(self, src: PublisherRuns, event: BlockStored, ts: float) -> None:
         hashes = event.block_hashes
-        pool_key = (event.group_idx or 0, event.medium or DEFAULT_MEDIUM)
+        pool_key = pool_of(event.group_idx, event.medium)
         pool = src.pool(pool_key)
         blocks = pool.blocks
         run = self._new_run(src, pool_key, event, ts, _rank(src, pool, event))

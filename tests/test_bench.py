@@ -262,27 +262,36 @@ def test_readme_section_is_rewritten_between_its_markers(
     assert readme.read_text() == text
 
 
-def test_one_case_runs_apart_into_the_last_results(
-    smoke_run: Any, tmp_path: Path, monkeypatch: Any
-) -> None:
-    """`--only routing` runs that case alone and puts it into the results file beside the
-    last run's figures, which stay; the README says it ran apart, when and how."""
-    out, _, fake = smoke_run
+def run_apart(
+    smoke_run: Any, tmp_path: Path, monkeypatch: Any, case: str
+) -> tuple[dict[str, Any], dict[str, Any], str, Path]:
+    """`--only CASE` into a copy of the smoke run's results: the results before and after,
+    what it printed, and the copy's path."""
+    out = smoke_run[0]
     mine = tmp_path / "results.json"
     mine.write_text(out.read_text())
     monkeypatch.setenv("KVINDEX_BENCH_CACHE", str(tmp_path / "cache"))
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert bench.main(["--smoke", "--only", "routing", "--out", str(mine)]) == 0
-    before, after = json.loads(out.read_text()), json.loads(mine.read_text())
+        assert bench.main(["--smoke", "--only", case, "--out", str(mine)]) == 0
+    after = json.loads(mine.read_text())
+    assert after.pop("runs_apart")[case]["mode"] == "smoke"
+    return json.loads(out.read_text()), after, printed.getvalue(), mine
+
+
+def test_one_case_runs_apart_into_the_last_results(
+    smoke_run: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """`--only routing` runs that case alone and puts it into the results file beside the
+    last run's figures, which stay; the README says it ran apart, when and how."""
+    before, after, printed, mine = run_apart(smoke_run, tmp_path, monkeypatch, "routing")
     routing = after["e2e"].pop("e2e_routing")
     assert "error" not in routing and "error" not in routing.get("http", {}), routing
-    assert after.pop("runs_apart")["routing"]["mode"] == "smoke"
     assert after == before  # the rest as the last run left it
-    assert "e2e POST /v1/route" in printed.getvalue()
+    assert "e2e POST /v1/route" in printed
     readme = tmp_path / "README.md"
     readme.write_text(f"{report.START}\n{report.END}\n")
-    monkeypatch.setitem(sys.modules, "kvindex.bench.e2e", fake)
+    monkeypatch.setitem(sys.modules, "kvindex.bench.e2e", smoke_run[2])
     assert report.main(["--readme", str(readme), "--results", str(mine)]) == 0
     assert "The routing rows were run apart on " in readme.read_text()
     assert "`python -m kvindex.bench --only routing`" in readme.read_text()
@@ -293,22 +302,14 @@ def test_ingest_workers_run_apart_into_the_last_results(
 ) -> None:
     """`--only ingest_workers` runs serve with 1 and with 2 ingest workers on the same
     stream and puts that case alone into the last results."""
-    out, _, _ = smoke_run
-    mine = tmp_path / "results.json"
-    mine.write_text(out.read_text())
-    monkeypatch.setenv("KVINDEX_BENCH_CACHE", str(tmp_path / "cache"))
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        assert bench.main(["--smoke", "--only", "ingest_workers", "--out", str(mine)]) == 0
-    before, after = json.loads(out.read_text()), json.loads(mine.read_text())
+    before, after, printed, _ = run_apart(smoke_run, tmp_path, monkeypatch, "ingest_workers")
     case = after["e2e"].pop("e2e_ingest_workers")
-    assert after.pop("runs_apart")["ingest_workers"]["mode"] == "smoke"
     assert after == before
     for n in ("1", "2"):
         assert case["workers"][n]["exact"] is True, case
         assert case["workers"][n]["ingest_workers"] == int(n)
     assert case["speedup"] > 0
-    assert "2 workers vs 1" in printed.getvalue()
+    assert "2 workers vs 1" in printed
 
 
 def test_page_shapes_run_apart_into_the_last_results(
@@ -316,17 +317,10 @@ def test_page_shapes_run_apart_into_the_last_results(
 ) -> None:
     """`--only page_shapes` measures the three page shapes again (vLLM page 16 beside
     SGLang's page 16 and page 1) and replaces that section only."""
-    out, _, _ = smoke_run
-    mine = tmp_path / "results.json"
-    mine.write_text(out.read_text())
-    monkeypatch.setenv("KVINDEX_BENCH_CACHE", str(tmp_path / "cache"))
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert bench.main(["--smoke", "--only", "page_shapes", "--out", str(mine)]) == 0
-    before, after = json.loads(out.read_text()), json.loads(mine.read_text())
+    before, after, _, _ = run_apart(smoke_run, tmp_path, monkeypatch, "page_shapes")
     shapes = after.pop("page_shapes")
     before.pop("page_shapes")
     assert "error" not in shapes, shapes
-    assert after.pop("runs_apart")["page_shapes"]["mode"] == "smoke"
     assert after == before  # the rest as the last run left it
     shapes_run = [(c["format"], c["page_size"]) for c in shapes["cases"]]
     assert shapes_run == [("0.33", 16), ("sglang", 16), ("sglang", 1)]

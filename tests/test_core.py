@@ -192,11 +192,23 @@ LOOKUP_NAMES: list[dict[str, Any]] = [
     {"cache_salt": "t2"},
     {"lora_name": "ad-1", "cache_salt": "t1"},
 ]
+# Lookups that supply a block's multimodal keys (the "mm" namespace's events give the last
+# block of a store [["img", first]]): per block b and offset f, as per-block extra keys,
+# and as an input at b * BS + f (vLLM's derivation: the same key in that block, and keys in
+# the blocks it spans after).
+MM_LOOKUPS: list[dict[str, Any]] = [
+    {"extra_keys": [None] * b + [[["img", f]]]} for b in range(5) for f in range(b + 1)
+] + [
+    {"mm_features": [{"identifier": "img", "offset": b * BS + f, "length": n}]}
+    for b in range(5)
+    for f in range(BS)
+    for n in (1, BS + 1)
+]
 PROMPTS = [
     (prompt_of(p, variant), names)
     for p in range(len(BASE))
     for variant in range(3)
-    for names in LOOKUP_NAMES
+    for names in [*LOOKUP_NAMES, *MM_LOOKUPS]
 ]
 HASH_RUNS = [
     [block_hash(prompt_of(p, variant), n, ns, False) for n in range(len(BASE[p]) // BS)]

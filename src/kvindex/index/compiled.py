@@ -20,7 +20,7 @@ tests (tests/test_core.py) hold them to identical state and answers.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from kvindex.index._core import Core, parse_lookup
 from kvindex.index.base import AnswerSlot, IndexBase, LookupRow, PayloadResult
 from kvindex.index.fleet import Namespace, PoolKey, event_tokens, is_keyed, is_plain
 from kvindex.index.keys import chain_keys_bytes
+from kvindex.index.multimodal import MMFeature, MMKey, PromptKeys
 from kvindex.index.namespaces import PLAIN, chain_keys
 from kvindex.index.reuse import Reuse
 from kvindex.index.stats import CacheStats
@@ -193,17 +194,32 @@ class CompiledIndex(IndexBase[_Pub]):
         token_ids: Sequence[int],
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        *,
+        mm_features: Sequence[MMFeature | Mapping[str, Any]] | None = None,
+        extra_keys: Sequence[Sequence[MMKey] | None] | None = None,
     ) -> list[LookupRow]:
         """As `FleetIndex.lookup` (the rows are made in C: a big fleet's answer costs no
         Python work per instance)."""
+        layout = self._layout or self._lay_out()
+        own = self._own_keys(token_ids, PromptKeys.of(mm_features, extra_keys))
+        if own is None:
+            return self._core.lookup(
+                token_ids, lora_name, cache_salt, layout, self._empty_for, LookupRow
+            )
         return self._core.lookup(
-            token_ids,
-            lora_name,
-            cache_salt,
-            self._layout or self._lay_out(),
-            self._empty_for,
-            LookupRow,
+            token_ids, lora_name, cache_salt, layout, self._empty_for, LookupRow, own
         )
+
+    def _own_keys(
+        self, token_ids: Sequence[int] | bytes, keys: PromptKeys | None
+    ) -> dict[int, dict[int, bytes]] | None:
+        """The lookup's own-keyed blocks as the core takes them: per tree size it walks,
+        block index -> the block's whole tree key (None: a plain lookup)."""
+        if keys is None:
+            return None
+        if isinstance(token_ids, bytes):
+            token_ids = array("I", token_ids).tolist()
+        return {size: keys.tree_keys(token_ids, size) for size in self._core.tree_sizes()}
 
     def lookup_json(
         self,
@@ -212,12 +228,16 @@ class CompiledIndex(IndexBase[_Pub]):
         cache_salt: str | None,
         slots: list[AnswerSlot],
         statuses: list[bytes],
+        keys: PromptKeys | None = None,
     ) -> tuple[bytes, bool]:
         """The runtime's whole answer to a lookup as JSON, made in C, and whether it is a
         hit: exactly what encoding `Fleet.lookup`'s answer gives
         (`slots`: the followed instances by name; `statuses`: each one's status as JSON).
-        `token_ids` may be `parse_lookup_body`'s bytes."""
-        return self._core.lookup_json(token_ids, lora_name, cache_salt, slots, statuses)
+        `token_ids` may be `parse_lookup_body`'s bytes; `keys`: the prompt's own keys."""
+        own = self._own_keys(token_ids, keys)
+        if own is None:
+            return self._core.lookup_json(token_ids, lora_name, cache_salt, slots, statuses)
+        return self._core.lookup_json(token_ids, lora_name, cache_salt, slots, statuses, own)
 
     def _empty_for(self, size: int) -> list[LookupRow]:
         return self._empty_rows.get(size) or self._make_empty_rows(size)

@@ -42,9 +42,9 @@ its window's last blocks). See `lookup`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -58,6 +58,7 @@ from kvindex.index.keys import (
     prompt_keys,
     tree_size,
 )
+from kvindex.index.multimodal import MMFeature, MMKey, PromptKeys
 from kvindex.index.namespaces import PLAIN, ChainKeys, LoraKey, chain_keys, lora_key
 from kvindex.index.reuse import GroupSpec, Reuse, engine_reuse
 from kvindex.index.stats import CacheStats
@@ -655,16 +656,26 @@ class FleetIndex(IndexBase[_Source]):
         token_ids: Sequence[int],
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        *,
+        mm_features: Sequence[MMFeature | Mapping[str, Any]] | None = None,
+        extra_keys: Sequence[Sequence[MMKey] | None] | None = None,
     ) -> list[LookupRow]:
         """Per instance, what the engine would reuse of this prompt (see `LookupRow`): the
-        chains of the namespace the request names (its LoRA adapter and cache salt)."""
+        chains of the namespace the request names (its LoRA adapter and cache salt). An
+        image prompt's blocks are keyed by its multimodal inputs when the lookup gives them
+        (`mm_features` or per-block `extra_keys`: see kvindex.index.multimodal); without
+        them, its blocks from the first image on match nothing."""
+        own = PromptKeys.of(mm_features, extra_keys)
         walks: dict[int, _Walk] = {}
         # Ascending: ties between sizes go to the smaller (bigram trees come last).
         for size in sorted(self._sizes):
             root = self._roots.get((lora_name, cache_salt, size))
             if root is None or not root.children:
                 continue
-            walks[size] = self._walk(root, prompt_keys(token_ids, size))
+            keys = prompt_keys(token_ids, size)
+            if own is not None:
+                keys = own.apply(keys, token_ids, size)
+            walks[size] = self._walk(root, keys)
         # What an instance matching nothing reports as its block size: the smallest.
         default_size = block_size_of(next(iter(walks), 0))
         found: dict[int, Reuse] = {}

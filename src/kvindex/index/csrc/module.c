@@ -835,6 +835,76 @@ static PyObject *make_rows(CoreObject *self, PyObject *layout, PyObject *empty,
     return rows;
 }
 
+/* A lookup's own-keyed blocks (kvindex.index.multimodal.PromptKeys): per tree size, the
+ * blocks whose key the lookup gives whole (tokens + own-keys digest), as key digests. */
+typedef struct {
+    uint32_t size;  /* a tree size */
+    uint32_t block; /* the block's index in the prompt */
+    uint64_t key;   /* key_digest of its tree key */
+} own_key;
+
+typedef struct {
+    own_key *keys;
+    uint32_t n;
+} own_keys;
+
+/* `own`: None, or {tree size: {block index: tree key bytes}}. 0 with an error set on a bad
+ * shape; the digests need no lock (key_digest reads only the seed). */
+static int own_arg(CoreObject *self, PyObject *obj, own_keys *out) {
+    out->keys = NULL;
+    out->n = 0;
+    if (obj == NULL || obj == Py_None)
+        return 1;
+    static const char *shape = "own keys: {tree size: {block index: key bytes}}";
+    if (!PyDict_Check(obj)) {
+        PyErr_SetString(PyExc_TypeError, shape);
+        return 0;
+    }
+    Py_ssize_t total = 0, pos = 0;
+    PyObject *size_obj, *blocks;
+    while (PyDict_Next(obj, &pos, &size_obj, &blocks)) {
+        if (!PyDict_Check(blocks)) {
+            PyErr_SetString(PyExc_TypeError, shape);
+            return 0;
+        }
+        total += PyDict_GET_SIZE(blocks);
+    }
+    if (total == 0)
+        return 1;
+    out->keys = malloc((size_t)total * sizeof(own_key));
+    if (out->keys == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    pos = 0;
+    while (PyDict_Next(obj, &pos, &size_obj, &blocks)) {
+        unsigned long long size = PyLong_AsUnsignedLongLong(size_obj);
+        if (PyErr_Occurred() || size > UINT32_MAX)
+            goto bad;
+        Py_ssize_t inner = 0;
+        PyObject *block_obj, *key;
+        while (PyDict_Next(blocks, &inner, &block_obj, &key)) {
+            unsigned long long block = PyLong_AsUnsignedLongLong(block_obj);
+            if (PyErr_Occurred() || block > UINT32_MAX || !PyBytes_Check(key))
+                goto bad;
+            if ((Py_ssize_t)out->n >= total) /* the dicts changed under us */
+                goto bad;
+            out->keys[out->n++] = (own_key){
+                (uint32_t)size, (uint32_t)block,
+                key_digest(&self->core, (const uint8_t *)PyBytes_AS_STRING(key),
+                           (size_t)PyBytes_GET_SIZE(key))};
+        }
+    }
+    return 1;
+bad:
+    PyErr_Clear(); /* a size or index that is not a u32 int: one wording for every shape */
+    PyErr_SetString(PyExc_TypeError, shape);
+    free(out->keys);
+    out->keys = NULL;
+    out->n = 0;
+    return 0;
+}
+
 /* What every publisher would reuse of one prompt: computed with the read lock held (the
  * answers point into `reuses`), freed by walk_free. */
 typedef struct {
@@ -851,7 +921,7 @@ static void walk_free(walked_t *w) {
 }
 
 static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_id,
-                        uint32_t salt_id, int unknown, walked_t *out) {
+                        uint32_t salt_id, int unknown, const own_keys *own, walked_t *out) {
     memset(out, 0, sizeof *out);
     uint32_t ntokens = prompt->n;
     uint32_t bits = c->max_bit;
@@ -902,6 +972,9 @@ static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_i
             sizes[k] & BIGRAM_TREE
                 ? prompt_bigram_keys(c, prompt->small, prompt->wide, ntokens, size, keys)
                 : prompt_keys(c, prompt->small, prompt->wide, ntokens, size, keys);
+        for (uint32_t i = 0; i < own->n; i++) /* the blocks keyed by the lookup's own keys */
+            if (own->keys[i].size == sizes[k] && own->keys[i].block < nkeys)
+                keys[own->keys[i].block] = own->keys[i].key;
         memset(depth, 0, (bits + 1) * sizeof(uint32_t));
         uint32_t *path = paths ? paths + (size_t)k * (ntokens + 1) : NULL;
         walks[k].path = path;
@@ -929,29 +1002,34 @@ static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_i
     free(paths);
 }
 
-/* lookup(token_ids, lora_name, cache_salt, layout, empty_rows, row_type) -> [row, ...]
+/* lookup(token_ids, lora_name, cache_salt, layout, empty_rows, row_type[, own]) -> [row, ...]
 
    What every instance would reuse of the prompt: FleetIndex.lookup. `layout` is the
    answer's shape (IndexBase._lay_out), `empty_rows(size)` the shared rows of instances
    matching nothing, `row_type` LookupRow. `token_ids`: ints, or bytes of uint32 in native
-   order (parse_lookup's). */
+   order (parse_lookup's). `own`: the blocks keyed by the lookup's own keys (own_arg). */
 static PyObject *Core_lookup(CoreObject *self, PyObject *args) {
     READY(self);
-    PyObject *tokens_obj, *lora, *salt, *layout, *empty_rows, *row_type;
-    if (!PyArg_ParseTuple(args, "OOOO!OO", &tokens_obj, &lora, &salt, &PyList_Type, &layout,
-                          &empty_rows, &row_type))
+    PyObject *tokens_obj, *lora, *salt, *layout, *empty_rows, *row_type, *own_obj = NULL;
+    if (!PyArg_ParseTuple(args, "OOOO!OO|O", &tokens_obj, &lora, &salt, &PyList_Type, &layout,
+                          &empty_rows, &row_type, &own_obj))
         return NULL;
     prompt_t prompt;
     uint32_t lora_id, salt_id;
     int unknown;
+    own_keys own;
     if (!lookup_names(self, lora, salt, &lora_id, &salt_id, &unknown))
         return NULL;
-    if (!tokens_arg(tokens_obj, &prompt))
+    if (!own_arg(self, own_obj, &own))
         return NULL;
+    if (!tokens_arg(tokens_obj, &prompt)) {
+        free(own.keys);
+        return NULL;
+    }
     walked_t w;
     PyObject *rows = NULL;
     pthread_rwlock_rdlock(&self->lock);
-    walk_prompt(&self->core, &prompt, lora_id, salt_id, unknown, &w);
+    walk_prompt(&self->core, &prompt, lora_id, salt_id, unknown, &own, &w);
     if (w.oom) {
         PyErr_NoMemory();
     } else {
@@ -969,6 +1047,7 @@ static PyObject *Core_lookup(CoreObject *self, PyObject *args) {
     pthread_rwlock_unlock(&self->lock);
     prompt_free(&prompt);
     walk_free(&w);
+    free(own.keys);
     return rows;
 }
 
@@ -1025,19 +1104,21 @@ static int slots_arg(PyObject *slots_obj, PyObject *statuses, slot_t **slots_out
     return 1;
 }
 
-/* lookup_json(token_ids, lora_name, cache_salt, slots, statuses) -> (json bytes, hit)
+/* lookup_json(token_ids, lora_name, cache_salt, slots, statuses[, own]) -> (json bytes, hit)
 
    Core.lookup and the runtime's answer (Fleet.lookup encoded) in one go: see answer.h. */
 static PyObject *Core_lookup_json(CoreObject *self, PyObject *args) {
     READY(self);
-    PyObject *tokens_obj, *lora, *salt, *slots_obj, *statuses;
-    if (!PyArg_ParseTuple(args, "OOOOO", &tokens_obj, &lora, &salt, &slots_obj, &statuses))
+    PyObject *tokens_obj, *lora, *salt, *slots_obj, *statuses, *own_obj = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOO|O", &tokens_obj, &lora, &salt, &slots_obj, &statuses,
+                          &own_obj))
         return NULL;
     prompt_t prompt;
     uint32_t lora_id, salt_id;
     int unknown;
     slot_t *slots;
     int32_t *ranks;
+    own_keys own;
     if (!lookup_names(self, lora, salt, &lora_id, &salt_id, &unknown))
         return NULL;
     if (!slots_arg(slots_obj, statuses, &slots, &ranks)) {
@@ -1046,9 +1127,15 @@ static PyObject *Core_lookup_json(CoreObject *self, PyObject *args) {
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(slots_obj);
+    if (!own_arg(self, own_obj, &own)) {
+        free(slots);
+        free(ranks);
+        return NULL;
+    }
     if (!tokens_arg(tokens_obj, &prompt)) {
         free(slots);
         free(ranks);
+        free(own.keys);
         return NULL;
     }
     walked_t w;
@@ -1057,7 +1144,7 @@ static PyObject *Core_lookup_json(CoreObject *self, PyObject *args) {
     /* The GIL is kept, as for every question (see the top of this file): given away for
      * these ~30 us, it could take a busy ingest thread's whole switch interval to get back. */
     pthread_rwlock_rdlock(&self->lock);
-    walk_prompt(&self->core, &prompt, lora_id, salt_id, unknown, &w);
+    walk_prompt(&self->core, &prompt, lora_id, salt_id, unknown, &own, &w);
     if (!w.oom)
         hit = answer_json(&self->core, w.answers, w.nbits, slots, (uint32_t)n, 1, &out);
     pthread_rwlock_unlock(&self->lock);
@@ -1071,6 +1158,7 @@ static PyObject *Core_lookup_json(CoreObject *self, PyObject *args) {
     prompt_free(&prompt);
     free(slots);
     free(ranks);
+    free(own.keys);
     return result;
 }
 
@@ -1668,6 +1756,25 @@ static PyObject *Core_set_slice(CoreObject *self, PyObject *n_obj) {
     Py_RETURN_NONE;
 }
 
+/* tree_sizes() -> [size, ...]: the tree sizes with a namespace now (what a lookup walks). */
+static PyObject *Core_tree_sizes(CoreObject *self, PyObject *Py_UNUSED(unused)) {
+    READY(self);
+    uint32_t sizes[16], n;
+    pthread_rwlock_rdlock(&self->lock);
+    n = self->core.nsizes;
+    memcpy(sizes, self->core.sizes, n * sizeof(uint32_t));
+    pthread_rwlock_unlock(&self->lock);
+    PyObject *out = PyList_New(n);
+    for (uint32_t i = 0; out && i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(sizes[i]);
+        if (v == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
 static PyObject *Core_key_digest(CoreObject *self, PyObject *data) {
     READY(self);
     Py_buffer view;
@@ -1711,6 +1818,7 @@ static PyMethodDef Core_methods[] = {
     {"memory", (PyCFunction)Core_memory, METH_NOARGS, NULL},
     {"walk_tree", (PyCFunction)Core_walk_tree, METH_NOARGS, NULL},
     {"key_digest", (PyCFunction)Core_key_digest, METH_O, NULL},
+    {"tree_sizes", (PyCFunction)Core_tree_sizes, METH_NOARGS, NULL},
     {"keep_tokens", (PyCFunction)Core_keep_tokens, METH_O, NULL},
     {"set_slice", (PyCFunction)Core_set_slice, METH_O, NULL},
     {"distinct", (PyCFunction)Core_distinct, METH_O, NULL},

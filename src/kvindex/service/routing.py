@@ -36,6 +36,7 @@ from kvindex.runtime.stream_load import StreamLoads
 from kvindex.runtime.tokenize import Chat, NoTokenizer, TokenizeFailed, Tokenizers
 from kvindex.service.metrics import ServiceMetrics
 from kvindex.service.schema import (
+    BadBody,
     ChatLookupRequest,
     LookupRequest,
     PeerInstance,
@@ -50,6 +51,7 @@ from kvindex.service.schema import (
     decode_lookup,
     encode,
     error_body,
+    mm_keys,
     operation_doc,
 )
 from kvindex.subscriber import CapacityError, InstanceSpec, SpecError, Status
@@ -161,15 +163,16 @@ async def lookup_answer(
         return _json_error(
             422, f"the prompt has {len(tokens)} tokens, over the limit of {max_items}"
         )
+    keys = mm_keys(body)
     start = time.perf_counter()
     kind = "tokens" if isinstance(body, LookupRequest) else "text"
     if body.score:
         scored = routing.router.lookup(
-            tokens, model=model, lora_name=body.lora_name, cache_salt=body.cache_salt
+            tokens, model=model, lora_name=body.lora_name, cache_salt=body.cache_salt, **keys
         )
         metrics.lookups.observe(kind, time.perf_counter() - start, scored.hit)
         return Response(encode(scored), media_type="application/json")
-    answer = routing.fleet.lookup(tokens, body.lora_name, body.cache_salt, model=model)
+    answer = routing.fleet.lookup(tokens, body.lora_name, body.cache_salt, model=model, **keys)
     metrics.lookups.observe(kind, time.perf_counter() - start, answer.hit)
     return Response(encode(answer), media_type="application/json")
 
@@ -192,10 +195,11 @@ def _add_route(
             _model_known(routing, model)
         except _Failed as exc:
             return _json_error(exc.status, str(exc))
+        keys = mm_keys(body)
         start = time.perf_counter()
         try:
             answer = routing.router.route(
-                tokens, model=model, lora_name=body.lora_name, cache_salt=body.cache_salt
+                tokens, model=model, lora_name=body.lora_name, cache_salt=body.cache_salt, **keys
             )
         except NoCandidate as exc:
             return _json_error(409, f"no instance can take it: {exc}")
@@ -423,9 +427,13 @@ def _add_peer_routes(app: FastAPI, routing: Routing, metrics: ServiceMetrics) ->
         body, packed = await _peer_body(request, QueryRequest)
         if not _served(routing, body.model_name, body.routing_group):
             return _peer_error(404, _no_indexer(body.model_name, body.routing_group), packed)
+        try:
+            keys = mm_keys(body)
+        except BadBody as exc:
+            return _peer_error(exc.status_code, str(exc), packed)
         start = time.perf_counter()
         answer = fleet.lookup(
-            body.token_ids, body.lora_name, body.cache_salt, model=body.model_name
+            body.token_ids, body.lora_name, body.cache_salt, model=body.model_name, **keys
         )
         metrics.lookups.observe("peer", time.perf_counter() - start, answer.hit)
         return _peer_answer(

@@ -28,9 +28,11 @@ def assert_same(
     prompts: Iterable[Prompt] = (),
     hash_runs: Iterable[Sequence[BlockHash]] = (),
     media: Iterable[str | None] = MEDIA,
+    local_runs: Iterable[tuple[Sequence[int], dict[str, Any]]] = (),
 ) -> None:
     """Both hold the same publishers, pools, copies, stats and tree, and answer every
-    lookup of `prompts` (by tokens) and `hash_runs` (by hashes) with the same rows."""
+    lookup of `prompts` (by tokens), `hash_runs` (by hashes) and `local_runs` (by Dynamo's
+    local block hashes, with their keywords; `fast` keeping them) with the same rows."""
     assert fast.instances() == pure.instances()
     assert fast.entries() == pure.entries()
     assert fast.tree_nodes() == pure.tree_nodes()
@@ -48,6 +50,11 @@ def assert_same(
         assert fast.lookup(tokens, **names) == pure.lookup(tokens, **names), (tokens, names)
     for hashes in hash_runs:
         assert fast.lookup_hashes(hashes) == pure.lookup_hashes(hashes), hashes
+    for local, kw in local_runs:
+        assert fast.lookup_local_hashes(local, **kw) == pure.lookup_local_hashes(local, **kw), (
+            local,
+            kw,
+        )
     tree = Counter((ns, depth, mask) for ns, depth, _, mask in pure.walk_tree())
     assert Counter((ns, depth, mask) for ns, depth, _, mask in fast.walk_tree()) == tree
 

@@ -552,6 +552,20 @@ class Fleet:
                 rows = self.index.lookup(token_ids, lora_name, cache_salt)
         return self._answer(rows, by_tokens=True, model=model)
 
+    def lookup_local_hashes(
+        self,
+        hashes: Sequence[int],
+        lora_name: str | None = None,
+        model: str | None = None,
+        block_size: int | None = None,
+    ) -> LookupAnswer:
+        """Per instance, what the engine would reuse of the prompt these Dynamo local
+        block hashes stand for (`FleetIndex.lookup_local_hashes`; the peers'
+        `/query_by_hash`). Raises LocalHashesOff where the index keeps none."""
+        with self._guard():
+            rows = self.index.lookup_local_hashes(hashes, lora_name, block_size)
+        return self._answer(rows, by_tokens=True, model=model)
+
     def lookup_hashes(
         self, block_hashes: Sequence[BlockHash], model: str | None = None
     ) -> LookupAnswer:

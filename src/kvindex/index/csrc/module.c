@@ -16,6 +16,7 @@
 
 #include "answer.h"
 #include "core.h"
+#include "xxh3.h"
 
 /* Hashes applied under one write lock at most (issue 17 point 7). A lookup waits behind
  * one slice: ~0.2-0.8 us a hash, so a few ms, where a 1M-block BlockStored held the lock
@@ -1002,6 +1003,224 @@ static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_i
     free(paths);
 }
 
+/* The byte order of namespaces for a lookup by local hashes (fleet.py's
+ * _namespace_order within one size): by LoRA name, then salt ("" for none). */
+static int name_cmp(const core_t *c, uint32_t a, uint32_t b) {
+    const blob_t *x = a ? &c->names.items[a] : NULL, *y = b ? &c->names.items[b] : NULL;
+    uint32_t lx = x ? x->len : 0, ly = y ? y->len : 0;
+    int r = memcmp(x ? (const void *)x->data : "", y ? (const void *)y->data : "",
+                   lx < ly ? lx : ly);
+    return r ? r : (lx > ly) - (lx < ly);
+}
+
+static int ns_before(const core_t *c, const namespace_t *a, const namespace_t *b) {
+    int r = name_cmp(c, a->lora, b->lora);
+    return r ? r < 0 : name_cmp(c, a->salt, b->salt) < 0;
+}
+
+/* FleetIndex.lookup_local_hashes: per tree size (plain trees; `size` 0: every size), the
+ * namespace (of LoRA `lora`, if `lora_given`) whose blocks continue the hashes furthest
+ * (ties: the first by name), walked along the nodes found. */
+static void walk_local(const core_t *c, const uint64_t *hashes, uint32_t n, uint32_t lora,
+                       int lora_given, uint32_t want_size, walked_t *out) {
+    memset(out, 0, sizeof *out);
+    uint32_t bits = c->max_bit, words = c->set_words;
+    uint32_t sizes[16], nsizes = 0, best_len[16];
+    const namespace_t *best[16];
+    uint32_t *scratch = malloc(((size_t)n + 1) * sizeof(uint32_t));
+    uint32_t *found = malloc(((size_t)n + 1) * 16 * sizeof(uint32_t));
+    int oom = scratch == NULL || found == NULL;
+    for (uint32_t i = 0; !oom && i < c->nns; i++) {
+        const namespace_t *ns = &c->ns[i];
+        if (ns->size & BIGRAM_TREE || (want_size && ns->size != want_size))
+            continue;
+        if (ns->lora && c->names.items[ns->lora].len && c->names.items[ns->lora].data[0] == 0xff)
+            continue; /* an adapter known by its lora_id only: no seed a lookup can give */
+        if (lora_given && ns->lora != lora)
+            continue;
+        uint32_t k = 0;
+        while (k < nsizes && sizes[k] != ns->size)
+            k++;
+        if (k == nsizes) { /* a new size, in ascending order */
+            while (k > 0 && sizes[k - 1] > ns->size) {
+                sizes[k] = sizes[k - 1];
+                best[k] = best[k - 1];
+                best_len[k] = best_len[k - 1];
+                memcpy(found + (size_t)k * (n + 1), found + (size_t)(k - 1) * (n + 1),
+                       (size_t)best_len[k] * sizeof(uint32_t));
+                k--;
+            }
+            sizes[k] = ns->size;
+            best[k] = NULL;
+            best_len[k] = 0;
+            nsizes++;
+        }
+        uint32_t len = local_path(c, ns->root, hashes, n, scratch);
+        if (len && (len > best_len[k] || (len == best_len[k] && ns_before(c, ns, best[k])))) {
+            best[k] = ns;
+            best_len[k] = len;
+            memcpy(found + (size_t)k * (n + 1), scratch, (size_t)len * sizeof(uint32_t));
+        }
+    }
+    out->default_size = nsizes ? BLOCK_SIZE(sizes[0]) : 0;
+    out->nbits = bits;
+    uint64_t small_words[8];
+    uint64_t *several = words <= 4 ? small_words : calloc(words * 2, sizeof(uint64_t));
+    uint64_t *alive = several ? several + words : NULL;
+    answer_t *answers = out->answers = calloc(bits + 1, sizeof(answer_t));
+    uint32_t *depth = calloc(bits + 1, sizeof(uint32_t));
+    uint32_t *paths = NULL;
+    walk_path walks[16];
+    oom |= !several || !answers || !depth;
+    int any_several = 0;
+    if (!oom) {
+        memset(several, 0, words * sizeof(uint64_t));
+        for (uint32_t b = 0; b < bits; b++)
+            if (c->sources[b] && c->sources[b]->several) {
+                several[b / 64] |= 1ULL << (b % 64);
+                any_several = 1;
+            }
+        if (any_several && nsizes) {
+            paths = malloc(((size_t)n + 1) * nsizes * sizeof(uint32_t));
+            oom = paths == NULL;
+        }
+    }
+    for (uint32_t k = 0; !oom && k < nsizes; k++) {
+        uint32_t size = BLOCK_SIZE(sizes[k]);
+        memset(depth, 0, (bits + 1) * sizeof(uint32_t));
+        uint32_t *path = paths ? paths + (size_t)k * (n + 1) : NULL;
+        walks[k].path = path;
+        walks[k].len = best_len[k] ? walk_nodes(c, found + (size_t)k * (n + 1), best_len[k],
+                                                depth, path, alive, several)
+                                   : 0;
+        for (uint32_t b = 0; b < bits; b++)
+            if (depth[b] && (uint64_t)depth[b] * size > (uint64_t)answers[b].blocks * answers[b].size) {
+                answers[b].blocks = depth[b];
+                answers[b].size = size;
+            }
+    }
+    if (!oom && any_several && nsizes) {
+        reuse_t *reuses = out->reuses = calloc(bits + 1, sizeof(reuse_t));
+        oom = reuses == NULL;
+        for (uint32_t b = 0; !oom && b < bits; b++)
+            if (c->sources[b] && c->sources[b]->several) {
+                engine_reuse(c, c->sources[b], sizes, walks, nsizes, &reuses[b]);
+                answers[b] = (answer_t){reuses[b].blocks, reuses[b].size, &reuses[b]};
+            }
+    }
+    out->oom = oom;
+    if (several != small_words)
+        free(several);
+    free(depth);
+    free(paths);
+    free(scratch);
+    free(found);
+}
+
+/* lookup_local(hashes, lora_name, block_size, layout, empty_rows, row_type) -> [row, ...]
+
+   FleetIndex.lookup_local_hashes: `hashes` u64 or i64 ints (Dynamo's local block hashes),
+   `lora_name` None or a name (only its namespaces), `block_size` None or a size. */
+static PyObject *Core_lookup_local(CoreObject *self, PyObject *args) {
+    READY(self);
+    PyObject *hashes_obj, *lora, *size_obj, *layout, *empty_rows, *row_type;
+    if (!PyArg_ParseTuple(args, "OOOO!OO", &hashes_obj, &lora, &size_obj, &PyList_Type, &layout,
+                          &empty_rows, &row_type))
+        return NULL;
+    span_t l;
+    if (!opt_str(lora, &l))
+        return NULL;
+    uint32_t want_size = 0;
+    if (size_obj != Py_None) {
+        unsigned long v = PyLong_AsUnsignedLong(size_obj);
+        if (PyErr_Occurred())
+            return NULL;
+        if (v == 0 || v >= (1UL << 31)) /* no tree has it: nothing matches */
+            v = 0xFFFFFFFFUL;
+        want_size = (uint32_t)v;
+    }
+    PyObject *fast = PySequence_Fast(hashes_obj, "hashes must be a sequence of ints");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    uint64_t *hashes = malloc(((size_t)n + 1) * sizeof(uint64_t));
+    if (hashes == NULL) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(fast, i);
+        if (!PyLong_Check(o)) {
+            PyErr_SetString(PyExc_TypeError, "a local hash must be an int");
+            break;
+        }
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (overflow > 0) { /* past i64: a u64 */
+            unsigned long long u = PyLong_AsUnsignedLongLong(o);
+            if (PyErr_Occurred())
+                break;
+            hashes[i] = u;
+        } else if (overflow < 0 || (v == -1 && PyErr_Occurred())) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_OverflowError, "a local hash is a u64 or an i64");
+            break;
+        } else {
+            hashes[i] = (uint64_t)v;
+        }
+    }
+    Py_DECREF(fast);
+    if (PyErr_Occurred()) {
+        free(hashes);
+        return NULL;
+    }
+    walked_t w;
+    PyObject *rows = NULL;
+    pthread_rwlock_rdlock(&self->lock);
+    uint32_t lora_id = l.p ? find_name(&self->core, l.p, l.len) : 0;
+    if (!self->core.local_on) {
+        PyErr_SetString(PyExc_RuntimeError, "the core keeps no local hashes");
+        memset(&w, 0, sizeof w);
+    } else if (l.p && !lora_id) { /* an adapter no namespace has: nothing matches */
+        walk_local(&self->core, hashes, 0, 0, 1, 0xFFFFFFFFu, &w);
+    } else {
+        walk_local(&self->core, hashes, (uint32_t)n, lora_id, l.p != NULL, want_size, &w);
+    }
+    if (PyErr_Occurred()) {
+        /* refused above */
+    } else if (w.oom) {
+        PyErr_NoMemory();
+    } else {
+        PyObject *empty = PyObject_CallFunction(empty_rows, "I", w.default_size);
+        if (empty != NULL && (!PyList_Check(empty) || PyList_GET_SIZE(empty) != PyList_GET_SIZE(layout))) {
+            PyErr_SetString(PyExc_ValueError, "empty rows do not match the layout");
+            Py_CLEAR(empty);
+        }
+        if (empty != NULL)
+            rows = make_rows(self, layout, empty, row_type, w.answers, w.nbits);
+        Py_XDECREF(empty);
+    }
+    pthread_rwlock_unlock(&self->lock);
+    walk_free(&w);
+    free(hashes);
+    return rows;
+}
+
+/* keep_local_hashes(on): keep Dynamo's local block hashes (only before the first block). */
+static PyObject *Core_keep_local_hashes(CoreObject *self, PyObject *on) {
+    READY(self);
+    int flag = PyObject_IsTrue(on);
+    if (flag < 0)
+        return NULL;
+    int r;
+    WRITE_LOCKED(self, r = keep_local_hashes(&self->core, flag));
+    if (r < 0) {
+        PyErr_SetString(PyExc_ValueError, "local hashes are kept from the first block only");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* lookup(token_ids, lora_name, cache_salt, layout, empty_rows, row_type[, own]) -> [row, ...]
 
    What every instance would reuse of the prompt: FleetIndex.lookup. `layout` is the
@@ -1638,9 +1857,11 @@ static PyObject *Core_memory(CoreObject *self, PyObject *Py_UNUSED(unused)) {
     unsigned long long children = pmap_bytes(&c->children);
     unsigned long long sets = (unsigned long long)c->sets_cap * c->set_words * 8;
     unsigned long long tokens = map_bytes(&c->tokens) + (unsigned long long)c->tokens.count * 68;
+    unsigned long long local = c->local_on ? map_bytes(&c->local) + (unsigned long long)c->nodes_cap * 12 : 0;
     pthread_rwlock_unlock(&self->lock);
-    return Py_BuildValue("{sKsKsKsKsKsK}", "nodes", nodes, "children", children, "pools", pools,
-                         "holder_sets", sets, "shared_tokens", tokens, "publishers", side);
+    return Py_BuildValue("{sKsKsKsKsKsKsK}", "nodes", nodes, "children", children, "pools", pools,
+                         "holder_sets", sets, "shared_tokens", tokens, "publishers", side,
+                         "local_hashes", local);
 }
 
 static PyObject *one_bit(uint32_t bit) {
@@ -1819,6 +2040,8 @@ static PyMethodDef Core_methods[] = {
     {"walk_tree", (PyCFunction)Core_walk_tree, METH_NOARGS, NULL},
     {"key_digest", (PyCFunction)Core_key_digest, METH_O, NULL},
     {"tree_sizes", (PyCFunction)Core_tree_sizes, METH_NOARGS, NULL},
+    {"lookup_local", (PyCFunction)Core_lookup_local, METH_VARARGS, NULL},
+    {"keep_local_hashes", (PyCFunction)Core_keep_local_hashes, METH_O, NULL},
     {"keep_tokens", (PyCFunction)Core_keep_tokens, METH_O, NULL},
     {"set_slice", (PyCFunction)Core_set_slice, METH_O, NULL},
     {"distinct", (PyCFunction)Core_distinct, METH_O, NULL},
@@ -1845,8 +2068,20 @@ static PyObject *core_allocated(PyObject *module, PyObject *Py_UNUSED(unused)) {
                          (Py_ssize_t)__atomic_load_n(&kv_alloc_blocks, __ATOMIC_RELAXED));
 }
 
+/* xxh3_64(data, seed) -> int: the core's XXH3-64 (xxh3.h), for tests against xxhash. */
+static PyObject *core_xxh3_64(PyObject *module, PyObject *args) {
+    Py_buffer data;
+    unsigned long long seed;
+    if (!PyArg_ParseTuple(args, "y*K", &data, &seed))
+        return NULL;
+    uint64_t h = xxh3_64(data.buf, (size_t)data.len, seed);
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
 static PyMethodDef core_functions[] = {
     {"allocated", core_allocated, METH_NOARGS, NULL},
+    {"xxh3_64", (PyCFunction)core_xxh3_64, METH_VARARGS, NULL},
     {"parse_lookup", (PyCFunction)parse_lookup, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -1154,20 +1154,10 @@ static PyObject *Core_lookup_local(CoreObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "a local hash must be an int");
             break;
         }
-        int overflow;
-        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-        if (overflow > 0) { /* past i64: a u64 */
-            unsigned long long u = PyLong_AsUnsignedLongLong(o);
-            if (PyErr_Occurred())
-                break;
-            hashes[i] = u;
-        } else if (overflow < 0 || (v == -1 && PyErr_Occurred())) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_OverflowError, "a local hash is a u64 or an i64");
+        /* modulo 2^64, as localhash.as_unsigned: an i64 from the wire is its u64 */
+        hashes[i] = PyLong_AsUnsignedLongLongMask(o);
+        if (PyErr_Occurred())
             break;
-        } else {
-            hashes[i] = (uint64_t)v;
-        }
     }
     Py_DECREF(fast);
     if (PyErr_Occurred()) {

@@ -239,6 +239,8 @@ def test_same_publishers_same_requests_same_answers_as_dynamos_indexer(dynamo: P
             assert both.same("POST", "/query_by_hash", body)["scores"] == {}
         salted = {"block_hashes": [1], "model_name": "llama", "cache_salt": "s"}
         assert "cache_salt is not accepted" in both.same("POST", "/query_by_hash", salted)["error"]
+        # which refusal comes first: the salt's, before the model is looked up
+        both.same("POST", "/query_by_hash", {**salted, "model_name": "mistral"})
         missing = {"block_hashes": [1], "model_name": "mistral"}
         assert both.same("POST", "/query_by_hash", missing) == {
             "error": "no indexer for model=mistral routing_group=default"

@@ -205,7 +205,17 @@ class QueryByHashRequest(msgspec.Struct):
     model_name: Annotated[str, msgspec.Meta(max_length=256)]
     routing_group: Annotated[str, msgspec.Meta(max_length=256)] = "default"
     lora_name: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
-    cache_salt: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    # Refused (400, Dynamo's words) when given: the hashes carry the salt in their seed.
+    # Documented as null only; decoded as any string so that the refusal is Dynamo's.
+    cache_salt: Annotated[
+        str | None,
+        msgspec.Meta(
+            extra_json_schema={
+                "type": "null",
+                "description": "not accepted: the block hashes carry the salt (400)",
+            },
+        ),
+    ] = None
 
 
 class PeerInstance(msgspec.Struct):

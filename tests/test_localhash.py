@@ -174,3 +174,18 @@ def test_query_by_hash_over_http_json_and_msgpack() -> None:
         assert client.post("/query_by_hash", json=half).json()["scores"] == {"w": {"0": 3 * BS}}
         too_big = {**body, "block_hashes": [2**63]}
         assert client.post("/query_by_hash", json=too_big).status_code == 422
+
+
+def test_serve_keeps_local_hashes_when_asked() -> None:
+    """`serve --local-hashes` (or `[routing] local_hashes`): the index it opens keeps them,
+    through a warm load from the store as well."""
+    from kvindex.cli.serve import _open_store
+
+    store, index, _ = _open_store("memory", True)
+    assert index.local_hashes
+    index.apply(SourceKey("w"), EventBatch(0.0, [chain(A, "a")], None))
+    assert rows(index.lookup_local_hashes(local_hashes(A, BS))) == {"w": 6}
+    store.close()
+    store, index, _ = _open_store("memory")
+    assert not index.local_hashes
+    store.close()

@@ -49,7 +49,10 @@ setup(
             sources=[f"{CORE}/{name}" for name in ("core.c", "parse.c", "answer.c", "module.c")],
             depends=[
                 f"{CORE}/{name}"
-                for name in ("core.h", "answer.h", "map.h", "maptmpl.h", "msgpack.h", "intern.h", "alloc.h")
+                for name in (
+                    "core.h", "answer.h", "map.h", "maptmpl.h", "msgpack.h", "intern.h", "alloc.h",
+                    "xxh3.h",
+                )
             ],
             extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
             extra_link_args=["-pthread"],

@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400, help="events per cycle")
     args = parser.parse_args()
     before = allocated()
-    index = CompiledIndex(seed=5)
+    index = CompiledIndex(seed=5, local_hashes=True)
     churn = Churn(index, seed=2)
     warm = max(3, args.cycles // 4)
     levels, rss = [], []

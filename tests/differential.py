@@ -16,7 +16,7 @@ from typing import Any
 from kvindex.index import PureFleetIndex
 from kvindex.wire import BigramBlockStored, BlockHash, BlockStored, EventBatch
 
-# (token ids, lookup keywords: lora_name and cache_salt)
+# (token ids, lookup keywords: lora_name and cache_salt, and a chain's multimodal keys)
 Prompt = tuple[list[int], dict[str, Any]]
 
 MEDIA = (None, "GPU", "cpu", "CPU_PINNED", "disk")
@@ -28,9 +28,11 @@ def assert_same(
     prompts: Iterable[Prompt] = (),
     hash_runs: Iterable[Sequence[BlockHash]] = (),
     media: Iterable[str | None] = MEDIA,
+    local_runs: Iterable[tuple[Sequence[int], dict[str, Any]]] = (),
 ) -> None:
     """Both hold the same publishers, pools, copies, stats and tree, and answer every
-    lookup of `prompts` (by tokens) and `hash_runs` (by hashes) with the same rows."""
+    lookup of `prompts` (by tokens), `hash_runs` (by hashes) and `local_runs` (by Dynamo's
+    local block hashes, with their keywords; `fast` keeping them) with the same rows."""
     assert fast.instances() == pure.instances()
     assert fast.entries() == pure.entries()
     assert fast.tree_nodes() == pure.tree_nodes()
@@ -48,6 +50,11 @@ def assert_same(
         assert fast.lookup(tokens, **names) == pure.lookup(tokens, **names), (tokens, names)
     for hashes in hash_runs:
         assert fast.lookup_hashes(hashes) == pure.lookup_hashes(hashes), hashes
+    for local, kw in local_runs:
+        assert fast.lookup_local_hashes(local, **kw) == pure.lookup_local_hashes(local, **kw), (
+            local,
+            kw,
+        )
     tree = Counter((ns, depth, mask) for ns, depth, _, mask in pure.walk_tree())
     assert Counter((ns, depth, mask) for ns, depth, _, mask in fast.walk_tree()) == tree
 
@@ -61,6 +68,7 @@ def prompts_of(
     events named and in the plain one. At most `limit` of each, the longest chains first."""
     # hash -> (parent, tokens, the token after them: a bigram page's last pair's second)
     tokens_of: dict[Any, tuple[Any, list[int], list[int]]] = {}
+    mm_of: dict[Any, list[Any]] = {}  # hash -> the block's multimodal keys, if any
     names: set[tuple[str | None, str | None]] = {(None, None)}
     for batch in batches:
         for event in batch.events:
@@ -86,6 +94,10 @@ def prompts_of(
                 if _hashable(h):
                     after = [] if pairs is None else [pairs[(i + 1) * size - 1][1]]
                     tokens_of[h] = (parent, list(tokens[i * size : (i + 1) * size]), after)
+                    entry = extra[i] if isinstance(extra, list) and i < len(extra) else None
+                    mm = [k for k in entry if _is_mm(k)] if isinstance(entry, list) else []
+                    if mm:
+                        mm_of[h] = mm
                 parent = h
     chains: list[tuple[list[int], list[BlockHash]]] = []
     for h in tokens_of:
@@ -103,16 +115,32 @@ def prompts_of(
         chains.append((toks + tail, run[::-1]))
     chains.sort(key=lambda c: -len(c[1]))
     prompts: list[Prompt] = []
-    for toks, _ in chains[:limit]:
+    keyed: list[Prompt] = []  # the chains with multimodal keys, asked with them
+    for toks, run in chains[:limit]:
         for lora, salt in sorted(names, key=repr)[:6]:
             prompts.append((toks, {"lora_name": lora, "cache_salt": salt}))
-    return prompts[: limit * 2], [run for _, run in chains[:limit]]
+        mm = [mm_of.get(h) for h in run]
+        if any(mm):
+            for lora, salt in sorted(names, key=repr)[:3]:
+                keyed.append((toks, {"lora_name": lora, "cache_salt": salt, "extra_keys": mm}))
+    return prompts[: limit * 2] + keyed[:limit], [run for _, run in chains[:limit]]
 
 
 def _same_state(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
     """Equal (seq, ts), a NaN time (a batch may say so) equal to itself."""
     nan = all(isinstance(x[1], float) and math.isnan(x[1]) for x in (a, b))
     return a[0] == b[0] and (nan or a[1] == b[1])
+
+
+def _is_mm(key: Any) -> bool:
+    """A multimodal key as vLLM 0.20+ sends it: [identifier, offset]."""
+    return (
+        isinstance(key, list | tuple)
+        and len(key) == 2
+        and isinstance(key[0], str)
+        and isinstance(key[1], int)
+        and not isinstance(key[1], bool)
+    )
 
 
 def _hashable(h: Any) -> bool:

@@ -129,6 +129,10 @@ def test_flags_win_over_the_file_and_the_file_over_the_environment(
     assert routed.weights == {"cpu": 0.5, "queue": 4.0, "kv": 0.0}
     assert routed.prediction_ttl == 0.5
     assert load_settings(serve_args("--config", str(config))).prediction_ttl == 3.0
+    assert not routed.local_hashes  # Dynamo's local hashes: off unless asked, by file or flag
+    assert load_settings(serve_args("--config", str(config), "--local-hashes")).local_hashes
+    config.write_text("[routing]\nlocal_hashes = true\n")
+    assert load_settings(serve_args("--config", str(config))).local_hashes
     config.write_text("[server]\n")
     plain = serve_args("--config", str(config))
     assert http_options(plain, load_settings(plain).http_options).guard.token == (
@@ -176,7 +180,11 @@ INSTANCE = '[[instances]]\nname = "a"\nendpoint = "tcp://127.0.0.1:1"\n'
         ("[routing]\nweights = {cpu = -0.5}", "tier weight cpu must be a number >= 0"),
         ("[routing]\nweights = {queue = nan}", "routing weight queue must be a number >= 0"),
         ('[routing]\nweights = {queue = "high"}', "routing.weights.queue must be a number"),
-        ("[routing]\nttl = 2", "[routing]: unknown key 'ttl' (prediction_ttl, weights)"),
+        (
+            "[routing]\nttl = 2",
+            "[routing]: unknown key 'ttl' (local_hashes, prediction_ttl, weights)",
+        ),
+        ("[routing]\nlocal_hashes = 1", "routing.local_hashes must be true or false"),
         (INSTANCE + "model = 5", "instances[0].model must be a string"),
         (INSTANCE + 'model = "a b"', "instances[0]: model 'a b' must be 1-256 characters"),
         (INSTANCE + 'http = "ftp://x"', "instances[0]: http 'ftp://x' is not an http(s) URL"),

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvindex.index import PureFleetIndex
+from kvindex.index.localhash import as_signed, local_hashes
 from kvindex.subscriber import SourceKey
 from kvindex.wire import (
     AllBlocksCleared,
@@ -168,7 +169,7 @@ def payload_of(batch: EventBatch, arrays: bool) -> bytes:
 
 
 def feed(stream: list[tuple[SourceKey, str, Any]]) -> tuple[PureFleetIndex, Any]:
-    pure, fast = PureFleetIndex(), CompiledIndex(seed=7)
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=7, local_hashes=True)
     decoder = BatchDecoder()
     for seq, (src, kind, what) in enumerate(stream):
         if kind == "batch":
@@ -192,11 +193,23 @@ LOOKUP_NAMES: list[dict[str, Any]] = [
     {"cache_salt": "t2"},
     {"lora_name": "ad-1", "cache_salt": "t1"},
 ]
+# Lookups that supply a block's multimodal keys (the "mm" namespace's events give the last
+# block of a store [["img", first]]): per block b and offset f, as per-block extra keys,
+# and as an input at b * BS + f (vLLM's derivation: the same key in that block, and keys in
+# the blocks it spans after).
+MM_LOOKUPS: list[dict[str, Any]] = [
+    {"extra_keys": [None] * b + [[["img", f]]]} for b in range(5) for f in range(b + 1)
+] + [
+    {"mm_features": [{"identifier": "img", "offset": b * BS + f, "length": n}]}
+    for b in range(5)
+    for f in range(BS)
+    for n in (1, BS + 1)
+]
 PROMPTS = [
     (prompt_of(p, variant), names)
     for p in range(len(BASE))
     for variant in range(3)
-    for names in LOOKUP_NAMES
+    for names in [*LOOKUP_NAMES, *MM_LOOKUPS]
 ]
 HASH_RUNS = [
     [block_hash(prompt_of(p, variant), n, ns, False) for n in range(len(BASE[p]) // BS)]
@@ -206,8 +219,23 @@ HASH_RUNS = [
 ]
 
 
+# Dynamo's local hashes of the prompts in every namespace a lookup can name (and signed,
+# and restricted to a LoRA or a block size): the compiled core keeps them (local_hashes).
+LOCAL_RUNS: list[tuple[list[int], dict[str, Any]]] = [
+    (local_hashes(prompt_of(p, variant), BS, lora, salt), kw)
+    for p in range(len(BASE))
+    for variant in range(3)
+    for lora, salt in [(None, None), ("ad-1", None), (None, "t1"), (None, "t2"), ("ad-1", "t1")]
+    for kw in [{}, {"lora_name": lora or "x"}, {"block_size": 2 * BS}]
+] + [
+    ([as_signed(h) for h in local_hashes(prompt_of(0, 0), BS)], {}),
+    (local_hashes(prompt_of(1, 0)[:8], 2), {}),
+]
+
+
 def assert_same(pure: PureFleetIndex, fast: Any) -> None:
-    differential.assert_same(pure, fast, PROMPTS, HASH_RUNS)
+    local = LOCAL_RUNS if fast.local_hashes else ()
+    differential.assert_same(pure, fast, PROMPTS, HASH_RUNS, local_runs=local)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -264,7 +292,7 @@ def test_parser_agrees_with_msgspec_on_broken_payloads(seed: int) -> None:
     ]
     for arrays in (False, True):
         payload = payload_of(EventBatch(2.0, events, 0), arrays)
-        pure, fast = PureFleetIndex(), CompiledIndex(seed=3)
+        pure, fast = PureFleetIndex(), CompiledIndex(seed=3, local_hashes=True)
         decoder = BatchDecoder()
         for data in mutations(payload, rng):
             try:
@@ -292,7 +320,7 @@ def test_the_limits_of_the_core_are_the_reference_s() -> None:
         for g in range(MAX_POOLS + 4)
     ]
     events += [BlockStored([1000 + n], None, [n] * n, n) for n in range(1, MAX_ROOT_SIZES + 4)]
-    pure, fast = PureFleetIndex(), CompiledIndex(seed=2)
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=2, local_hashes=True)
     for arrays in (False, True):
         payload = payload_of(EventBatch(1.0, events), arrays)  # type: ignore[arg-type]
         pure.apply(SOURCES[0], BatchDecoder().decode(payload), 1)
@@ -312,7 +340,7 @@ def test_extreme_sliding_windows_agree(window: int) -> None:
     spec = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": window}
     windowed = BlockStored([11, 12, 13, 14, 15], None, tokens, BS, group_idx=1, **spec)
     removal = BlockRemoved([12], group_idx=1)  # a gap in the window group
-    pure, fast = PureFleetIndex(), CompiledIndex(seed=4)
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=4, local_hashes=True)
     for seq, events in enumerate([[full, windowed], [removal]]):
         payload = payload_of(EventBatch(1.0, events), False)  # type: ignore[arg-type]
         pure.apply(SOURCES[0], BatchDecoder().decode(payload), seq)
@@ -323,7 +351,7 @@ def test_extreme_sliding_windows_agree(window: int) -> None:
 def test_hashes_no_wire_can_say_are_held_by_nobody() -> None:
     """Asking about an int hash outside [-2^63, 2^64): no match, as the reference says
     (the core raised OverflowError)."""
-    pure, fast = PureFleetIndex(), CompiledIndex(seed=8)
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=8, local_hashes=True)
     for index in (pure, fast):
         index.apply(SOURCES[0], EventBatch(1.0, [BlockStored([1, 2], None, list(range(8)), BS)]))
     for hashes in ([2**70], [1, 2**64], [1, 2, -(2**63) - 1]):
@@ -337,7 +365,7 @@ def test_names_of_16_mib_and_more_agree() -> None:
     long = "x" * (17 << 20)
     event = BlockStored([1, 2], None, list(range(8)), BS, medium=long, cache_salt=long + "s")
     payload = payload_of(EventBatch(1.0, [event]), False)  # type: ignore[arg-type]
-    pure, fast = PureFleetIndex(), CompiledIndex(seed=6)
+    pure, fast = PureFleetIndex(), CompiledIndex(seed=6, local_hashes=True)
     pure.apply(SOURCES[0], BatchDecoder().decode(payload), 1)
     fast.apply_payload(SOURCES[0], payload, 1)
     prompts = [(list(range(8)), {"cache_salt": long + "s"})]

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from kvindex.index.localhash import local_hashes
+from kvindex.index.multimodal import MMFeature
 from kvindex.subscriber import SourceKey
 from kvindex.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvindex.wire.publisher import encode_batch
@@ -80,6 +82,11 @@ class Churn:
                 index.lookup(prompt)
                 index.lookup(prompt, lora_name=f"ad-{tag}", cache_salt=f"salt-{tag}-1")
                 index.lookup_hashes([self._hash(prompt, n, tag, 0) for n in range(12)])
+                if index.local_hashes:  # Dynamo's local hashes, plain and in a LoRA's seed
+                    index.lookup_local_hashes(local_hashes(prompt, BS))
+                    index.lookup_local_hashes(local_hashes(prompt, BS, f"ad-{tag}"))
+                # an image prompt's keys (the own-keyed blocks' digests, made per size)
+                index.lookup(prompt, mm_features=[MMFeature(f"img-{tag}", 2, 5)])
         list(index.walk_tree())
         for src in index.sources():
             index.copies(src)
@@ -128,7 +135,7 @@ class Churn:
 
 def test_churn_leaves_a_constant_behind_and_a_deleted_core_nothing() -> None:
     before = allocated()
-    index = CompiledIndex(seed=11)
+    index = CompiledIndex(seed=11, local_hashes=True)
     churn = Churn(index, seed=1)
     levels = []
     for _ in range(3):  # the tables reach the sizes this workload needs

@@ -1,7 +1,8 @@
 """kvindex's peer API beside NVIDIA Dynamo's own standalone indexer (`python -m
 dynamo.indexer`, the `[bench]` extra): the same `/register` requests to both, the same ZMQ
-publishers followed by both, then the same `/query`, `/workers`, `/unregister` requests, and
-the answers compared as parsed JSON. Skipped, with the reason, where Dynamo's indexer does
+publishers followed by both, then the same `/query`, `/query_by_hash` (Dynamo's own local
+block hashes, from its binding), `/workers`, `/unregister` requests, and the answers
+compared as parsed JSON. Skipped, with the reason, where Dynamo's indexer does
 not install or run (docs/peers.md).
 
 The streams are plain ones (no salts, multimodal keys or hybrid groups, where kvindex follows
@@ -25,6 +26,8 @@ from test_router_service import until
 
 from kvindex.bench.e2e.dynamo import Peer, standalone, standalone_status
 from kvindex.bench.e2e.probes import http_json
+from kvindex.index import FleetIndex, PureFleetIndex
+from kvindex.index.localhash import as_signed, local_hashes
 from kvindex.runtime import Fleet
 from kvindex.service.app import create_app
 from kvindex.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
@@ -82,6 +85,15 @@ def publish_and_wait(
     assert both.dynamo.refused() == 0  # every event applied as Dynamo models it
 
 
+def local_hash_index() -> Any:
+    """The default index, keeping local block hashes (what `serve --local-hashes` runs)."""
+    if FleetIndex is PureFleetIndex:
+        return PureFleetIndex()
+    from kvindex.index.compiled import CompiledIndex
+
+    return CompiledIndex(local_hashes=True)
+
+
 class Both:
     """The same request to Dynamo's indexer and to kvindex: (status, parsed JSON) of each."""
 
@@ -127,7 +139,7 @@ def test_same_publishers_same_requests_same_answers_as_dynamos_indexer(dynamo: P
             (4, 0): publisher(),  # routing group canary
             (5, 0): publisher(),  # cleared
         }
-        fleet = Fleet()
+        fleet = Fleet(index=local_hash_index())  # /query_by_hash needs local hashes
         url = stack.enter_context(serve_app(create_app(fleet)))
         both = Both(dynamo, stack.enter_context(httpx.Client(base_url=url, timeout=10)))
 
@@ -208,6 +220,32 @@ def test_same_publishers_same_requests_same_answers_as_dynamos_indexer(dynamo: P
         # Dynamo 1.6.1 then credits rank 1 (which stored A, never B's blocks) with B's
         # branch too (7 blocks: its walk keeps a worker set without intersecting it once
         # its size equals the next node's). kvindex answers what each rank holds.
+        # /query_by_hash: the same prompts as Dynamo's own local block hashes (its binding
+        # computes them; kvindex's localhash must give the same), signed as on the wire.
+        from dynamo._core import compute_block_hash_for_seq
+
+        by_hash = [*queries[:5], *queries[7:]]
+        for q in by_hash:
+            hashes = compute_block_hash_for_seq(q["token_ids"], BS)
+            assert hashes == local_hashes(q["token_ids"], BS)
+            body = {k: v for k, v in q.items() if k != "token_ids"}
+            body["block_hashes"] = [as_signed(h) for h in hashes]
+            assert both.same("POST", "/query_by_hash", body) == both.same("POST", "/query", q)
+        for seeded in [{"lora_name": "ad"}, {"cache_namespace": "s"}]:
+            hashes = compute_block_hash_for_seq(A, BS, **seeded)
+            salt = seeded.get("cache_namespace")
+            assert hashes == local_hashes(A, BS, seeded.get("lora_name"), salt)
+            body = {"block_hashes": [as_signed(h) for h in hashes], "model_name": "llama"}
+            assert both.same("POST", "/query_by_hash", body)["scores"] == {}
+        salted = {"block_hashes": [1], "model_name": "llama", "cache_salt": "s"}
+        assert "cache_salt is not accepted" in both.same("POST", "/query_by_hash", salted)["error"]
+        # which refusal comes first: the salt's, before the model is looked up
+        both.same("POST", "/query_by_hash", {**salted, "model_name": "mistral"})
+        missing = {"block_hashes": [1], "model_name": "mistral"}
+        assert both.same("POST", "/query_by_hash", missing) == {
+            "error": "no indexer for model=mistral routing_group=default"
+        }
+
         theirs, ours = both.send("POST", "/query", {"token_ids": B, "model_name": "llama"})
         assert ours[1]["scores"]["1"] == {"0": 2 * BS, "1": 4 * BS}
         assert theirs[1]["scores"]["1"] == {"0": 2 * BS, "1": 7 * BS}

@@ -41,6 +41,7 @@ from warm_restart import restarted_through_store
 
 from kvindex.bench.e2e.routing import word_prompt, word_tokenizer
 from kvindex.index import FleetIndex
+from kvindex.index.multimodal import MMFeature, mm_extra_keys
 from kvindex.runtime import Fleet as Runtime
 from kvindex.runtime.tokenize import Tokenizers
 from kvindex.service.app import create_app
@@ -196,17 +197,23 @@ def test_pools_equal_vllm(fleet: Fleet, scenario: str) -> None:
     assert not problems, f"{scenario}:\n" + "\n".join(problems)
 
 
-def lookup_row(index: FleetIndex, scenario: str, probe: dict[str, Any]) -> Any:
-    """kvindex's row for this instance, asked the way a router would ask."""
+def lookup_row(
+    index: FleetIndex, scenario: str, probe: dict[str, Any], with_keys: bool = True
+) -> Any:
+    """kvindex's row for this instance, asked the way a router would ask: with the
+    prompt's multimodal inputs when it has any (issue 15), unless `with_keys` is off."""
     kwargs: dict[str, Any] = {"lora_name": probe["lora_name"]}
     if probe["cache_salt"] is not None:
         kwargs["cache_salt"] = probe["cache_salt"]
+    if with_keys and probe.get("mm_features"):
+        kwargs["mm_features"] = probe["mm_features"]
     rows = {r.instance: r for r in index.lookup(probe["token_ids"], **kwargs)}
     return rows.get(scenario)
 
 
 def probe_label(probe: dict[str, Any]) -> str:
     keys = [f"{len(probe['token_ids'])} tokens"]
+    keys += [f"{len(probe['mm_features'])} images"] if probe.get("mm_features") else []
     keys += [f"lora={probe['lora_name']}"] if probe["lora_name"] else []
     keys += [f"salt={probe['cache_salt']}"] if probe["cache_salt"] else []
     return f"{probe['name']} ({', '.join(keys)})"
@@ -287,6 +294,44 @@ def test_lookup_detail_equals_engine(fleet: Fleet, scenario: str) -> None:
     assert not problems, f"{scenario}: {len(problems)} problems:\n" + "\n".join(problems)
 
 
+def mm_probes(fleet: Fleet) -> list[dict[str, Any]]:
+    probes = [p for p in scenario_ref(fleet, "keys")["probes"] if p.get("mm_features")]
+    assert len(probes) >= 8, [p["name"] for p in probes]
+    return probes
+
+
+def test_multimodal_keys_are_derived_as_vllm_derives_them(followed: Fleet) -> None:
+    """kvindex's per-block keys from a prompt's inputs (mm_extra_keys) equal what vLLM's
+    own generate_block_hash_extra_keys + to_event_extra_keys give for that request."""
+    for probe in mm_probes(followed):
+        features = [MMFeature(**f) for f in probe["mm_features"]]
+        blocks = len(probe["token_ids"]) // probe["block_size"]
+        got = mm_extra_keys(features, probe["block_size"], blocks)
+        assert got == probe["event_mm_keys"], probe_label(probe)
+
+
+def test_multimodal_lookups_with_keys_equal_engine_and_without_them_plain(fleet: Fleet) -> None:
+    """Every image probe (its inputs as the lookup's mm_features): with the keys, what vLLM
+    reuses for that request (test_lookups_equal_engine asks so too); without them, what
+    vLLM reuses for the same tokens without the image, and some probes match past their
+    first image (the keys are what lets them)."""
+    problems = []
+    past_image = 0
+    for probe in mm_probes(fleet):
+        keyed = lookup_row(fleet.index, "keys", probe)
+        plain = lookup_row(fleet.index, "keys", probe, with_keys=False)
+        want, want_plain = probe["expected"]["tokens"], probe["expected_without_keys_tokens"]
+        if keyed.matched_tokens != want or plain.matched_tokens != want_plain:
+            problems.append(
+                f"{probe_label(probe)}: vLLM {want} with the image, {want_plain} without; "
+                f"kvindex {keyed.matched_tokens} with the keys, {plain.matched_tokens} without"
+            )
+        first = min(f["offset"] for f in probe["mm_features"])
+        past_image += want > first
+    assert not problems, "\n".join(problems)
+    assert past_image >= 4, past_image
+
+
 # -- the router's path: prompt text, model, salt, over HTTP (issue 15) ----------------------
 
 
@@ -300,16 +345,18 @@ def test_prompt_lookups_by_model_equal_engine(followed: Fleet) -> None:
     ref = scenario_ref(followed, scenario)
     views = [v.ranks for v in followed.runtime.instance_views() if v.name == scenario]
     assert runtime_caught_up(followed.runtime, followed.ref), f"the runtime is behind: {views}"
-    kinds = {"salt": 0, "multimodal": 0}
+    kinds = {"salt": 0, "multimodal": 0, "images": 0}
     problems = []
     with httpx.Client(base_url=followed.url, timeout=30) as client:
         for probe in ref["probes"]:
             want = probe["expected"]["tokens"]
             namespace = {"lora_name": probe["lora_name"], "cache_salt": probe["cache_salt"]}
+            images = {"mm_features": probe["mm_features"]} if probe.get("mm_features") else {}
             body = {
                 "prompt": word_prompt(probe["token_ids"]),
                 "model": model(scenario),
                 **{k: v for k, v in namespace.items() if v is not None},
+                **images,
             }
             answer = client.post("/v1/lookup", json=body)
             assert answer.status_code == 200, answer.text
@@ -318,7 +365,12 @@ def test_prompt_lookups_by_model_equal_engine(followed: Fleet) -> None:
             got = rows[0]["matched_tokens"]
             peer = client.post(
                 "/query",
-                json={"token_ids": probe["token_ids"], "model_name": model(scenario), **namespace},
+                json={
+                    "token_ids": probe["token_ids"],
+                    "model_name": model(scenario),
+                    **namespace,
+                    **images,
+                },
             ).json()
             by_peer = peer["instances"].get(scenario, {}).get("longest_matched", 0)
             if (got, by_peer) != (want, want):
@@ -328,8 +380,10 @@ def test_prompt_lookups_by_model_equal_engine(followed: Fleet) -> None:
                 )
             kinds["salt"] += probe["cache_salt"] is not None
             kinds["multimodal"] += "mm" in probe["name"] and want > 0
-    # the scenario holds salted probes and the tokens of image requests, some matching
-    assert kinds["salt"] >= 4 and kinds["multimodal"] >= 2, kinds
+            kinds["images"] += bool(images) and want > 0
+    # the scenario holds salted probes and the tokens of image requests, some matching,
+    # and image prompts asked with their inputs
+    assert kinds["salt"] >= 4 and kinds["multimodal"] >= 2 and kinds["images"] >= 4, kinds
     assert not problems, f"{len(problems)} of {len(ref['probes'])} probes differ:\n" + "\n".join(
         problems
     )

@@ -123,6 +123,7 @@ from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator  # noqa: 
 from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     BlockHash,
+    generate_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
     get_request_block_hasher,
@@ -130,6 +131,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     maybe_convert_block_hash,
     resolve_cache_hit_alignment_tokens,
     resolve_kv_cache_block_sizes,
+    to_event_extra_keys,
 )
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
@@ -416,6 +418,11 @@ class Engine:
             "lora_name": spec.lora[0] if spec.lora else None,
             "lora_path": spec.lora[1] if spec.lora else None,
             "cache_salt": spec.salt,
+            # The request's multimodal inputs (a router's lookup supplies them), and the
+            # per-block multimodal keys vLLM's own code derives from them, as its events
+            # publish them (generate_block_hash_extra_keys, then to_event_extra_keys).
+            "mm_features": spec.describe()["mm_features"],
+            "event_mm_keys": event_mm_keys(req, bs),
             "block_size": bs,
             "expected": {
                 "tokens": total,
@@ -430,9 +437,15 @@ class Engine:
         if groups is not None:
             out["expected"]["by_group_tokens"] = groups
             out["reconciled_blocks_per_group"] = self.reconciled_groups(req, n)
+        if spec.mm:
+            # The same tokens (LoRA, salt) without the inputs: what a lookup without the keys
+            # must say.
+            bare = Spec(spec.name, spec.tokens, lora=spec.lora, salt=spec.salt)
+            plain = self.factory.build(bare, rid=f"probe-plain-{spec.name}")
+            out["expected_without_keys_tokens"] = self.gpu_hit(plain, n)
         if keyed is not None:
-            # The request that stored these tokens, asked with its own keys (not a
-            # lookup kvindex can express; shown for reference).
+            # The request that stored these tokens, asked with its own keys (the probes
+            # named mm-* ask so themselves; shown here for reference).
             kreq = self.factory.build(keyed, rid=f"probe-keyed-{spec.name}")
             out["source_request"] = keyed.describe()
             out["source_request_gpu_tokens"] = self.gpu_hit(kreq, len(keyed.tokens))
@@ -443,6 +456,23 @@ class Engine:
         left = self.manager.take_events()
         if left:
             raise RuntimeError(f"{self.name}: probes produced events: {left[:3]}")
+
+
+def event_mm_keys(req: Request, block_size: int) -> list[list[list[Any]] | None]:
+    """Per whole block of a fresh request, the multimodal keys vLLM publishes for it:
+    its own extra keys (from block 0, the input index carried along, as the block hasher
+    does) through to_event_extra_keys, the [identifier, offset] entries only (the bare
+    LoRA name and salt strings are the namespace's)."""
+    out: list[list[list[Any]] | None] = []
+    mm_idx = 0
+    for b in range(req.num_tokens // block_size):
+        keys, mm_idx = generate_block_hash_extra_keys(
+            req, b * block_size, (b + 1) * block_size, mm_idx
+        )
+        (event,) = to_event_extra_keys([keys]) or [None]
+        mm = [list(k) for k in event or () if isinstance(k, tuple)]
+        out.append(mm or None)
+    return out
 
 
 class KeysEngine(Engine):
@@ -834,6 +864,18 @@ def run_keys(seed: int, tap: Tap) -> Scenario:
         eng.probe(Spec("plain-tokens-of-two-image-request", mm_two.tokens), keyed=mm_two),
         eng.probe(Spec("plain-tokens-of-embeds-request", embeds.tokens), keyed=embeds),
         eng.probe(Spec("unseen", t(70))),
+        # Image prompts asked with their inputs (issue 15): a lookup that supplies them.
+        eng.probe(Spec("mm-image-a", mm_a.tokens, mm=mm_a.mm)),
+        eng.probe(Spec("mm-image-b", mm_b.tokens, mm=mm_b.mm)),
+        eng.probe(Spec("mm-image-offset", mm_off.tokens, mm=mm_off.mm)),
+        eng.probe(Spec("mm-two-images", mm_two.tokens, mm=mm_two.mm)),
+        eng.probe(Spec("mm-unseen-image", mm_a.tokens, mm=[("img-Z", 32, 40)])),
+        eng.probe(Spec("mm-image-a-one-later", mm_a.tokens, mm=[("img-A", 33, 39)])),
+        eng.probe(Spec("mm-image-a-longer", mm_a.tokens + t(16), mm=mm_a.mm)),
+        eng.probe(Spec("mm-image-a-salted", mm_a.tokens, mm=mm_a.mm, salt="tenant-a")),
+        eng.probe(
+            Spec("mm-two-images-swapped", mm_two.tokens, mm=[("img-D", 32, 6), ("img-C", 40, 20)])
+        ),
     ]
     eng.check_quiet()
     config = {"groups": [{"group": 0, "spec": "FullAttentionSpec", "block_size": 16}]}

@@ -16,6 +16,7 @@
 
     [routing]                                 # the routing score (docs/routing.md)
     prediction_ttl = 2.0                      # seconds a /v1/route choice is predicted
+    local_hashes = false                      # keep Dynamo's local hashes (/query_by_hash)
     [routing.weights]                         # any of them; the rest keep their defaults
     prefix = 3.0
     cpu = 0.8
@@ -101,7 +102,8 @@ SERVER_KEYS = (
     | _LIST_KEYS
 )
 
-ROUTING_KEYS = {"weights", "prediction_ttl"}  # [routing]: the score's weights, predictions
+# [routing]: the score's weights, predictions, Dynamo's local hashes (the peers' /query_by_hash)
+ROUTING_KEYS = {"weights", "prediction_ttl", "local_hashes"}
 
 
 @dataclass(slots=True)
@@ -125,6 +127,8 @@ class Settings:
     # the ones not given keep their defaults.
     weights: dict[str, float] = field(default_factory=dict)
     prediction_ttl: float | None = None  # None: the router's default (2 s)
+    # Keep Dynamo's local block hashes in the compiled index (the peers' /query_by_hash)
+    local_hashes: bool = False
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
@@ -147,6 +151,8 @@ def load_settings(args: argparse.Namespace) -> Settings:
         settings.weights.update(given)
     if getattr(args, "prediction_ttl", None) is not None:
         settings.prediction_ttl = args.prediction_ttl
+    if getattr(args, "local_hashes", False):
+        settings.local_hashes = True
     names = [spec.name for spec in settings.instances]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -221,6 +227,10 @@ def _routing(table: object, path: Path, settings: Settings) -> None:
         if not _number(ttl) or not 0 < ttl < float("inf"):
             raise UsageError(f"{path}: routing.prediction_ttl must be a positive number of seconds")
         settings.prediction_ttl = float(ttl)
+    if "local_hashes" in routing:
+        if not isinstance(routing["local_hashes"], bool):
+            raise UsageError(f"{path}: routing.local_hashes must be true or false")
+        settings.local_hashes = routing["local_hashes"]
     if "weights" in routing:
         weights = routing["weights"]
         where = f"{path}: routing.weights"

@@ -20,7 +20,7 @@ tests (tests/test_core.py) hold them to identical state and answers.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,8 @@ from kvindex.index._core import Core, parse_lookup
 from kvindex.index.base import AnswerSlot, IndexBase, LookupRow, PayloadResult
 from kvindex.index.fleet import Namespace, event_tokens, is_keyed, is_plain
 from kvindex.index.keys import chain_keys_bytes
+from kvindex.index.localhash import LocalHashesOff
+from kvindex.index.multimodal import MMFeature, MMKey, PromptKeys
 from kvindex.index.namespaces import PLAIN, chain_keys
 from kvindex.index.reuse import Reuse
 from kvindex.index.stats import CacheStats
@@ -65,13 +67,23 @@ class CompiledIndex(IndexBase[_Pub]):
     """Exact per-publisher block state and token-prefix lookups, in C."""
 
     def __init__(
-        self, rate_window: float = 60.0, seed: int | None = None, shared_tokens: bool = True
+        self,
+        rate_window: float = 60.0,
+        seed: int | None = None,
+        shared_tokens: bool = True,
+        local_hashes: bool = False,
     ) -> None:
         """`shared_tokens`: keep the tokens of blocks two publishers or more hold, which
-        `walk_tree` (the dashboard's shared prefixes) shows; off saves ingest some work."""
+        `walk_tree` (the dashboard's shared prefixes) shows; off saves ingest some work.
+        `local_hashes`: keep Dynamo's local block hashes of the tree's blocks, which
+        `lookup_local_hashes` (the peers' `/query_by_hash`) asks; ~30 bytes a block more
+        and one XXH3 per new block (the pure index hashes the stored tokens as it walks)."""
         super().__init__(rate_window)
         self._core = Core(seed)
         self._core.keep_tokens(shared_tokens)
+        self.local_hashes = local_hashes
+        if local_hashes:
+            self._core.keep_local_hashes(True)
         self.slow_batches = 0  # payloads the fast parser left to the Python decoder
 
     # -- feeding -----------------------------------------------------------------------
@@ -194,17 +206,37 @@ class CompiledIndex(IndexBase[_Pub]):
         token_ids: Sequence[int],
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        *,
+        mm_features: Sequence[MMFeature | Mapping[str, Any]] | None = None,
+        extra_keys: Sequence[Sequence[MMKey] | None] | None = None,
     ) -> list[LookupRow]:
         """As `FleetIndex.lookup` (the rows are made in C: a big fleet's answer costs no
         Python work per instance)."""
+        if mm_features is None and extra_keys is None:  # the plain path, as short as it was
+            return self._core.lookup(
+                token_ids,
+                lora_name,
+                cache_salt,
+                self._layout or self._lay_out(),
+                self._empty_for,
+                LookupRow,
+            )
+        layout = self._layout or self._lay_out()
+        own = self._own_keys(token_ids, PromptKeys.of(mm_features, extra_keys))
         return self._core.lookup(
-            token_ids,
-            lora_name,
-            cache_salt,
-            self._layout or self._lay_out(),
-            self._empty_for,
-            LookupRow,
+            token_ids, lora_name, cache_salt, layout, self._empty_for, LookupRow, own
         )
+
+    def _own_keys(
+        self, token_ids: Sequence[int] | bytes, keys: PromptKeys | None
+    ) -> dict[int, dict[int, bytes]] | None:
+        """The lookup's own-keyed blocks as the core takes them: per tree size it walks,
+        block index -> the block's whole tree key (None: a plain lookup)."""
+        if keys is None:
+            return None
+        if isinstance(token_ids, bytes):
+            token_ids = array("I", token_ids).tolist()
+        return {size: keys.tree_keys(token_ids, size) for size in self._core.tree_sizes()}
 
     def lookup_json(
         self,
@@ -213,15 +245,38 @@ class CompiledIndex(IndexBase[_Pub]):
         cache_salt: str | None,
         slots: list[AnswerSlot],
         statuses: list[bytes],
+        keys: PromptKeys | None = None,
     ) -> tuple[bytes, bool]:
         """The runtime's whole answer to a lookup as JSON, made in C, and whether it is a
         hit: exactly what encoding `Fleet.lookup`'s answer gives
         (`slots`: the followed instances by name; `statuses`: each one's status as JSON).
-        `token_ids` may be `parse_lookup_body`'s bytes."""
-        return self._core.lookup_json(token_ids, lora_name, cache_salt, slots, statuses)
+        `token_ids` may be `parse_lookup_body`'s bytes; `keys`: the prompt's own keys."""
+        if keys is None:
+            return self._core.lookup_json(token_ids, lora_name, cache_salt, slots, statuses)
+        own = self._own_keys(token_ids, keys)
+        return self._core.lookup_json(token_ids, lora_name, cache_salt, slots, statuses, own)
 
     def _empty_for(self, size: int) -> list[LookupRow]:
         return self._empty_rows.get(size) or self._make_empty_rows(size)
+
+    def lookup_local_hashes(
+        self,
+        hashes: Sequence[int],
+        lora_name: str | None = None,
+        block_size: int | None = None,
+    ) -> list[LookupRow]:
+        """As `FleetIndex.lookup_local_hashes` (LocalHashesOff unless made with
+        `local_hashes=True`)."""
+        if not self.local_hashes:
+            raise LocalHashesOff("the compiled index keeps no local hashes (local_hashes=True)")
+        return self._core.lookup_local(
+            hashes,
+            lora_name,
+            block_size,
+            self._layout or self._lay_out(),
+            self._empty_for,
+            LookupRow,
+        )
 
     def lookup_hashes(self, block_hashes: Sequence[BlockHash]) -> list[LookupRow]:
         """As `FleetIndex.lookup_hashes`."""

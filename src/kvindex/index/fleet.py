@@ -42,14 +42,15 @@ its window's last blocks). See `lookup`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
 from kvindex.index.base import IndexBase, LookupRow, medium_matches
 from kvindex.index.keys import (
+    BIGRAM,
     block_keys,
     block_size_of,
     chain_keys_bytes,
@@ -58,6 +59,8 @@ from kvindex.index.keys import (
     prompt_keys,
     tree_size,
 )
+from kvindex.index.localhash import as_unsigned, block_local_hash, namespace_seed
+from kvindex.index.multimodal import MMFeature, MMKey, PromptKeys
 from kvindex.index.namespaces import PLAIN, ChainKeys, LoraKey, chain_keys, lora_key
 from kvindex.index.reuse import GroupSpec, Reuse, engine_reuse
 from kvindex.index.stats import CacheStats
@@ -159,8 +162,12 @@ class _Source:
 class FleetIndex(IndexBase[_Source]):
     """Exact per-publisher block state and token-prefix lookups for a whole fleet."""
 
-    def __init__(self, rate_window: float = 60.0) -> None:
+    def __init__(self, rate_window: float = 60.0, local_hashes: bool = False) -> None:
+        """`local_hashes`: lookups by Dynamo's local hashes (`lookup_local_hashes`) are
+        always answered here (the stored tokens are hashed as the walk goes); the
+        argument is the compiled index's, which keeps them only when asked."""
         super().__init__(rate_window)
+        self.local_hashes = local_hashes
         self._roots: dict[Namespace, _Node] = {}
         self._root_ns: dict[int, Namespace] = {}  # id(root) -> its namespace
         self._sizes: dict[int, int] = {}  # block size -> roots of that size
@@ -650,17 +657,72 @@ class FleetIndex(IndexBase[_Source]):
         token_ids: Sequence[int],
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        *,
+        mm_features: Sequence[MMFeature | Mapping[str, Any]] | None = None,
+        extra_keys: Sequence[Sequence[MMKey] | None] | None = None,
     ) -> list[LookupRow]:
         """Per instance, what the engine would reuse of this prompt (see `LookupRow`): the
-        chains of the namespace the request names (its LoRA adapter and cache salt)."""
+        chains of the namespace the request names (its LoRA adapter and cache salt). An
+        image prompt's blocks are keyed by its multimodal inputs when the lookup gives them
+        (`mm_features` or per-block `extra_keys`: see kvindex.index.multimodal); without
+        them, its blocks from the first image on match nothing."""
+        own = (
+            None
+            if mm_features is None and extra_keys is None
+            else PromptKeys.of(mm_features, extra_keys)
+        )
         walks: dict[int, _Walk] = {}
         # Ascending: ties between sizes go to the smaller (bigram trees come last).
         for size in sorted(self._sizes):
             root = self._roots.get((lora_name, cache_salt, size))
             if root is None or not root.children:
                 continue
-            walks[size] = self._walk(root, prompt_keys(token_ids, size))
+            keys = prompt_keys(token_ids, size)
+            if own is not None:
+                keys = own.apply(keys, token_ids, size)
+            walks[size] = self._walk(root, keys)
         # What an instance matching nothing reports as its block size: the smallest.
+        return self._answer_walks(walks)
+
+    def lookup_local_hashes(
+        self,
+        hashes: Sequence[int],
+        lora_name: str | None = None,
+        block_size: int | None = None,
+    ) -> list[LookupRow]:
+        """Per instance, what the engine would reuse of the prompt these Dynamo local
+        block hashes stand for (kvindex.index.localhash; u64, or i64 as on the wire): in
+        each namespace of a LoRA name (or none) and a block size, the stored blocks are
+        hashed under the namespace's seed as the walk goes, so the hashes find the
+        namespace they were made for. Per block size the namespace whose blocks continue
+        the hashes furthest is asked (ties: by LoRA name, then salt), then the rows are a
+        token lookup's of the blocks found. `lora_name` / `block_size`: only those."""
+        want = [as_unsigned(h) for h in hashes]
+        chosen: dict[int, tuple[Namespace | None, list[bytes]]] = {}
+        for namespace in sorted(self._roots, key=_namespace_order):
+            lora, salt, size = namespace
+            if (
+                size & BIGRAM
+                or isinstance(lora, int)
+                or (lora_name is not None and lora != lora_name)
+            ):
+                continue
+            if block_size is not None and size != block_size:
+                continue
+            keys = _local_path(self._roots[namespace], want, namespace_seed(lora, salt), size)
+            best = chosen.setdefault(size, (None, []))
+            if keys and len(keys) > len(best[1]):
+                chosen[size] = (namespace, keys)
+        # Every size asked has a walk (an empty one where nothing matched), so the rows
+        # of instances matching nothing say the block size as a token lookup's do.
+        walks = {
+            size: _Walk({}, []) if ns is None else self._walk(self._roots[ns], keys)
+            for size, (ns, keys) in sorted(chosen.items())
+        }
+        return self._answer_walks(walks)
+
+    def _answer_walks(self, walks: dict[int, _Walk]) -> list[LookupRow]:
+        """The rows of a lookup's walks (tree size -> walk, ascending): see `lookup`."""
         default_size = block_size_of(next(iter(walks), 0))
         found: dict[int, Reuse] = {}
         for size, walk in walks.items():
@@ -814,6 +876,31 @@ def _child(node: _Node, key: bytes, h: BlockHash) -> _Node:
             return found
         child = children[key] = _Node(node, key, 0, None, h)
     return child
+
+
+def _namespace_order(namespace: Namespace) -> tuple[int, str, str]:
+    lora, salt, size = namespace
+    return size, str(lora or ""), salt or ""
+
+
+def _local_path(root: _Node, hashes: list[int], seed: int, size: int) -> list[bytes]:
+    """The tree keys of the blocks under `root` whose tokens continue these local hashes
+    from the first (a block with own keys or a token past 32 bits never does: Dynamo hashes
+    token ids as u32 alone). Among siblings of equal hash, the first by key."""
+    width = 4 * size
+    keys: list[bytes] = []
+    node = root
+    for h in hashes:
+        found = [
+            kid
+            for kid in _kids(node)
+            if len(kid.key) == width and block_local_hash(kid.key, seed) == h
+        ]
+        if not found:
+            break
+        node = min(found, key=lambda kid: kid.key) if len(found) > 1 else found[0]
+        keys.append(node.key)
+    return keys
 
 
 def _record(depths: dict[int, int], mask: int, depth: int) -> None:

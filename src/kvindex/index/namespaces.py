@@ -42,7 +42,15 @@ import msgspec
 from kvindex.index.keys import OWN_KEY_BYTES
 from kvindex.wire import BlockStored
 
-__all__ = ["ChainKeys", "LoraKey", "chain_keys", "lora_key", "lora_label", "salt_digest"]
+__all__ = [
+    "ChainKeys",
+    "LoraKey",
+    "chain_keys",
+    "lora_key",
+    "lora_label",
+    "own_digest",
+    "salt_digest",
+]
 
 LoraKey = str | int | None
 """A chain's adapter: its name, else its process-local id (pre-0.14 vLLM), else None."""
@@ -116,7 +124,7 @@ def chain_keys(event: BlockStored) -> ChainKeys:
             entries = own[i] or []
             entries.append(["lookahead", lookahead[i] if i < len(lookahead) else lookahead])
             own[i] = entries
-    digests = [None if keys is None else _digest(keys) for keys in own]
+    digests = [None if keys is None else own_digest(keys) for keys in own]
     if not any(d is not None for d in digests):
         return ChainKeys(salt=salt, unrecognised=unrecognised)
     return ChainKeys(salt, digests, unrecognised)
@@ -164,7 +172,8 @@ def _is_mm(key: Any) -> bool:
     )
 
 
-def _digest(keys: Sequence[Any]) -> bytes:
+def own_digest(keys: Sequence[Any]) -> bytes:
+    """The digest of one block's own keys, as its tree key ends with (`OWN_KEY_BYTES`)."""
     try:
         data = _encode(keys)
     except (TypeError, ValueError, OverflowError):

@@ -15,13 +15,14 @@ import threading
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import zmq
 
 from kvindex.index import CacheStats, FleetIndex, LookupRow, compiled_index
 from kvindex.index.base import AnswerSlot
+from kvindex.index.multimodal import MMFeature, MMKey
 from kvindex.index.sharing import Sharing, sharing
 from kvindex.runtime.discovery import DEFAULT_INTERVAL, Discovery
 from kvindex.runtime.ingest import IndexGuard, IngestCounters, IngestWorker, default_workers
@@ -532,13 +533,37 @@ class Fleet:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         model: str | None = None,
+        *,
+        mm_features: Sequence[MMFeature | Mapping[str, Any]] | None = None,
+        extra_keys: Sequence[Sequence[MMKey] | None] | None = None,
     ) -> LookupAnswer:
         """Per instance, what the engine would reuse of the prompt, in whole blocks from
         its first token (the chains of the namespace its LoRA adapter and salt name); rows
         best first. With `model`, only the instances serving that model answer (none if no
-        instance does: see `serves`)."""
+        instance does: see `serves`). An image prompt's blocks match from its first image on
+        only with its multimodal keys (`mm_features` or `extra_keys`:
+        kvindex.index.multimodal)."""
         with self._guard():
-            rows = self.index.lookup(token_ids, lora_name, cache_salt)
+            if mm_features or extra_keys:
+                rows = self.index.lookup(
+                    token_ids, lora_name, cache_salt, mm_features=mm_features, extra_keys=extra_keys
+                )
+            else:
+                rows = self.index.lookup(token_ids, lora_name, cache_salt)
+        return self._answer(rows, by_tokens=True, model=model)
+
+    def lookup_local_hashes(
+        self,
+        hashes: Sequence[int],
+        lora_name: str | None = None,
+        model: str | None = None,
+        block_size: int | None = None,
+    ) -> LookupAnswer:
+        """Per instance, what the engine would reuse of the prompt these Dynamo local
+        block hashes stand for (`FleetIndex.lookup_local_hashes`; the peers'
+        `/query_by_hash`). Raises LocalHashesOff where the index keeps none."""
+        with self._guard():
+            rows = self.index.lookup_local_hashes(hashes, lora_name, block_size)
         return self._answer(rows, by_tokens=True, model=model)
 
     def lookup_hashes(

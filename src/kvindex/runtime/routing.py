@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from kvindex.index.multimodal import MMFeature, MMKey, PromptKeys
 from kvindex.runtime.views import InstanceMatch, LookupAnswer
 from kvindex.subscriber import Status
 
@@ -224,7 +225,21 @@ class RouteAnswer(msgspec.Struct, frozen=True, gc=False):
 
 # -- predictions -----------------------------------------------------------------------
 
-Namespace = tuple[str | None, str | None, str | None]  # model, LoRA adapter, cache salt
+# model, LoRA adapter, cache salt, and the digest of a multimodal prompt's keys (predicted
+# blocks of an image prompt count only for a lookup with the same keys: a conservative
+# simplification, as the blocks before its first image would also serve a plain prompt)
+Namespace = tuple[str | None, str | None, str | None, bytes | None]
+
+
+def _namespace(
+    model: str | None,
+    lora_name: str | None,
+    cache_salt: str | None,
+    mm_features: Sequence[MMFeature | Mapping[str, Any]] | None,
+    extra_keys: Sequence[Sequence[MMKey] | None] | None,
+) -> Namespace:
+    keys = PromptKeys.of(mm_features, extra_keys)
+    return (model, lora_name, cache_salt, None if keys is None else keys.fingerprint())
 
 
 @dataclass(slots=True)
@@ -421,10 +436,22 @@ class Router:
         model: str | None = None,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        mm_features: Sequence[MMFeature | Mapping[str, Any]] | None = None,
+        extra_keys: Sequence[Sequence[MMKey] | None] | None = None,
     ) -> ScoredAnswer:
-        """The fleet's lookup of `tokens`, scored; `best` follows the score."""
-        answer = self.fleet.lookup(tokens, lora_name, cache_salt, model=model)
-        return self.score(answer, tokens, (model, lora_name, cache_salt))
+        """The fleet's lookup of `tokens`, scored; `best` follows the score. With a
+        multimodal prompt's keys, predictions count only for the same keys."""
+        answer = self.fleet.lookup(
+            tokens,
+            lora_name,
+            cache_salt,
+            model=model,
+            mm_features=mm_features,
+            extra_keys=extra_keys,
+        )
+        return self.score(
+            answer, tokens, _namespace(model, lora_name, cache_salt, mm_features, extra_keys)
+        )
 
     def route(
         self,
@@ -433,11 +460,20 @@ class Router:
         model: str | None = None,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        mm_features: Sequence[MMFeature | Mapping[str, Any]] | None = None,
+        extra_keys: Sequence[Sequence[MMKey] | None] | None = None,
     ) -> RouteAnswer:
         """Look up, choose, and predict the prompt's blocks on the choice; raises
         NoCandidate when no instance can take it."""
-        namespace = (model, lora_name, cache_salt)
-        scored = self.lookup(tokens, model=model, lora_name=lora_name, cache_salt=cache_salt)
+        namespace = _namespace(model, lora_name, cache_salt, mm_features, extra_keys)
+        scored = self.lookup(
+            tokens,
+            model=model,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            mm_features=mm_features,
+            extra_keys=extra_keys,
+        )
         if scored.best is None or scored.best_rank is None:
             raise NoCandidate(scored.why)
         size = self._block_size(scored.best, model)

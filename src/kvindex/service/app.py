@@ -62,6 +62,7 @@ from kvindex.service.schema import (
     error_body,
     instance_answer,
     json_content,
+    mm_keys,
     operation_doc,
     ref,
     schema_components,
@@ -408,8 +409,9 @@ def _add_lookup_routes(app: FastAPI, fleet: Fleet, metrics: ServiceMetrics) -> N
         if not isinstance(body, LookupRequest) or body.model is not None or body.score:
             return await lookup_answer(request.app.state.routing, metrics, body, _limit(request))
         _check_items(request, len(body.token_ids), "token_ids")
+        keys = mm_keys(body)
         start = time.perf_counter()
-        answer = fleet.lookup(body.token_ids, body.lora_name, body.cache_salt)
+        answer = fleet.lookup(body.token_ids, body.lora_name, body.cache_salt, **keys)
         return _answered(metrics, "tokens", start, answer)
 
     hash_doc = operation_doc(LookupAnswer, body=[HashLookupRequest], errors=lookup_errors)

@@ -29,6 +29,7 @@ import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from kvindex.index.localhash import LocalHashesOff
 from kvindex.runtime import DuplicateInstance, Fleet, InstanceMatch, UnknownInstance
 from kvindex.runtime.engine_metrics import MetricsScraper
 from kvindex.runtime.routing import NoCandidate, Router
@@ -36,6 +37,7 @@ from kvindex.runtime.stream_load import StreamLoads
 from kvindex.runtime.tokenize import Chat, NoTokenizer, TokenizeFailed, Tokenizers
 from kvindex.service.metrics import ServiceMetrics
 from kvindex.service.schema import (
+    BadBody,
     ChatLookupRequest,
     LookupRequest,
     PeerInstance,
@@ -50,6 +52,7 @@ from kvindex.service.schema import (
     decode_lookup,
     encode,
     error_body,
+    mm_keys,
     operation_doc,
 )
 from kvindex.subscriber import CapacityError, InstanceSpec, SpecError, Status
@@ -161,15 +164,16 @@ async def lookup_answer(
         return _json_error(
             422, f"the prompt has {len(tokens)} tokens, over the limit of {max_items}"
         )
+    keys = mm_keys(body)
     start = time.perf_counter()
     kind = "tokens" if isinstance(body, LookupRequest) else "text"
     if body.score:
         scored = routing.router.lookup(
-            tokens, model=model, lora_name=body.lora_name, cache_salt=body.cache_salt
+            tokens, model=model, lora_name=body.lora_name, cache_salt=body.cache_salt, **keys
         )
         metrics.lookups.observe(kind, time.perf_counter() - start, scored.hit)
         return Response(encode(scored), media_type="application/json")
-    answer = routing.fleet.lookup(tokens, body.lora_name, body.cache_salt, model=model)
+    answer = routing.fleet.lookup(tokens, body.lora_name, body.cache_salt, model=model, **keys)
     metrics.lookups.observe(kind, time.perf_counter() - start, answer.hit)
     return Response(encode(answer), media_type="application/json")
 
@@ -192,10 +196,11 @@ def _add_route(
             _model_known(routing, model)
         except _Failed as exc:
             return _json_error(exc.status, str(exc))
+        keys = mm_keys(body)
         start = time.perf_counter()
         try:
             answer = routing.router.route(
-                tokens, model=model, lora_name=body.lora_name, cache_salt=body.cache_salt
+                tokens, model=model, lora_name=body.lora_name, cache_salt=body.cache_salt, **keys
             )
         except NoCandidate as exc:
             return _json_error(409, f"no instance can take it: {exc}")
@@ -423,9 +428,13 @@ def _add_peer_routes(app: FastAPI, routing: Routing, metrics: ServiceMetrics) ->
         body, packed = await _peer_body(request, QueryRequest)
         if not _served(routing, body.model_name, body.routing_group):
             return _peer_error(404, _no_indexer(body.model_name, body.routing_group), packed)
+        try:
+            keys = mm_keys(body)
+        except BadBody as exc:
+            return _peer_error(exc.status_code, str(exc), packed)
         start = time.perf_counter()
         answer = fleet.lookup(
-            body.token_ids, body.lora_name, body.cache_salt, model=body.model_name
+            body.token_ids, body.lora_name, body.cache_salt, model=body.model_name, **keys
         )
         metrics.lookups.observe("peer", time.perf_counter() - start, answer.hit)
         return _peer_answer(
@@ -438,24 +447,35 @@ def _add_peer_routes(app: FastAPI, routing: Routing, metrics: ServiceMetrics) ->
         **operation_doc(QueryAnswer, body=[QueryByHashRequest], errors=[400, 404, 413, 422, 501]),
     )
     async def query_by_hash(request: Request) -> Response:
-        """Not answered: Dynamo's hashes are its own (XXH3 of each block's tokens), which
-        kvindex does not keep (docs/routing.md); 501 with the reason."""
+        """Per worker and DP rank, the matched tokens of the prompt these Dynamo local
+        block hashes stand for (XXH3 of each block's tokens, seeded by the LoRA name and
+        cache salt: kvindex.index.localhash); Dynamo's shape, as `/query`. 501 where the
+        index keeps no local hashes (the compiled core without `--local-hashes`)."""
         body: QueryByHashRequest
         body, packed = await _peer_body(request, QueryByHashRequest)
-        if not _served(routing, body.model_name, body.routing_group):
-            return _peer_error(404, _no_indexer(body.model_name, body.routing_group), packed)
         if body.cache_salt is not None:
             message = (
                 "cache_salt is not accepted by /query_by_hash; block_hashes must already "
                 "include the intended cache salt"
             )
             return _peer_error(400, message, packed)
-        message = (
-            "kvindex keys blocks by the engine's own hashes and tokens, not Dynamo's "
-            "LocalBlockHash: send the token ids to /query (or the engine's block hashes to "
-            "/v1/lookup/hashes)"
+        if not _served(routing, body.model_name, body.routing_group):
+            return _peer_error(404, _no_indexer(body.model_name, body.routing_group), packed)
+        start = time.perf_counter()
+        try:
+            answer = fleet.lookup_local_hashes(
+                body.block_hashes, body.lora_name, model=body.model_name
+            )
+        except LocalHashesOff:
+            message = (
+                "this kvindex keeps no local block hashes: start it with --local-hashes "
+                "(or send the token ids to /query)"
+            )
+            return _peer_error(501, message, packed)
+        metrics.lookups.observe("peer", time.perf_counter() - start, answer.hit)
+        return _peer_answer(
+            peer_query_answer(routing, answer.instances, body.routing_group), 200, packed
         )
-        return _peer_error(501, message, packed)
 
     @app.get("/health", tags=peer, response_class=Response, **operation_doc(None))
     async def health() -> Response:

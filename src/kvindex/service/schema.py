@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from kvindex.index.multimodal import MMFeature
 from kvindex.runtime import InstanceMatch, InstanceView, LookupAnswer, RankMatch, RankView
 from kvindex.runtime.discovery import DiscoveryView
 from kvindex.runtime.routing import RouteAnswer, ScoredAnswer
@@ -36,12 +37,14 @@ __all__ = [
     "InstanceAnswer",
     "InstancesAnswer",
     "LookupRequest",
+    "MMInput",
     "PromptLookupRequest",
     "decode_body",
     "decode_lookup",
     "encode",
     "error_body",
     "instance_answer",
+    "mm_keys",
     "schema_components",
     "spec_of",
 ]
@@ -60,11 +63,37 @@ Name = Annotated[str, msgspec.Meta(max_length=1024)]
 
 # -- requests ---------------------------------------------------------------------------
 
+MAX_MM_INPUTS = 100_000  # multimodal inputs of one prompt
+
+
+class MMInput(msgspec.Struct, forbid_unknown_fields=True):
+    """One multimodal input of the prompt as vLLM's request holds it: its identifier (the
+    `MultiModalFeatureSpec`'s, the input's hash) and its placeholder tokens' `offset` and
+    `length` (`PlaceholderRange`)."""
+
+    identifier: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    offset: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+    length: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+
+
+# One multimodal key of a block as vLLM's events carry it: [identifier, offset in the block]
+# (0.20 on), or the bare identifier (0.17-0.19). (No length bound on the strings: msgspec
+# 0.22 mis-decodes a constrained str in a union with a tuple; the body limit bounds them.)
+MMKeyBody = str | tuple[str, int]
+MMFeatures = Annotated[list[MMInput], msgspec.Meta(max_length=MAX_MM_INPUTS)]
+ExtraKeys = Annotated[
+    list[Annotated[list[MMKeyBody], msgspec.Meta(max_length=1024)] | None],
+    msgspec.Meta(max_length=MAX_LOOKUP_ITEMS),
+]
+
 
 class LookupRequest(msgspec.Struct, forbid_unknown_fields=True):
     """`POST /v1/lookup`: the prompt's token ids; `lora_name` and `cache_salt` name the
     namespace its blocks were cached under (salted or LoRA blocks match only a lookup
-    that names the same)."""
+    that names the same). An image prompt's blocks from its first image on match only with
+    its multimodal keys: `mm_features` (its inputs; each block's keys derived as vLLM
+    0.33 derives them) or `extra_keys` (per block, its multimodal keys as the events carry
+    them), not both."""
 
     token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_LOOKUP_ITEMS)]
     lora_name: Name | None = None
@@ -75,6 +104,8 @@ class LookupRequest(msgspec.Struct, forbid_unknown_fields=True):
     # Answer with the routing score (kvindex.runtime.routing): `best` follows it, `why`
     # says how it won, predicted blocks counted.
     score: bool = False
+    mm_features: MMFeatures | None = None
+    extra_keys: ExtraKeys | None = None
 
 
 class PromptLookupRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -87,6 +118,8 @@ class PromptLookupRequest(msgspec.Struct, forbid_unknown_fields=True):
     cache_salt: Name | None = None
     add_special_tokens: bool = True
     score: bool = False
+    mm_features: MMFeatures | None = None
+    extra_keys: ExtraKeys | None = None
 
 
 class ChatLookupRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -102,6 +135,8 @@ class ChatLookupRequest(msgspec.Struct, forbid_unknown_fields=True):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     score: bool = False
+    mm_features: MMFeatures | None = None
+    extra_keys: ExtraKeys | None = None
 
 
 class HashLookupRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -156,6 +191,10 @@ class QueryRequest(msgspec.Struct):
     lora_name: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
     cache_salt: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
     tenant_id: Any = None
+    # kvindex's own (Dynamo ignores unknown fields): an image prompt's multimodal keys, as
+    # in /v1/lookup
+    mm_features: MMFeatures | None = None
+    extra_keys: ExtraKeys | None = None
 
 
 class QueryByHashRequest(msgspec.Struct):
@@ -166,7 +205,17 @@ class QueryByHashRequest(msgspec.Struct):
     model_name: Annotated[str, msgspec.Meta(max_length=256)]
     routing_group: Annotated[str, msgspec.Meta(max_length=256)] = "default"
     lora_name: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
-    cache_salt: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    # Refused (400, Dynamo's words) when given: the hashes carry the salt in their seed.
+    # Documented as null only; decoded as any string so that the refusal is Dynamo's.
+    cache_salt: Annotated[
+        str | None,
+        msgspec.Meta(
+            extra_json_schema={
+                "type": "null",
+                "description": "not accepted: the block hashes carry the salt (400)",
+            },
+        ),
+    ] = None
 
 
 class PeerInstance(msgspec.Struct):
@@ -328,6 +377,22 @@ encode = _encoder.encode
 _decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
 
 
+def mm_keys(
+    body: LookupRequest | PromptLookupRequest | ChatLookupRequest | QueryRequest,
+) -> dict[str, Any]:
+    """A lookup body's multimodal keys as the lookups take them (`mm_features=`,
+    `extra_keys=`; none: {}). BadBody (422) for both at once."""
+    if body.mm_features and body.extra_keys:
+        raise BadBody(422, "invalid body: give mm_features or extra_keys, not both")
+    if body.mm_features:
+        return {
+            "mm_features": [MMFeature(f.identifier, f.offset, f.length) for f in body.mm_features]
+        }
+    if body.extra_keys and any(body.extra_keys):
+        return {"extra_keys": body.extra_keys}
+    return {}
+
+
 def decode_body(raw: bytes, kind: type[Any]) -> Any:
     """`raw` as a `kind` (one of the request structs); BadBody if it is not."""
     decoder = _decoders.get(kind)
@@ -351,6 +416,8 @@ class _LenientLookup(msgspec.Struct, forbid_unknown_fields=True):
     cache_salt: Name | None = None
     model: Name | None = None
     score: bool = False
+    mm_features: MMFeatures | None = None
+    extra_keys: ExtraKeys | None = None
 
 
 def decode_lookup(raw: bytes) -> LookupRequest:
@@ -380,7 +447,15 @@ def _integral(raw: bytes) -> LookupRequest | None:
         if not 0 <= value <= MAX_TOKEN_ID:
             return None
         tokens.append(int(value))
-    return LookupRequest(tokens, body.lora_name, body.cache_salt, body.model, body.score)
+    return LookupRequest(
+        tokens,
+        body.lora_name,
+        body.cache_salt,
+        body.model,
+        body.score,
+        body.mm_features,
+        body.extra_keys,
+    )
 
 
 class _AddInstanceAny(msgspec.Struct, forbid_unknown_fields=True):

@@ -10,6 +10,7 @@
 #include <stdio.h>
 
 #include "intern.h"
+#include "xxh3.h"
 
 size_t kv_alloc_bytes, kv_alloc_blocks; /* alloc.h */
 
@@ -126,6 +127,7 @@ int core_init(core_t *c, uint64_t seed) {
     map_init(&c->root_ns);
     map_init(&c->tokens);
     map_init(&c->ns_by_key);
+    map_init(&c->local);
     interner_init(&c->strings, seed ^ 0x5bd1e995u);
     interner_init(&c->bytes, seed ^ 0x27d4eb2fu);
     interner_init(&c->names, seed ^ 0x165667b1u);
@@ -148,6 +150,9 @@ void core_free(core_t *c) {
     free(c->nodes);
     free(c->sets);
     free(c->ns);
+    free(c->local_hash);
+    free(c->local_root);
+    map_free(&c->local);
     pmap_free(&c->children);
     map_free(&c->root_ns);
     map_free(&c->ns_by_key);
@@ -184,11 +189,23 @@ static uint32_t node_new(core_t *c, uint64_t key, uint32_t parent) {
             if (nodes == NULL)
                 return NODE_NONE;
             c->nodes = nodes;
+            if (c->local_on) { /* the local hashes' arrays follow the nodes' */
+                uint64_t *lh = realloc(c->local_hash, (size_t)cap * sizeof(uint64_t));
+                if (lh != NULL)
+                    c->local_hash = lh;
+                uint32_t *lr = lh ? realloc(c->local_root, (size_t)cap * sizeof(uint32_t)) : NULL;
+                if (lr != NULL)
+                    c->local_root = lr;
+                if (lh == NULL || lr == NULL)
+                    return NODE_NONE; /* the nodes keep their old capacity's count */
+            }
             c->nodes_cap = cap;
         }
         i = c->nnodes++;
     }
     c->nodes[i] = (node_t){(uint32_t)key, (uint32_t)(key >> 32), parent, 0, 0};
+    if (c->local_on)
+        c->local_root[i] = NODE_NONE;
     c->live_nodes++;
     return i;
 }
@@ -196,7 +213,11 @@ static uint32_t node_new(core_t *c, uint64_t key, uint32_t parent) {
 static void tokens_forget(core_t *c, uint32_t n);
 static void set_free(core_t *c, uint32_t s);
 
+static void local_forget(core_t *c, uint32_t i);
+
 static void node_free(core_t *c, uint32_t i) {
+    if (c->local_on)
+        local_forget(c, i);
     node_t *n = &c->nodes[i];
     if (n->holders & HOLD_SET) { /* only a node two publishers hold keeps tokens */
         set_free(c, n->holders & ~HOLD_SET);
@@ -326,6 +347,17 @@ static void name_release(core_t *c, uint32_t id, int held) {
     intern_drop(&c->names, id);
 }
 
+/* localhash.namespace_seed: 1337 + XXH3(lora name, 0) + XXH3(salt, 1), each only when
+ * non-empty (an adapter known only by its lora_id, "\xff" + id, gets one no lookup asks). */
+static uint64_t local_seed(const core_t *c, uint32_t lora, uint32_t salt) {
+    uint64_t seed = 1337;
+    if (lora && c->names.items[lora].len)
+        seed += xxh3_64(c->names.items[lora].data, c->names.items[lora].len, 0);
+    if (salt && c->names.items[salt].len)
+        seed += xxh3_64(c->names.items[salt].data, c->names.items[salt].len, 1);
+    return seed;
+}
+
 /* The root of namespace (lora, salt, size); made if `make`. NODE_NONE if absent (or out of
  * memory, or past 16 distinct block sizes: the event is then held without a place). */
 static uint32_t root_of(core_t *c, uint32_t lora, uint32_t salt, uint32_t size, int make) {
@@ -364,7 +396,9 @@ static uint32_t root_of(core_t *c, uint32_t lora, uint32_t salt, uint32_t size, 
         return NODE_NONE;
     }
     uint32_t index = c->nns++;
-    c->ns[index] = (namespace_t){lora, salt, size, root};
+    c->ns[index] = (namespace_t){lora, salt, size, root, local_seed(c, lora, salt)};
+    if (c->local_on)
+        c->local_root[root] = root;
     if (lora)
         c->names.items[lora].refs++;
     if (salt)
@@ -871,6 +905,77 @@ static uint32_t anchor(core_t *c, source_t *s, const rop_t *r, pool_t *p, uint32
     return placed_elsewhere(c, s, r->parent, size, p);
 }
 
+/* -- Dynamo's local block hashes ------------------------------------------------------ */
+
+int keep_local_hashes(core_t *c, int on) {
+    if (c->live_nodes != 0 && on != c->local_on)
+        return -1; /* only before the first block: the tree's blocks would have none */
+    if (on && !c->local_on) {
+        c->local_hash = malloc((size_t)(c->nodes_cap ? c->nodes_cap : 1) * sizeof(uint64_t));
+        c->local_root = malloc((size_t)(c->nodes_cap ? c->nodes_cap : 1) * sizeof(uint32_t));
+        if (c->local_hash == NULL || c->local_root == NULL) {
+            free(c->local_hash);
+            free(c->local_root);
+            c->local_hash = NULL;
+            c->local_root = NULL;
+            return -1;
+        }
+    }
+    c->local_on = (uint8_t)(on != 0);
+    return 0;
+}
+
+/* A new (or not yet indexed) child of `parent` with these `width` tokens: its local hash
+ * under its namespace's seed, and the table entry (hash, parent) -> child. Only a block
+ * keyed by its tokens alone (no own keys: its key digest is the tokens' own) in a tree
+ * of plain blocks; a second sibling of the same hash (an XXH3 collision) stays out. */
+static void local_index(core_t *c, uint32_t parent, uint32_t child, const uint32_t *block,
+                        uint32_t width, uint64_t key) {
+    uint32_t root = c->local_root[parent];
+    if (root == NODE_NONE)
+        return;
+    map_entry *ns = map_find(&c->root_ns, root, 0);
+    if (ns == NULL || (c->ns[ns->value].size & BIGRAM_TREE))
+        return;
+    const uint8_t *bytes = (const uint8_t *)block;
+    size_t len = (size_t)width * 4;
+    if (key_digest(c, bytes, len) != key)
+        return; /* own keys (an image's block, ...): Dynamo's hash of tokens can't be it */
+    uint64_t h = xxh3_64(bytes, len, c->ns[ns->value].seed);
+    int made;
+    map_entry *e = map_put(&c->local, h, parent, &made);
+    if (e == NULL)
+        return; /* out of memory: not found by its local hash */
+    if (made)
+        e->value = child;
+    c->local_hash[child] = h;
+    c->local_root[child] = root;
+}
+
+static void local_forget(core_t *c, uint32_t i) {
+    uint32_t root = c->local_root[i];
+    c->local_root[i] = NODE_NONE;
+    uint32_t parent = c->nodes[i].parent;
+    if (root == NODE_NONE || root == i || parent == NODE_NONE)
+        return;
+    map_entry *e = map_find(&c->local, c->local_hash[i], parent);
+    if (e != NULL && e->value == i)
+        map_remove(&c->local, c->local_hash[i], parent, NULL);
+}
+
+/* The nodes under `root` whose blocks continue these local hashes from the first. */
+uint32_t local_path(const core_t *c, uint32_t root, const uint64_t *hashes, uint32_t n,
+                    uint32_t *nodes) {
+    uint32_t node = root, k = 0;
+    for (; k < n; k++) {
+        map_entry *e = map_find(&c->local, hashes[k], node);
+        if (e == NULL)
+            break;
+        node = nodes[k] = e->value;
+    }
+    return k;
+}
+
 /* `_insert_chain` and `_insert_chain_in_several`, for the keyed blocks of the slice `r`
  * under `node`. Returns the node of the last one (a later slice goes on from it), or
  * NODE_NONE when it ran out of memory (the rest held without a place). */
@@ -900,6 +1005,8 @@ static uint32_t insert_chain(core_t *c, source_t *s, pool_t *p, uint32_t node,
             store_elsewhere_placed(c, s, p, hashes + (i - r->from), n - i, size);
             return NODE_NONE;
         }
+        if (c->local_on && block != NULL && c->local_root[child] == NODE_NONE)
+            local_index(c, node, child, block, width, keys[i]);
         node = child;
         put(c, s, p, hashes[i - r->from], node, block, width);
         if (s->several && keyed)
@@ -1479,8 +1586,24 @@ uint32_t prompt_bigram_keys(const core_t *c, const uint32_t *small, const int64_
 /* `_walk`: per publisher bit, how many of these blocks it holds in a row from the root
  * (`depth`, left untouched for publishers matching nothing); `path` gets the nodes while a
  * publisher with several pools is on it. `alive` is scratch of c->set_words words. */
+static uint32_t walk_any(const core_t *c, uint32_t root, const uint64_t *keys,
+                         const uint32_t *given, uint32_t nkeys, uint32_t *depth,
+                         uint32_t *path, uint64_t *alive, const uint64_t *several);
+
 uint32_t walk(const core_t *c, uint32_t root, const uint64_t *keys, uint32_t nkeys,
               uint32_t *depth, uint32_t *path, uint64_t *alive, const uint64_t *several) {
+    return walk_any(c, root, keys, NULL, nkeys, depth, path, alive, several);
+}
+
+/* `walk` along nodes already found (a lookup by local hashes: local_path's). */
+uint32_t walk_nodes(const core_t *c, const uint32_t *nodes, uint32_t n, uint32_t *depth,
+                    uint32_t *path, uint64_t *alive, const uint64_t *several) {
+    return walk_any(c, NODE_NONE, NULL, nodes, n, depth, path, alive, several);
+}
+
+static uint32_t walk_any(const core_t *c, uint32_t root, const uint64_t *keys,
+                         const uint32_t *given, uint32_t nkeys, uint32_t *depth,
+                         uint32_t *path, uint64_t *alive, const uint64_t *several) {
     uint32_t words = c->set_words;
     for (uint32_t w = 0; w < words; w++)
         alive[w] = 0;
@@ -1496,8 +1619,8 @@ uint32_t walk(const core_t *c, uint32_t root, const uint64_t *keys, uint32_t nke
      * memory latency instead of paying it one after another. */
     enum { AHEAD = 12 };
     uint64_t prefix[AHEAD];
-    uint64_t next = node_key(&c->nodes[root]);
-    uint32_t ahead = nkeys < AHEAD ? nkeys : AHEAD;
+    uint64_t next = given ? 0 : node_key(&c->nodes[root]);
+    uint32_t ahead = given ? 0 : nkeys < AHEAD ? nkeys : AHEAD;
     if (c->children.slots == NULL)
         return 0;
     for (uint32_t i = 0; i < ahead; i++) {
@@ -1506,18 +1629,23 @@ uint32_t walk(const core_t *c, uint32_t root, const uint64_t *keys, uint32_t nke
         __builtin_prefetch(&c->children.slots[pmap_slot_of(&c->children, next, 0)]);
     }
     for (; d < nkeys; d++) {
-        if (c->nodes[node].nchild == 0)
-            break;
-        uint64_t here = prefix[d % AHEAD];
-        if (d + AHEAD < nkeys) {
-            next = prefix_of(next, keys[d + AHEAD]);
-            prefix[d % AHEAD] = next;
-            __builtin_prefetch(&c->children.slots[pmap_slot_of(&c->children, next, 0)]);
+        uint32_t child;
+        if (given) {
+            child = given[d];
+        } else {
+            if (c->nodes[node].nchild == 0)
+                break;
+            uint64_t here = prefix[d % AHEAD];
+            if (d + AHEAD < nkeys) {
+                next = prefix_of(next, keys[d + AHEAD]);
+                prefix[d % AHEAD] = next;
+                __builtin_prefetch(&c->children.slots[pmap_slot_of(&c->children, next, 0)]);
+            }
+            pmap_entry *e = child_entry(c, node, here);
+            if (e == NULL)
+                break;
+            child = pmap_value(e);
         }
-        pmap_entry *e = child_entry(c, node, here);
-        if (e == NULL)
-            break;
-        uint32_t child = pmap_value(e);
         if (any_alive) {
             uint32_t h = c->nodes[child].holders;
             /* alive &= holders; publishers dropping out past depth 0 get depth d */

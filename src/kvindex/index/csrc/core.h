@@ -111,6 +111,7 @@ typedef struct {
     uint32_t salt;  /* interned id; 0: no salt */
     uint32_t size;
     uint32_t root;  /* node index */
+    uint64_t seed;  /* Dynamo's local-hash seed of its blocks (see local_index) */
 } namespace_t;
 
 /* A block hash as parsed: an int (its bits, kind HK_UINT/HK_NEGATIVE) or bytes (a span of
@@ -202,6 +203,13 @@ typedef struct {
      * show them). On by default; it costs ingest a copy and two table updates each time a
      * block gets or loses its second holder, so a library user can turn it off. */
     uint8_t keep_tokens;
+    /* Dynamo's local block hashes (kvindex/index/localhash.py), kept when asked before the
+     * first block (Core.keep_local_hashes): per node its hash and its tree's root, and a
+     * table (hash, parent) -> child for lookups by them. ~30 bytes a node more. */
+    uint8_t local_on;
+    uint64_t *local_hash;
+    uint32_t *local_root; /* NODE_NONE: not indexed (own keys, a bigram page, no tokens) */
+    map_t local;          /* a = local hash, b = parent -> child */
 } core_t;
 
 /* What one publisher would reuse of a prompt (kvindex.index.reuse.Reuse). */
@@ -256,6 +264,11 @@ typedef struct {
 } walk_path;
 uint32_t walk(const core_t *c, uint32_t root, const uint64_t *keys, uint32_t nkeys,
               uint32_t *depth, uint32_t *path, uint64_t *alive, const uint64_t *several);
+uint32_t walk_nodes(const core_t *c, const uint32_t *nodes, uint32_t n, uint32_t *depth,
+                    uint32_t *path, uint64_t *alive, const uint64_t *several);
+int keep_local_hashes(core_t *c, int on);
+uint32_t local_path(const core_t *c, uint32_t root, const uint64_t *hashes, uint32_t n,
+                    uint32_t *nodes);
 void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
                   const walk_path *walks, uint32_t nsizes, reuse_t *out);
 uint32_t size_of(const core_t *c, uint32_t n);

@@ -16,6 +16,7 @@
 
 #include "answer.h"
 #include "core.h"
+#include "xxh3.h"
 
 /* Hashes applied under one write lock at most (issue 17 point 7). A lookup waits behind
  * one slice: ~0.2-0.8 us a hash, so a few ms, where a 1M-block BlockStored held the lock
@@ -835,6 +836,76 @@ static PyObject *make_rows(CoreObject *self, PyObject *layout, PyObject *empty,
     return rows;
 }
 
+/* A lookup's own-keyed blocks (kvindex.index.multimodal.PromptKeys): per tree size, the
+ * blocks whose key the lookup gives whole (tokens + own-keys digest), as key digests. */
+typedef struct {
+    uint32_t size;  /* a tree size */
+    uint32_t block; /* the block's index in the prompt */
+    uint64_t key;   /* key_digest of its tree key */
+} own_key;
+
+typedef struct {
+    own_key *keys;
+    uint32_t n;
+} own_keys;
+
+/* `own`: None, or {tree size: {block index: tree key bytes}}. 0 with an error set on a bad
+ * shape; the digests need no lock (key_digest reads only the seed). */
+static int own_arg(CoreObject *self, PyObject *obj, own_keys *out) {
+    out->keys = NULL;
+    out->n = 0;
+    if (obj == NULL || obj == Py_None)
+        return 1;
+    static const char *shape = "own keys: {tree size: {block index: key bytes}}";
+    if (!PyDict_Check(obj)) {
+        PyErr_SetString(PyExc_TypeError, shape);
+        return 0;
+    }
+    Py_ssize_t total = 0, pos = 0;
+    PyObject *size_obj, *blocks;
+    while (PyDict_Next(obj, &pos, &size_obj, &blocks)) {
+        if (!PyDict_Check(blocks)) {
+            PyErr_SetString(PyExc_TypeError, shape);
+            return 0;
+        }
+        total += PyDict_GET_SIZE(blocks);
+    }
+    if (total == 0)
+        return 1;
+    out->keys = malloc((size_t)total * sizeof(own_key));
+    if (out->keys == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    pos = 0;
+    while (PyDict_Next(obj, &pos, &size_obj, &blocks)) {
+        unsigned long long size = PyLong_AsUnsignedLongLong(size_obj);
+        if (PyErr_Occurred() || size > UINT32_MAX)
+            goto bad;
+        Py_ssize_t inner = 0;
+        PyObject *block_obj, *key;
+        while (PyDict_Next(blocks, &inner, &block_obj, &key)) {
+            unsigned long long block = PyLong_AsUnsignedLongLong(block_obj);
+            if (PyErr_Occurred() || block > UINT32_MAX || !PyBytes_Check(key))
+                goto bad;
+            if ((Py_ssize_t)out->n >= total) /* the dicts changed under us */
+                goto bad;
+            out->keys[out->n++] = (own_key){
+                (uint32_t)size, (uint32_t)block,
+                key_digest(&self->core, (const uint8_t *)PyBytes_AS_STRING(key),
+                           (size_t)PyBytes_GET_SIZE(key))};
+        }
+    }
+    return 1;
+bad:
+    PyErr_Clear(); /* a size or index that is not a u32 int: one wording for every shape */
+    PyErr_SetString(PyExc_TypeError, shape);
+    free(out->keys);
+    out->keys = NULL;
+    out->n = 0;
+    return 0;
+}
+
 /* What every publisher would reuse of one prompt: computed with the read lock held (the
  * answers point into `reuses`), freed by walk_free. */
 typedef struct {
@@ -851,7 +922,7 @@ static void walk_free(walked_t *w) {
 }
 
 static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_id,
-                        uint32_t salt_id, int unknown, walked_t *out) {
+                        uint32_t salt_id, int unknown, const own_keys *own, walked_t *out) {
     memset(out, 0, sizeof *out);
     uint32_t ntokens = prompt->n;
     uint32_t bits = c->max_bit;
@@ -902,6 +973,9 @@ static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_i
             sizes[k] & BIGRAM_TREE
                 ? prompt_bigram_keys(c, prompt->small, prompt->wide, ntokens, size, keys)
                 : prompt_keys(c, prompt->small, prompt->wide, ntokens, size, keys);
+        for (uint32_t i = 0; i < own->n; i++) /* the blocks keyed by the lookup's own keys */
+            if (own->keys[i].size == sizes[k] && own->keys[i].block < nkeys)
+                keys[own->keys[i].block] = own->keys[i].key;
         memset(depth, 0, (bits + 1) * sizeof(uint32_t));
         uint32_t *path = paths ? paths + (size_t)k * (ntokens + 1) : NULL;
         walks[k].path = path;
@@ -929,29 +1003,242 @@ static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_i
     free(paths);
 }
 
-/* lookup(token_ids, lora_name, cache_salt, layout, empty_rows, row_type) -> [row, ...]
+/* The byte order of namespaces for a lookup by local hashes (fleet.py's
+ * _namespace_order within one size): by LoRA name, then salt ("" for none). */
+static int name_cmp(const core_t *c, uint32_t a, uint32_t b) {
+    const blob_t *x = a ? &c->names.items[a] : NULL, *y = b ? &c->names.items[b] : NULL;
+    uint32_t lx = x ? x->len : 0, ly = y ? y->len : 0;
+    int r = memcmp(x ? (const void *)x->data : "", y ? (const void *)y->data : "",
+                   lx < ly ? lx : ly);
+    return r ? r : (lx > ly) - (lx < ly);
+}
+
+static int ns_before(const core_t *c, const namespace_t *a, const namespace_t *b) {
+    int r = name_cmp(c, a->lora, b->lora);
+    return r ? r < 0 : name_cmp(c, a->salt, b->salt) < 0;
+}
+
+/* FleetIndex.lookup_local_hashes: per tree size (plain trees; `size` 0: every size), the
+ * namespace (of LoRA `lora`, if `lora_given`) whose blocks continue the hashes furthest
+ * (ties: the first by name), walked along the nodes found. */
+static void walk_local(const core_t *c, const uint64_t *hashes, uint32_t n, uint32_t lora,
+                       int lora_given, uint32_t want_size, walked_t *out) {
+    memset(out, 0, sizeof *out);
+    uint32_t bits = c->max_bit, words = c->set_words;
+    uint32_t sizes[16], nsizes = 0, best_len[16];
+    const namespace_t *best[16];
+    uint32_t *scratch = malloc(((size_t)n + 1) * sizeof(uint32_t));
+    uint32_t *found = malloc(((size_t)n + 1) * 16 * sizeof(uint32_t));
+    int oom = scratch == NULL || found == NULL;
+    for (uint32_t i = 0; !oom && i < c->nns; i++) {
+        const namespace_t *ns = &c->ns[i];
+        if (ns->size & BIGRAM_TREE || (want_size && ns->size != want_size))
+            continue;
+        if (ns->lora && c->names.items[ns->lora].len && c->names.items[ns->lora].data[0] == 0xff)
+            continue; /* an adapter known by its lora_id only: no seed a lookup can give */
+        if (lora_given && ns->lora != lora)
+            continue;
+        uint32_t k = 0;
+        while (k < nsizes && sizes[k] != ns->size)
+            k++;
+        if (k == nsizes) { /* a new size, in ascending order */
+            while (k > 0 && sizes[k - 1] > ns->size) {
+                sizes[k] = sizes[k - 1];
+                best[k] = best[k - 1];
+                best_len[k] = best_len[k - 1];
+                memcpy(found + (size_t)k * (n + 1), found + (size_t)(k - 1) * (n + 1),
+                       (size_t)best_len[k] * sizeof(uint32_t));
+                k--;
+            }
+            sizes[k] = ns->size;
+            best[k] = NULL;
+            best_len[k] = 0;
+            nsizes++;
+        }
+        uint32_t len = local_path(c, ns->root, hashes, n, scratch);
+        if (len && (len > best_len[k] || (len == best_len[k] && ns_before(c, ns, best[k])))) {
+            best[k] = ns;
+            best_len[k] = len;
+            memcpy(found + (size_t)k * (n + 1), scratch, (size_t)len * sizeof(uint32_t));
+        }
+    }
+    out->default_size = nsizes ? BLOCK_SIZE(sizes[0]) : 0;
+    out->nbits = bits;
+    uint64_t small_words[8];
+    uint64_t *several = words <= 4 ? small_words : calloc(words * 2, sizeof(uint64_t));
+    uint64_t *alive = several ? several + words : NULL;
+    answer_t *answers = out->answers = calloc(bits + 1, sizeof(answer_t));
+    uint32_t *depth = calloc(bits + 1, sizeof(uint32_t));
+    uint32_t *paths = NULL;
+    walk_path walks[16];
+    oom |= !several || !answers || !depth;
+    int any_several = 0;
+    if (!oom) {
+        memset(several, 0, words * sizeof(uint64_t));
+        for (uint32_t b = 0; b < bits; b++)
+            if (c->sources[b] && c->sources[b]->several) {
+                several[b / 64] |= 1ULL << (b % 64);
+                any_several = 1;
+            }
+        if (any_several && nsizes) {
+            paths = malloc(((size_t)n + 1) * nsizes * sizeof(uint32_t));
+            oom = paths == NULL;
+        }
+    }
+    for (uint32_t k = 0; !oom && k < nsizes; k++) {
+        uint32_t size = BLOCK_SIZE(sizes[k]);
+        memset(depth, 0, (bits + 1) * sizeof(uint32_t));
+        uint32_t *path = paths ? paths + (size_t)k * (n + 1) : NULL;
+        walks[k].path = path;
+        walks[k].len = best_len[k] ? walk_nodes(c, found + (size_t)k * (n + 1), best_len[k],
+                                                depth, path, alive, several)
+                                   : 0;
+        for (uint32_t b = 0; b < bits; b++)
+            if (depth[b] && (uint64_t)depth[b] * size > (uint64_t)answers[b].blocks * answers[b].size) {
+                answers[b].blocks = depth[b];
+                answers[b].size = size;
+            }
+    }
+    if (!oom && any_several && nsizes) {
+        reuse_t *reuses = out->reuses = calloc(bits + 1, sizeof(reuse_t));
+        oom = reuses == NULL;
+        for (uint32_t b = 0; !oom && b < bits; b++)
+            if (c->sources[b] && c->sources[b]->several) {
+                engine_reuse(c, c->sources[b], sizes, walks, nsizes, &reuses[b]);
+                answers[b] = (answer_t){reuses[b].blocks, reuses[b].size, &reuses[b]};
+            }
+    }
+    out->oom = oom;
+    if (several != small_words)
+        free(several);
+    free(depth);
+    free(paths);
+    free(scratch);
+    free(found);
+}
+
+/* lookup_local(hashes, lora_name, block_size, layout, empty_rows, row_type) -> [row, ...]
+
+   FleetIndex.lookup_local_hashes: `hashes` u64 or i64 ints (Dynamo's local block hashes),
+   `lora_name` None or a name (only its namespaces), `block_size` None or a size. */
+static PyObject *Core_lookup_local(CoreObject *self, PyObject *args) {
+    READY(self);
+    PyObject *hashes_obj, *lora, *size_obj, *layout, *empty_rows, *row_type;
+    if (!PyArg_ParseTuple(args, "OOOO!OO", &hashes_obj, &lora, &size_obj, &PyList_Type, &layout,
+                          &empty_rows, &row_type))
+        return NULL;
+    span_t l;
+    if (!opt_str(lora, &l))
+        return NULL;
+    uint32_t want_size = 0;
+    if (size_obj != Py_None) {
+        unsigned long v = PyLong_AsUnsignedLong(size_obj);
+        if (PyErr_Occurred())
+            return NULL;
+        if (v == 0 || v >= (1UL << 31)) /* no tree has it: nothing matches */
+            v = 0xFFFFFFFFUL;
+        want_size = (uint32_t)v;
+    }
+    PyObject *fast = PySequence_Fast(hashes_obj, "hashes must be a sequence of ints");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    uint64_t *hashes = malloc(((size_t)n + 1) * sizeof(uint64_t));
+    if (hashes == NULL) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(fast, i);
+        if (!PyLong_Check(o)) {
+            PyErr_SetString(PyExc_TypeError, "a local hash must be an int");
+            break;
+        }
+        /* modulo 2^64, as localhash.as_unsigned: an i64 from the wire is its u64 */
+        hashes[i] = PyLong_AsUnsignedLongLongMask(o);
+        if (PyErr_Occurred())
+            break;
+    }
+    Py_DECREF(fast);
+    if (PyErr_Occurred()) {
+        free(hashes);
+        return NULL;
+    }
+    walked_t w;
+    PyObject *rows = NULL;
+    pthread_rwlock_rdlock(&self->lock);
+    uint32_t lora_id = l.p ? find_name(&self->core, l.p, l.len) : 0;
+    if (!self->core.local_on) {
+        PyErr_SetString(PyExc_RuntimeError, "the core keeps no local hashes");
+        memset(&w, 0, sizeof w);
+    } else if (l.p && !lora_id) { /* an adapter no namespace has: nothing matches */
+        walk_local(&self->core, hashes, 0, 0, 1, 0xFFFFFFFFu, &w);
+    } else {
+        walk_local(&self->core, hashes, (uint32_t)n, lora_id, l.p != NULL, want_size, &w);
+    }
+    if (PyErr_Occurred()) {
+        /* refused above */
+    } else if (w.oom) {
+        PyErr_NoMemory();
+    } else {
+        PyObject *empty = PyObject_CallFunction(empty_rows, "I", w.default_size);
+        if (empty != NULL && (!PyList_Check(empty) || PyList_GET_SIZE(empty) != PyList_GET_SIZE(layout))) {
+            PyErr_SetString(PyExc_ValueError, "empty rows do not match the layout");
+            Py_CLEAR(empty);
+        }
+        if (empty != NULL)
+            rows = make_rows(self, layout, empty, row_type, w.answers, w.nbits);
+        Py_XDECREF(empty);
+    }
+    pthread_rwlock_unlock(&self->lock);
+    walk_free(&w);
+    free(hashes);
+    return rows;
+}
+
+/* keep_local_hashes(on): keep Dynamo's local block hashes (only before the first block). */
+static PyObject *Core_keep_local_hashes(CoreObject *self, PyObject *on) {
+    READY(self);
+    int flag = PyObject_IsTrue(on);
+    if (flag < 0)
+        return NULL;
+    int r;
+    WRITE_LOCKED(self, r = keep_local_hashes(&self->core, flag));
+    if (r < 0) {
+        PyErr_SetString(PyExc_ValueError, "local hashes are kept from the first block only");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* lookup(token_ids, lora_name, cache_salt, layout, empty_rows, row_type[, own]) -> [row, ...]
 
    What every instance would reuse of the prompt: FleetIndex.lookup. `layout` is the
    answer's shape (IndexBase._lay_out), `empty_rows(size)` the shared rows of instances
    matching nothing, `row_type` LookupRow. `token_ids`: ints, or bytes of uint32 in native
-   order (parse_lookup's). */
+   order (parse_lookup's). `own`: the blocks keyed by the lookup's own keys (own_arg). */
 static PyObject *Core_lookup(CoreObject *self, PyObject *args) {
     READY(self);
-    PyObject *tokens_obj, *lora, *salt, *layout, *empty_rows, *row_type;
-    if (!PyArg_ParseTuple(args, "OOOO!OO", &tokens_obj, &lora, &salt, &PyList_Type, &layout,
-                          &empty_rows, &row_type))
+    PyObject *tokens_obj, *lora, *salt, *layout, *empty_rows, *row_type, *own_obj = NULL;
+    if (!PyArg_ParseTuple(args, "OOOO!OO|O", &tokens_obj, &lora, &salt, &PyList_Type, &layout,
+                          &empty_rows, &row_type, &own_obj))
         return NULL;
     prompt_t prompt;
     uint32_t lora_id, salt_id;
     int unknown;
+    own_keys own;
     if (!lookup_names(self, lora, salt, &lora_id, &salt_id, &unknown))
         return NULL;
-    if (!tokens_arg(tokens_obj, &prompt))
+    if (!own_arg(self, own_obj, &own))
         return NULL;
+    if (!tokens_arg(tokens_obj, &prompt)) {
+        free(own.keys);
+        return NULL;
+    }
     walked_t w;
     PyObject *rows = NULL;
     pthread_rwlock_rdlock(&self->lock);
-    walk_prompt(&self->core, &prompt, lora_id, salt_id, unknown, &w);
+    walk_prompt(&self->core, &prompt, lora_id, salt_id, unknown, &own, &w);
     if (w.oom) {
         PyErr_NoMemory();
     } else {
@@ -969,6 +1256,7 @@ static PyObject *Core_lookup(CoreObject *self, PyObject *args) {
     pthread_rwlock_unlock(&self->lock);
     prompt_free(&prompt);
     walk_free(&w);
+    free(own.keys);
     return rows;
 }
 
@@ -1025,19 +1313,21 @@ static int slots_arg(PyObject *slots_obj, PyObject *statuses, slot_t **slots_out
     return 1;
 }
 
-/* lookup_json(token_ids, lora_name, cache_salt, slots, statuses) -> (json bytes, hit)
+/* lookup_json(token_ids, lora_name, cache_salt, slots, statuses[, own]) -> (json bytes, hit)
 
    Core.lookup and the runtime's answer (Fleet.lookup encoded) in one go: see answer.h. */
 static PyObject *Core_lookup_json(CoreObject *self, PyObject *args) {
     READY(self);
-    PyObject *tokens_obj, *lora, *salt, *slots_obj, *statuses;
-    if (!PyArg_ParseTuple(args, "OOOOO", &tokens_obj, &lora, &salt, &slots_obj, &statuses))
+    PyObject *tokens_obj, *lora, *salt, *slots_obj, *statuses, *own_obj = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOO|O", &tokens_obj, &lora, &salt, &slots_obj, &statuses,
+                          &own_obj))
         return NULL;
     prompt_t prompt;
     uint32_t lora_id, salt_id;
     int unknown;
     slot_t *slots;
     int32_t *ranks;
+    own_keys own;
     if (!lookup_names(self, lora, salt, &lora_id, &salt_id, &unknown))
         return NULL;
     if (!slots_arg(slots_obj, statuses, &slots, &ranks)) {
@@ -1046,9 +1336,15 @@ static PyObject *Core_lookup_json(CoreObject *self, PyObject *args) {
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(slots_obj);
+    if (!own_arg(self, own_obj, &own)) {
+        free(slots);
+        free(ranks);
+        return NULL;
+    }
     if (!tokens_arg(tokens_obj, &prompt)) {
         free(slots);
         free(ranks);
+        free(own.keys);
         return NULL;
     }
     walked_t w;
@@ -1057,7 +1353,7 @@ static PyObject *Core_lookup_json(CoreObject *self, PyObject *args) {
     /* The GIL is kept, as for every question (see the top of this file): given away for
      * these ~30 us, it could take a busy ingest thread's whole switch interval to get back. */
     pthread_rwlock_rdlock(&self->lock);
-    walk_prompt(&self->core, &prompt, lora_id, salt_id, unknown, &w);
+    walk_prompt(&self->core, &prompt, lora_id, salt_id, unknown, &own, &w);
     if (!w.oom)
         hit = answer_json(&self->core, w.answers, w.nbits, slots, (uint32_t)n, 1, &out);
     pthread_rwlock_unlock(&self->lock);
@@ -1071,6 +1367,7 @@ static PyObject *Core_lookup_json(CoreObject *self, PyObject *args) {
     prompt_free(&prompt);
     free(slots);
     free(ranks);
+    free(own.keys);
     return result;
 }
 
@@ -1550,9 +1847,11 @@ static PyObject *Core_memory(CoreObject *self, PyObject *Py_UNUSED(unused)) {
     unsigned long long children = pmap_bytes(&c->children);
     unsigned long long sets = (unsigned long long)c->sets_cap * c->set_words * 8;
     unsigned long long tokens = map_bytes(&c->tokens) + (unsigned long long)c->tokens.count * 68;
+    unsigned long long local = c->local_on ? map_bytes(&c->local) + (unsigned long long)c->nodes_cap * 12 : 0;
     pthread_rwlock_unlock(&self->lock);
-    return Py_BuildValue("{sKsKsKsKsKsK}", "nodes", nodes, "children", children, "pools", pools,
-                         "holder_sets", sets, "shared_tokens", tokens, "publishers", side);
+    return Py_BuildValue("{sKsKsKsKsKsKsK}", "nodes", nodes, "children", children, "pools", pools,
+                         "holder_sets", sets, "shared_tokens", tokens, "publishers", side,
+                         "local_hashes", local);
 }
 
 static PyObject *one_bit(uint32_t bit) {
@@ -1668,6 +1967,25 @@ static PyObject *Core_set_slice(CoreObject *self, PyObject *n_obj) {
     Py_RETURN_NONE;
 }
 
+/* tree_sizes() -> [size, ...]: the tree sizes with a namespace now (what a lookup walks). */
+static PyObject *Core_tree_sizes(CoreObject *self, PyObject *Py_UNUSED(unused)) {
+    READY(self);
+    uint32_t sizes[16], n;
+    pthread_rwlock_rdlock(&self->lock);
+    n = self->core.nsizes;
+    memcpy(sizes, self->core.sizes, n * sizeof(uint32_t));
+    pthread_rwlock_unlock(&self->lock);
+    PyObject *out = PyList_New(n);
+    for (uint32_t i = 0; out && i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(sizes[i]);
+        if (v == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
 static PyObject *Core_key_digest(CoreObject *self, PyObject *data) {
     READY(self);
     Py_buffer view;
@@ -1711,6 +2029,9 @@ static PyMethodDef Core_methods[] = {
     {"memory", (PyCFunction)Core_memory, METH_NOARGS, NULL},
     {"walk_tree", (PyCFunction)Core_walk_tree, METH_NOARGS, NULL},
     {"key_digest", (PyCFunction)Core_key_digest, METH_O, NULL},
+    {"tree_sizes", (PyCFunction)Core_tree_sizes, METH_NOARGS, NULL},
+    {"lookup_local", (PyCFunction)Core_lookup_local, METH_VARARGS, NULL},
+    {"keep_local_hashes", (PyCFunction)Core_keep_local_hashes, METH_O, NULL},
     {"keep_tokens", (PyCFunction)Core_keep_tokens, METH_O, NULL},
     {"set_slice", (PyCFunction)Core_set_slice, METH_O, NULL},
     {"distinct", (PyCFunction)Core_distinct, METH_O, NULL},
@@ -1737,8 +2058,20 @@ static PyObject *core_allocated(PyObject *module, PyObject *Py_UNUSED(unused)) {
                          (Py_ssize_t)__atomic_load_n(&kv_alloc_blocks, __ATOMIC_RELAXED));
 }
 
+/* xxh3_64(data, seed) -> int: the core's XXH3-64 (xxh3.h), for tests against xxhash. */
+static PyObject *core_xxh3_64(PyObject *module, PyObject *args) {
+    Py_buffer data;
+    unsigned long long seed;
+    if (!PyArg_ParseTuple(args, "y*K", &data, &seed))
+        return NULL;
+    uint64_t h = xxh3_64(data.buf, (size_t)data.len, seed);
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
 static PyMethodDef core_functions[] = {
     {"allocated", core_allocated, METH_NOARGS, NULL},
+    {"xxh3_64", (PyCFunction)core_xxh3_64, METH_VARARGS, NULL},
     {"parse_lookup", (PyCFunction)parse_lookup, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -23,6 +23,10 @@ How a stored hash finds its node (`Placement`):
   event, a chain whose parent is unknown -- the hash takes the node the publisher holds
   the same hash at in another pool of that block size (the full-attention group's
   placement), else it is held out of the tree (counted, never guessed).
+- A partial-block entry (vLLM 0.33's `cache_partial_block`: one hash unit of a larger
+  block) hangs inside its group's block, under the block before it or the partial entry
+  of the unit before (`_store_partial`); lookups of publishers whose engine hits inside
+  blocks (Mamba "align") read them (`_fine_reuse`).
 - A hash keeps its namespace across tiers: an unkeyed store on a lower tier (vLLM's CPU
   offload events carry no extra keys, even for salted requests) takes the node the
   publisher already holds that hash at; and when a keyed or GPU copy arrives later at
@@ -59,7 +63,7 @@ from kvindex.index.keys import (
     tree_size,
 )
 from kvindex.index.namespaces import PLAIN, ChainKeys, LoraKey, chain_keys, lora_key
-from kvindex.index.reuse import GroupSpec, Reuse, engine_reuse
+from kvindex.index.reuse import GroupSpec, Reuse, engine_reuse, fine_grained, fine_reuse
 from kvindex.index.stats import CacheStats
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import (
@@ -151,6 +155,9 @@ class _Source:
     # KV cache group -> its spec as the events say (0.22+), for hybrid lookups.
     groups: dict[int, GroupSpec] = field(default_factory=dict)
     stats: CacheStats = field(default_factory=CacheStats)
+    # The hash block size its partial-block entries show (0: none seen): its KV cache
+    # groups' blocks are whole multiples of it, and vLLM's hybrid lookups may hit there.
+    unit: int = 0
     last_seq: int | None = None
     last_ts: float | None = None
     # 1 << bit, made once: every node only this publisher holds shares this int object
@@ -298,9 +305,14 @@ class FleetIndex(IndexBase[_Source]):
         # offload events carry no extra keys): it keeps the placement it already has.
         keyed = info.tier == TIER_GPU or is_keyed(event, keys)
         if size == 0 or len(tokens) != width * len(hashes):
-            # Skipped blocks (a sliding-window group), a partial block or no tokens: the
-            # event can't say where each hash goes.
+            # Skipped blocks (a sliding-window group) or no tokens: the event can't say
+            # where each hash goes.
             self._store_elsewhere_placed(src, pool, info, pool_key, hashes, size)
+            return
+        if info.size > size and info.size % size == 0 and len(hashes) == 1 and size == width:
+            # A partial block (`BlockPool.cache_partial_block`): one hash unit of a larger
+            # block, placed inside its group's block.
+            self._store_partial(src, event, keys, pool, info, pool_key, hashes[0], size)
             return
         parent = self._anchor(src, event, keys, pool, info, size)
         if parent is None:
@@ -310,6 +322,50 @@ class FleetIndex(IndexBase[_Source]):
         self._insert_chain(src, pool, info, pool_key, parent, hashes, chain, keyed, size)
         if len(chain) < len(hashes):  # a token id that can't be keyed ends the chain
             self._store_elsewhere_placed(src, pool, info, pool_key, hashes[len(chain) :], size)
+
+    def _store_partial(
+        self,
+        src: _Source,
+        event: BlockStored,
+        keys: ChainKeys,
+        pool: Pool,
+        info: _PoolInfo,
+        pool_key: PoolKey,
+        h: BlockHash,
+        unit: int,
+    ) -> None:
+        """A partial-block entry: vLLM's hash at a hash-block boundary inside a block of
+        its group (`BlockPool.cache_partial_block`: the tokens of the last hash unit, the
+        parent the hash before). It hangs in the tree of its group's block size, under
+        the block before it (or the root) for the block's first unit, else under the
+        partial entry of the unit before; a partial node's key is `PARTIAL_MARK` and its
+        unit's tokens, so a lookup by whole blocks never enters it. Where the parent is
+        no node the publisher holds (a hash no event announced), the entry is held
+        without a place (never guessed)."""
+        size = info.size
+        src.unit = unit if not src.unit else min(src.unit, unit)
+        parent_hash = event.parent_block_hash
+        parent: _Node | None
+        if parent_hash is None:
+            parent = self._root_of((lora_key(event), keys.salt, size))
+        else:
+            parent = pool.get(parent_hash)
+            if parent is None or parent is _LOOSE or self._size_of(parent) != size:
+                parent = self._placed_elsewhere(src, parent_hash, size, pool)
+        units = 1
+        if parent is not None:
+            units += _partial_units(parent)
+        chain = chain_keys_bytes(event.token_ids, unit, 1, keys.own)
+        if parent is None or units * unit >= size or not chain:
+            node = self._placed_elsewhere(src, h, size, pool) if src.where is not None else None
+            if node is None:
+                node = _LOOSE
+                if h not in pool:
+                    src.stats.unplaced += 1
+            self._put(src, pool, info, pool_key, h, node)
+            return
+        node = _child(parent, PARTIAL_MARK + chain[0], h)
+        self._put(src, pool, info, pool_key, h, node)
 
     def _store_elsewhere_placed(
         self,
@@ -499,15 +555,7 @@ class FleetIndex(IndexBase[_Source]):
         or None if it can't be placed."""
         parent_hash = event.parent_block_hash
         if parent_hash is None:
-            namespace = (lora_key(event), keys.salt, size)
-            root = self._roots.get(namespace)
-            if root is None:
-                if namespace[2] not in self._sizes and len(self._sizes) >= MAX_ROOT_SIZES:
-                    return None  # a block size past MAX_ROOT_SIZES: held without a place
-                root = self._roots[namespace] = _Node(None, b"")
-                self._root_ns[id(root)] = namespace
-                self._sizes[namespace[2]] = self._sizes.get(namespace[2], 0) + 1
-            return root
+            return self._root_of((lora_key(event), keys.salt, size))
         node = pool.get(parent_hash)
         # A partial-block event (smaller than its group's blocks) hangs only from a parent
         # in a tree of its own block size.
@@ -520,6 +568,17 @@ class FleetIndex(IndexBase[_Source]):
         if src.where is None:
             return None  # the parent is unknown to us: the chain can't be placed
         return self._placed_elsewhere(src, parent_hash, size, pool)
+
+    def _root_of(self, namespace: Namespace) -> _Node | None:
+        """The root of a namespace, made if new (None past MAX_ROOT_SIZES block sizes)."""
+        root = self._roots.get(namespace)
+        if root is None:
+            if namespace[2] not in self._sizes and len(self._sizes) >= MAX_ROOT_SIZES:
+                return None  # a block size past MAX_ROOT_SIZES: held without a place
+            root = self._roots[namespace] = _Node(None, b"")
+            self._root_ns[id(root)] = namespace
+            self._sizes[namespace[2]] = self._sizes.get(namespace[2], 0) + 1
+        return root
 
     def _placed_elsewhere(
         self, src: _Source, h: BlockHash, size: int, skip: Pool | None = None
@@ -588,6 +647,7 @@ class FleetIndex(IndexBase[_Source]):
         src.extra.clear()
         src.refs.clear()
         src.groups.clear()
+        src.unit = 0
         src.where = None
         self._several &= keep
 
@@ -647,6 +707,8 @@ class FleetIndex(IndexBase[_Source]):
             stack = [(child, 1) for child in _kids(root)]
             while stack:
                 node, depth = stack.pop()
+                if _is_partial(node.key):
+                    continue  # a partial-block entry: not a block of this tree's size
                 yield namespace, depth, node.key, node.mask
                 stack.extend((child, depth + 1) for child in _kids(node))
 
@@ -676,10 +738,17 @@ class FleetIndex(IndexBase[_Source]):
         several = self._several & self._all_mask
         if several and walks:
             for bit in _bits(several):
-                found[bit] = self._reuse(self._by_bit[bit], walks)
+                found[bit] = self._reuse(self._by_bit[bit], walks, token_ids, lora_name, cache_salt)
         return self._rows(found, default_size)
 
-    def _reuse(self, src: _Source, walks: dict[int, _Walk]) -> Reuse:
+    def _reuse(
+        self,
+        src: _Source,
+        walks: dict[int, _Walk],
+        token_ids: Sequence[int],
+        lora_name: str | None,
+        cache_salt: str | None,
+    ) -> Reuse:
         """What a publisher with several pools would reuse: per pool, which path nodes it
         holds (its `where`), given to the engine's own rules."""
         where = src.where or {}
@@ -691,7 +760,64 @@ class FleetIndex(IndexBase[_Source]):
             bit = 1 << info.index
             held[pool_key] = [bool(where.get(node, 0) & bit) for node in walk.path]
         sizes = {pk: block_size_of(info.size) for pk, info in src.info.items()}
+        unit = src.unit
+        if unit and fine_grained(src.groups, sizes, unit):
+            return self._fine_reuse(src, walks, token_ids, (lora_name, cache_salt), held, sizes)
         return engine_reuse(held, sizes, src.groups)
+
+    def _fine_reuse(
+        self,
+        src: _Source,
+        walks: dict[int, _Walk],
+        token_ids: Sequence[int],
+        names: tuple[LoraKey, str | None],
+        held: dict[PoolKey, list[bool]],
+        sizes: dict[PoolKey, int],
+    ) -> Reuse:
+        """`_reuse` at the hash block size (`reuse.fine_grained`): per GPU pool, which of
+        the prompt's hash boundaries it holds, a whole block's node or a partial entry
+        hanging inside the next block (see `_store_partial`)."""
+        unit = src.unit
+        where = src.where or {}
+        count = len(token_ids) // unit
+        at: dict[int, dict[int, _Node]] = {}  # tree size -> hash index -> node
+        for info in src.info.values():
+            size = info.size
+            if not size or size in at or info.tier != TIER_GPU or size % unit:
+                continue
+            nodes = at[size] = {}
+            walk = walks.get(size)
+            path = walk.path if walk is not None else []
+            k = size // unit
+            for j, whole in enumerate(path):
+                nodes[(j + 1) * k - 1] = whole
+            root = self._roots.get((names[0], names[1], size))
+            for j in range(len(path) + 1 if root is not None else 0):
+                node = path[j - 1] if j else root
+                for m in range(1, k):
+                    end = j * size + m * unit
+                    if end > len(token_ids):
+                        break
+                    keys = block_keys(token_ids[end - unit : end], unit, 1)
+                    found = _child_at(node, PARTIAL_MARK + keys[0]) if keys and node else None
+                    if found is None:
+                        break
+                    node = nodes[j * k + m - 1] = found
+        fine: dict[PoolKey, list[bool]] = {}
+        lower: dict[PoolKey, list[bool]] = {}
+        for pool_key, info in src.info.items():
+            if info.tier != TIER_GPU:
+                if pool_key in held:
+                    lower[pool_key] = held[pool_key]
+                continue
+            if not info.size:
+                continue
+            nodes = at.get(info.size, {})
+            bit = 1 << info.index
+            fine[pool_key] = [
+                f in nodes and bool(where.get(nodes[f], 0) & bit) for f in range(count)
+            ]
+        return fine_reuse(fine, sizes, src.groups, unit, lower)
 
     def _walk(self, root: _Node, keys: list[bytes]) -> _Walk:
         """Per publisher bit, how many of these blocks from the root it holds in a row;
@@ -801,6 +927,34 @@ def is_plain(event: BlockStored) -> bool:
         and event.cache_salt is None
         and event.lookahead_token_ids is None
     )
+
+
+PARTIAL_MARK = b"\xffP"
+"""Starts the key of a partial-block entry (its unit's token key after it): 2 bytes more
+than a multiple of 4 (or 3, with int64 tokens), a length no whole block's key has (those
+are 4s, 1 + 8s, each + OWN_KEY_BYTES), so a lookup by whole blocks never enters one."""
+
+
+def _is_partial(key: bytes) -> bool:
+    return key[:2] == PARTIAL_MARK and len(key) % 4 in (2, 3)
+
+
+def _partial_units(node: _Node) -> int:
+    """How many partial units a node ends: 0 for a whole block or a root."""
+    units = 0
+    while node.parent is not None and _is_partial(node.key):
+        units += 1
+        node = node.parent
+    return units
+
+
+def _child_at(node: _Node, key: bytes) -> _Node | None:
+    children = node.children
+    if children is None:
+        return None
+    if isinstance(children, _Node):
+        return children if children.key == key else None
+    return children.get(key)
 
 
 def _child(node: _Node, key: bytes, h: BlockHash) -> _Node:

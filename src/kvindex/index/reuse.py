@@ -25,7 +25,7 @@ import msgspec
 
 from kvindex.wire.tiers import TIER_GPU, TIERS, tier_of
 
-__all__ = ["GroupSpec", "Reuse", "engine_reuse"]
+__all__ = ["GroupSpec", "Reuse", "engine_reuse", "fine_grained", "fine_reuse"]
 
 PoolKey = tuple[int, str]
 
@@ -41,6 +41,8 @@ _PREFIX_KINDS = frozenset(
 )
 _WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 _MAMBA_KINDS = frozenset({"mamba"})
+# Kinds whose vLLM managers look up at the hash block size (`supports_fine_grained_hash_lookup`).
+_FINE_KINDS = frozenset({"full_attention", "mla_attention", "mamba"})
 # Groups that never take part in prefix caching (per-request scratch).
 _UNCACHED_KINDS = frozenset({"encoder_only_attention", "cross_attention"})
 
@@ -102,6 +104,85 @@ def engine_reuse(
         {tier: tokens // size for tier, tokens in by_tier.items() if tokens // size},
         by_group,
     )
+
+
+def fine_grained(groups: Mapping[int, GroupSpec], sizes: Mapping[PoolKey, int], unit: int) -> bool:
+    """Whether vLLM's hybrid coordinator takes hits at `unit` (the hash block size) inside
+    larger blocks (`partial_hash_hits_enabled`, vLLM 0.33): a Mamba group ("align" mode,
+    the only one that caches) of blocks larger than the unit, and every other cached GPU
+    group's manager looks up at that grain (full attention, Mamba) or has unit blocks."""
+    gpu = [pk for pk in sizes if tier_of(pk[1]) == TIER_GPU and sizes[pk]]
+    kinds = {pk: groups.get(pk[0], GroupSpec()).kind for pk in gpu}
+    if not any(kinds[pk] in _MAMBA_KINDS and sizes[pk] > unit for pk in gpu):
+        return False
+    return all(
+        kinds[pk] in _FINE_KINDS or kinds[pk] in _UNCACHED_KINDS or sizes[pk] == unit for pk in gpu
+    )
+
+
+def fine_reuse(
+    fine: Mapping[PoolKey, Sequence[bool]],
+    sizes: Mapping[PoolKey, int],
+    groups: Mapping[int, GroupSpec],
+    unit: int,
+    lower: Mapping[PoolKey, Sequence[bool]],
+) -> Reuse:
+    """`engine_reuse` when hits land on hash-block boundaries inside blocks
+    (`fine_grained`): `fine[pool][f]` says whether the pool holds the prompt's hash `f`
+    (its hash at `(f + 1) * unit` tokens: a whole block's or a partial-block entry's), and
+    the answer counts blocks of `unit` tokens. vLLM 0.33:
+    `HybridKVCacheCoordinator.find_longest_cache_hit` (fixed point, full attention first)
+    over `FullAttentionManager.find_longest_cache_hit` (leading whole blocks, then the
+    longest partial entry inside the next block) and `MambaManager`'s (the rightmost
+    hash held); `by_group` as `find_longest_cache_hit_per_group`."""
+    spec = {pk: groups.get(pk[0], GroupSpec()) for pk in fine}
+    cached = {pk: h for pk, h in fine.items() if spec[pk].kind not in _UNCACHED_KINDS}
+    length = max((len(h) for h in cached.values()), default=0) * unit
+    order = sorted(cached, key=lambda pk: not _is_prefix(spec[pk]))
+    simple = len(order) == 2 and _is_prefix(spec[order[0]])
+    hit = length
+    known: dict[PoolKey, int] = {}
+    while True:
+        curr = hit
+        for pk in order:
+            if pk in known:
+                curr = min(curr, known[pk])
+                continue
+            curr = _fine_hit(cached[pk], sizes[pk], spec[pk], unit, curr)
+            if _is_prefix(spec[pk]):
+                known[pk] = curr
+        if curr >= hit:
+            break
+        hit = curr
+        if simple:
+            break
+    by_group = {
+        pk[0]: _fine_hit(h, sizes[pk], spec[pk], unit, length) // unit for pk, h in cached.items()
+    }
+    by_tier = {TIER_GPU: hit // unit} if hit else {}
+    for tier, tokens in _lower_run(lower, sizes, hit).items():
+        by_tier[tier] = by_tier.get(tier, 0) + tokens // unit
+    return Reuse(sum(by_tier.values()), unit, by_tier, by_group)
+
+
+def _fine_hit(held: Sequence[bool], size: int, spec: GroupSpec, unit: int, max_len: int) -> int:
+    """One group's hit in tokens at most `max_len`, hashes `unit` tokens apart."""
+    k = size // unit
+    if spec.kind in _MAMBA_KINDS:
+        for f in range(min(max_len // unit, len(held)) - 1, -1, -1):
+            if held[f]:
+                return (f + 1) * unit
+        return 0
+    if spec.kind in _WINDOW_KINDS and spec.sliding_window:  # blocks of one unit here
+        return _group_hit(held, size, spec, max_len) * size
+    whole = 0  # full attention: leading whole blocks, then a partial entry
+    while whole < max_len // size and (whole + 1) * k - 1 < len(held) and held[(whole + 1) * k - 1]:
+        whole += 1
+    first = whole * k
+    for f in range(min(first + k - 1, max_len // unit, len(held)) - 1, first - 1, -1):
+        if held[f]:
+            return (f + 1) * unit
+    return whole * size
 
 
 def _row_size(gpu: Mapping[PoolKey, Sequence[bool]], sizes: Mapping[PoolKey, int]) -> int:

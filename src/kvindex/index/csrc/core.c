@@ -125,6 +125,7 @@ int core_init(core_t *c, uint64_t seed) {
     pmap_init(&c->children);
     map_init(&c->root_ns);
     map_init(&c->tokens);
+    map_init(&c->partial);
     map_init(&c->ns_by_key);
     interner_init(&c->strings, seed ^ 0x5bd1e995u);
     interner_init(&c->bytes, seed ^ 0x27d4eb2fu);
@@ -156,6 +157,7 @@ void core_free(core_t *c) {
     }
     free(c->token_store);
     map_free(&c->tokens);
+    map_free(&c->partial);
     interner_free(&c->strings);
     interner_free(&c->bytes);
     interner_free(&c->names);
@@ -201,6 +203,11 @@ static void node_free(core_t *c, uint32_t i) {
     if (n->holders & HOLD_SET) { /* only a node two publishers hold keeps tokens */
         set_free(c, n->holders & ~HOLD_SET);
         tokens_forget(c, i);
+    }
+    if (c->partial.count) {
+        map_entry *e = map_find(&c->partial, i, 0);
+        if (e != NULL)
+            map_delete(&c->partial, e);
     }
     n->holders = NODE_FREED;
     n->parent = c->free_nodes;
@@ -908,6 +915,59 @@ static uint32_t insert_chain(core_t *c, source_t *s, pool_t *p, uint32_t node,
     return node;
 }
 
+int is_partial(const core_t *c, uint32_t n) {
+    return c->partial.count && map_find(&c->partial, n, 0) != NULL;
+}
+
+/* `_store_partial`: a partial-block entry (one hash unit of a larger block). */
+static void store_partial(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r,
+                          pool_t *p, uint32_t unit) {
+    const op_t *op = r->op;
+    uint32_t size = p->size;
+    hkey h = r->hashes[0];
+    if (!s->unit || unit < s->unit)
+        s->unit = unit;
+    uint32_t parent = NODE_NONE;
+    if (!op->has_parent) {
+        parent = root_for(c, op, size);
+    } else if (r->parent_known) {
+        pmap_entry *e = POOL_FIND(p, r->parent);
+        if (e != NULL && pmap_value(e) != NODE_LOOSE && size_of(c, pmap_value(e)) == size)
+            parent = pmap_value(e);
+        else
+            parent = placed_elsewhere(c, s, r->parent, size, p);
+    }
+    uint32_t units = 1;
+    if (parent != NODE_NONE) {
+        map_entry *e = c->partial.count ? map_find(&c->partial, parent, 0) : NULL;
+        units += e ? e->value : 0;
+    }
+    uint32_t node = NODE_NONE;
+    if (parent != NODE_NONE && (uint64_t)units * unit < size && op->nkeys >= 1) {
+        node = child_make(c, parent, sc->keys[op->keys_off] ^ PARTIAL_KEY);
+        if (node != NODE_NONE) {
+            int made;
+            map_entry *e = map_put(&c->partial, node, 0, &made);
+            if (e == NULL) { /* out of memory: a node nobody can tell partial goes */
+                if (!c->nodes[node].holders && !c->nodes[node].nchild)
+                    prune(c, node);
+                node = NODE_NONE;
+            } else {
+                e->value = units;
+            }
+        }
+    }
+    if (node == NODE_NONE) {
+        node = s->several ? placed_elsewhere(c, s, h, size, p) : NODE_NONE;
+        if (node == NODE_NONE) {
+            node = NODE_LOOSE;
+            if (POOL_FIND(p, h) == NULL)
+                s->stats.unplaced++;
+        }
+    }
+    put(c, s, p, h, node, NULL, 0);
+}
+
 /* `_store`, for the slice `r` of the op. `chain`: the node a later slice's first block
  * hangs from (the first slice sets it). */
 static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, uint32_t *chain) {
@@ -933,6 +993,11 @@ static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, ui
         return 0;
     if (size == 0 || (uint64_t)op->ntokens != (uint64_t)width * op->nhashes) {
         store_elsewhere_placed(c, s, p, hashes, n, size);
+        return 0;
+    }
+    if (p->size > size && p->size % size == 0 && op->nhashes == 1 && width == size &&
+        !(size & BIGRAM_TREE)) {
+        store_partial(c, s, sc, r, p, size);
         return 0;
     }
     uint32_t parent = r->from == 0 ? anchor(c, s, r, p, size) : *chain;
@@ -1229,9 +1294,176 @@ static uint32_t group_hit(const core_t *c, const source_t *s, const pool_t *p, c
 
 static int tier_rank(uint8_t tier) { return tier; } /* the enum is in TIERS order */
 
+static const group_spec *spec_of(const source_t *s, const pool_t *p) {
+    static const group_spec none = {0, 0, 0};
+    return p->group >= 0 && p->group < MAX_GROUPS ? &s->groups[p->group] : &none;
+}
+
+/* `reuse.fine_grained`. */
+int fine_grained(const core_t *c, const source_t *s) {
+    uint32_t unit = s->unit;
+    if (!unit)
+        return 0;
+    int mamba = 0;
+    for (uint32_t i = 0; i < s->npools; i++) {
+        const pool_t *p = &s->pools[i];
+        if (p->tier != TIER_GPU || !psize(p))
+            continue;
+        const group_spec *g = spec_of(s, p);
+        int klass = kind_class(c, g);
+        if (klass == KIND_MAMBA && psize(p) > unit)
+            mamba = 1;
+        int fine_kind = g->present && g->kind &&
+                        (blob_is(c, g->kind, "full_attention") ||
+                         blob_is(c, g->kind, "mla_attention") || blob_is(c, g->kind, "mamba"));
+        if (!fine_kind && klass != KIND_UNCACHED && psize(p) != unit)
+            return 0;
+    }
+    return mamba;
+}
+
+/* `reuse._fine_hit`: one group's hit in tokens, at most `max_len`; `h[f]`: whether it
+ * holds the prompt's hash f (`count` of them, `unit` tokens apart). */
+static uint64_t fine_hit(const uint8_t *h, uint32_t count, uint32_t size, int klass,
+                         int64_t window, uint32_t unit, uint64_t max_len) {
+    uint32_t k = size / unit;
+    if (klass == KIND_MAMBA) {
+        uint64_t lim = max_len / unit < count ? max_len / unit : count;
+        for (uint64_t f = lim; f-- > 0;)
+            if (h[f])
+                return (f + 1) * unit;
+        return 0;
+    }
+    if (klass == KIND_WINDOW) { /* `_group_hit` on blocks of `size` (one unit here) */
+        uint64_t limit = max_len / size < count ? max_len / size : count;
+        int64_t needed = window <= 1 ? 1 : (int64_t)(((uint64_t)window - 2) / size + 1);
+        uint64_t run = 0;
+        for (uint64_t i = limit; i-- > 0;) {
+            if (h[i]) {
+                if ((int64_t)++run >= needed)
+                    return (i + run) * size;
+            } else {
+                run = 0;
+            }
+        }
+        return run * size;
+    }
+    uint64_t whole = 0; /* full attention: leading whole blocks, then a partial entry */
+    while (whole < max_len / size && (whole + 1) * k - 1 < count && h[(whole + 1) * k - 1])
+        whole++;
+    uint64_t first = whole * k, top = first + k - 1;
+    if (max_len / unit < top)
+        top = max_len / unit;
+    if (count < top)
+        top = count;
+    for (uint64_t f = top; f-- > first;)
+        if (h[f])
+            return (f + 1) * unit;
+    return whole * size;
+}
+
+/* `FleetIndex._fine_reuse`: per GPU pool, which of the prompt's hashes it holds (a whole
+ * block's path node, or a partial entry inside the next block), then `reuse.fine_reuse`'s
+ * GPU hit (returned, in tokens) and by_group (into `out`). -1: out of memory. */
+static int64_t fine_gpu(const core_t *c, const source_t *s, const uint32_t *sizes,
+                        const walk_path *const *wp, uint32_t nsizes, const fine_prompt *fp,
+                        reuse_t *out) {
+    uint32_t unit = s->unit, count = fp->nunits;
+    uint8_t *held = calloc((size_t)s->npools * count + 1, 1);
+    uint32_t *at = calloc((size_t)count + 1, sizeof(uint32_t));
+    if (held == NULL || at == NULL) {
+        free(held);
+        free(at);
+        return -1;
+    }
+    int klass[MAX_POOLS], cached[MAX_POOLS];
+    for (uint32_t i = 0; i < s->npools; i++) {
+        const pool_t *p = &s->pools[i];
+        klass[i] = kind_class(c, spec_of(s, p));
+        cached[i] = p->tier == TIER_GPU && psize(p) && klass[i] != KIND_UNCACHED;
+        if (p->tier != TIER_GPU || !p->size || p->size % unit)
+            continue;
+        uint32_t root = NODE_NONE;
+        for (uint32_t k = 0; k < nsizes; k++)
+            if (sizes[k] == p->size)
+                root = fp->roots[k];
+        const walk_path *w = wp[i];
+        uint32_t len = w ? w->len : 0, k = p->size / unit;
+        memset(at, 0, ((size_t)count + 1) * sizeof(uint32_t));
+        for (uint32_t j = 0; j < len; j++)
+            if ((uint64_t)(j + 1) * k - 1 < count)
+                at[(j + 1) * k - 1] = w->path[j];
+        for (uint32_t j = 0; root != NODE_NONE && j <= len; j++) {
+            uint32_t node = j == 0 ? root : w->path[j - 1];
+            for (uint32_t m = 1; m < k; m++) {
+                uint64_t u = (uint64_t)j * k + m - 1; /* the unit ending at j*size + m*unit */
+                if (u >= count)
+                    break;
+                node = child_get(c, node, fp->unit_keys[u] ^ PARTIAL_KEY);
+                if (node == NODE_NONE)
+                    break;
+                at[u] = node;
+            }
+        }
+        for (uint32_t f = 0; f < count; f++) {
+            if (at[f] == NODE_NONE)
+                continue;
+            map_entry *e = map_find(&s->where, at[f], 0);
+            held[(size_t)i * count + f] = e != NULL && ((e->value >> p->index) & 1);
+        }
+    }
+    free(at);
+    /* `fine_reuse`: full attention first, to a fixed point */
+    uint32_t order[MAX_POOLS], n = 0, nprefix = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (uint32_t i = 0; i < s->npools; i++)
+            if (cached[i] && (klass[i] == KIND_PREFIX) == (pass == 0)) {
+                order[n++] = i;
+                nprefix += pass == 0;
+            }
+    uint64_t length = (uint64_t)count * unit, hit = length;
+    uint64_t known[MAX_POOLS];
+    uint8_t have[MAX_POOLS] = {0};
+    int simple = n == 2 && nprefix >= 1;
+    for (;;) {
+        uint64_t curr = hit;
+        for (uint32_t o = 0; o < n; o++) {
+            uint32_t i = order[o];
+            if (have[i]) {
+                if (known[i] < curr)
+                    curr = known[i];
+                continue;
+            }
+            curr = fine_hit(held + (size_t)i * count, count, psize(&s->pools[i]), klass[i],
+                            spec_of(s, &s->pools[i])->window, unit, curr);
+            if (klass[i] == KIND_PREFIX) {
+                known[i] = curr;
+                have[i] = 1;
+            }
+        }
+        if (curr >= hit)
+            break;
+        hit = curr;
+        if (simple)
+            break;
+    }
+    for (uint32_t i = 0; i < s->npools; i++) {
+        if (!cached[i] || out->ngroups == MAX_POOLS)
+            continue;
+        out->groups[out->ngroups] = s->pools[i].group;
+        out->group_blocks[out->ngroups++] = (uint32_t)(
+            fine_hit(held + (size_t)i * count, count, psize(&s->pools[i]), klass[i],
+                     spec_of(s, &s->pools[i])->window, unit, length) /
+            unit);
+    }
+    free(held);
+    return (int64_t)hit;
+}
+
 /* `engine_reuse`. `walks[i]` is the path of block size `sizes[i]`. */
-void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
-                  const walk_path *walks, uint32_t nsizes, reuse_t *out) {
+int engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
+                 const walk_path *walks, uint32_t nsizes, const fine_prompt *fine,
+                 reuse_t *out) {
     memset(out, 0, sizeof *out);
     out->several = 1;
     const walk_path *wp[MAX_POOLS] = {0};
@@ -1252,8 +1484,17 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
         cached[i] = gpu[i] && klass[i] != KIND_UNCACHED;
         lower[i] = wp[i] != NULL && p->tier != TIER_GPU;
     }
-    /* `_hybrid_hit` */
     uint64_t gpu_tokens = 0;
+    uint32_t size = 0;
+    if (fine != NULL) {
+        int64_t hit = fine_gpu(c, s, sizes, wp, nsizes, fine, out);
+        if (hit < 0)
+            return -1; /* out of memory: the caller fails the lookup */
+        gpu_tokens = (uint64_t)hit;
+        size = s->unit;
+        goto lower_run;
+    }
+    /* `_hybrid_hit` */
     int any = 0, prefix = 0;
     uint64_t bound = 0;
     for (uint32_t i = 0; i < s->npools; i++)
@@ -1316,7 +1557,6 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
             group_hit(c, s, &s->pools[i], wp[i], klass[i], window[i], UINT32_MAX);
     }
     /* `_row_size` */
-    uint32_t size = 0;
     for (uint32_t i = 0; i < s->npools; i++)
         if (cached[i] && s->pools[i].group == 0) {
             size = psize(&s->pools[i]);
@@ -1326,6 +1566,7 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
         for (uint32_t i = 0; i < s->npools; i++)
             if (cached[i] && (!size || psize(&s->pools[i]) < size))
                 size = psize(&s->pools[i]);
+lower_run:;
     /* `_lower_run`: the fastest tier holding the next block serves it */
     uint64_t tier_tokens[TIER_COUNT] = {0};
     tier_tokens[TIER_GPU] = gpu_tokens;
@@ -1364,7 +1605,7 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
                 size = psize(&s->pools[order[k]]);
     if (!size) {
         out->ngroups = 0;
-        return;
+        return 0;
     }
     uint64_t total = 0;
     for (int t = 0; t < TIER_COUNT; t++) {
@@ -1373,6 +1614,7 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
     }
     out->blocks = (uint32_t)(total / size);
     out->size = size;
+    return 0;
 }
 
 uint32_t intern_str(core_t *c, const uint8_t *p, uint32_t len) {

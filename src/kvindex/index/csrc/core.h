@@ -88,6 +88,7 @@ typedef struct {
     group_spec groups[MAX_GROUPS];
     source_stats stats;
     uint32_t epoch; /* cleared this many times (apply_slice: a chain's start gone) */
+    uint32_t unit;  /* the hash block size its partial-block entries show (0: none) */
 } source_t;
 
 typedef struct {
@@ -176,6 +177,7 @@ typedef struct {
     pmap_t children; /* a = the child's prefix digest, b = probe -> child (see prefix_of) */
     map_t root_ns;  /* a = root node, b = 0 -> namespace index */
     map_t tokens;   /* a = node, b = 0 -> index into token_store (shared nodes) */
+    map_t partial;  /* a = node, b = 0 -> the partial units it ends (fleet._partial_units) */
     /* holder sets */
     uint64_t *sets;
     uint32_t set_words, nsets, sets_cap, free_sets;
@@ -256,8 +258,20 @@ typedef struct {
 } walk_path;
 uint32_t walk(const core_t *c, uint32_t root, const uint64_t *keys, uint32_t nkeys,
               uint32_t *depth, uint32_t *path, uint64_t *alive, const uint64_t *several);
-void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
-                  const walk_path *walks, uint32_t nsizes, reuse_t *out);
+/* A prompt's hash units, for publishers whose lookups hit inside blocks (fine_reuse). */
+typedef struct {
+    const uint32_t *roots; /* by size, as `sizes` */
+    const uint64_t *unit_keys; /* the key digest of each of the prompt's hash units */
+    uint32_t nunits;
+} fine_prompt;
+int engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
+                 const walk_path *walks, uint32_t nsizes, const fine_prompt *fine,
+                 reuse_t *out);
+int fine_grained(const core_t *c, const source_t *s);
+int is_partial(const core_t *c, uint32_t n);
+/* A partial-block entry's key: its unit's key digest with this mixed in (fleet.py puts
+ * PARTIAL_MARK before the key bytes), so no whole block's key meets it. */
+#define PARTIAL_KEY 0x5bd1e9955bd1e995ULL
 uint32_t size_of(const core_t *c, uint32_t n);
 int holds(const core_t *c, uint32_t n, uint32_t bit);
 const uint32_t *node_tokens(const core_t *c, uint32_t n);

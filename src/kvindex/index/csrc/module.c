@@ -915,11 +915,30 @@ static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_i
     if (!oom && any_several && nsizes) {
         reuse_t *reuses = out->reuses = calloc(bits + 1, sizeof(reuse_t));
         oom = reuses == NULL;
+        uint64_t *unit_keys = NULL;
         for (uint32_t b = 0; !oom && b < bits; b++)
             if (c->sources[b] && c->sources[b]->several) {
-                engine_reuse(c, c->sources[b], sizes, walks, nsizes, &reuses[b]);
+                const source_t *s = c->sources[b];
+                fine_prompt fp = {roots, NULL, 0};
+                int fine = fine_grained(c, s);
+                if (fine) { /* hits inside blocks: the prompt's hash units' keys */
+                    if (unit_keys == NULL)
+                        unit_keys = malloc(((size_t)ntokens + 1) * sizeof(uint64_t));
+                    if (unit_keys == NULL) {
+                        oom = 1;
+                        break;
+                    }
+                    fp.unit_keys = unit_keys;
+                    fp.nunits = prompt_keys(c, prompt->small, prompt->wide, ntokens, s->unit,
+                                            unit_keys);
+                }
+                if (engine_reuse(c, s, sizes, walks, nsizes, fine ? &fp : NULL, &reuses[b])) {
+                    oom = 1;
+                    break;
+                }
                 answers[b] = (answer_t){reuses[b].blocks, reuses[b].size, &reuses[b]};
             }
+        free(unit_keys);
     }
     out->oom = oom;
     if (several != small_words)
@@ -1613,6 +1632,8 @@ static PyObject *Core_walk_tree(CoreObject *self, PyObject *Py_UNUSED(unused)) {
             uint32_t depth = stack[--top];
             uint32_t n = stack[--top];
             node_t *node = &c->nodes[n];
+            if (is_partial(c, n))
+                continue; /* a partial-block entry: not a block of this tree's size */
             PyObject *holders;
             if (node->holders & HOLD_SET)
                 holders = _PyLong_FromByteArray((const unsigned char *)set_words_of(c, node->holders),

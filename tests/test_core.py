@@ -554,8 +554,10 @@ hybrid_plan = st.tuples(
 
 
 def hybrid_stream(
-    plan: list[tuple[Any, ...]], kind: tuple[str, int | None]
+    plan: list[tuple[Any, ...]], kind: tuple[str, int | None], sizes: bool = False
 ) -> list[tuple[SourceKey, str, Any]]:
+    """`sizes`: group 1's blocks are one unit (a window group beside 4-unit full-attention
+    blocks, as vLLM's hybrid-sizes), its stores chains of units, some skipping units."""
     src = SourceKey("h")
     held: list[tuple[int, int]] = []
     out: list[tuple[SourceKey, str, Any]] = []
@@ -563,12 +565,44 @@ def hybrid_stream(
         tokens = hybrid_tokens(p, variant)
         events = []
         for group in (0, 1) if groups == 2 else (groups,):
-            event = hybrid_event(what, group, tokens, at, count, kind, held)
+            if sizes and group == 1 and what in ("whole", "partial"):
+                event = unit_chain(what == "partial", tokens, at, count, kind, held)
+            else:
+                event = hybrid_event(what, group, tokens, at, count, kind, held)
             events.append(event)
             if isinstance(event, AllBlocksCleared):
                 break
         out.append((src, "batch", (EventBatch(float(len(out)), events, None), False)))
     return out
+
+
+def unit_chain(
+    skip: bool,
+    tokens: list[int],
+    at: int,
+    count: int,
+    kind: tuple[str, int | None],
+    held: list[tuple[int, int]],
+) -> BlockStored:
+    """Group 1's store of a chain of one-unit blocks; `skip`: only its last two units are
+    cached (a window's `block_mask`), the tokens still cover them all."""
+    total = len(tokens) // UNIT
+    first = min(at * 3, total - 1)
+    units = list(range(first, min(total, first + count * 3)))
+    kept = units[-2:] if skip else units
+    hashes = [unit_hash(tokens, u) for u in kept]
+    parent = unit_hash(tokens, first - 1) if first else None
+    chunk = tokens[first * UNIT : (units[-1] + 1) * UNIT]
+    held.extend((h, 1) for h in hashes)
+    return BlockStored(
+        hashes,
+        parent,
+        chunk,
+        UNIT,
+        group_idx=1,
+        kv_cache_spec_kind=kind[0],
+        kv_cache_spec_sliding_window=kind[1],
+    )
 
 
 def hybrid_event(
@@ -624,13 +658,14 @@ HYBRID_PROMPTS = [
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(hybrid_plan, max_size=40), st.sampled_from(HYBRID_KINDS))
+@given(st.lists(hybrid_plan, max_size=40), st.sampled_from(HYBRID_KINDS), st.booleans())
 def test_partial_block_entries_agree(
-    plan: list[tuple[Any, ...]], kind: tuple[str, int | None]
+    plan: list[tuple[Any, ...]], kind: tuple[str, int | None], sizes: bool
 ) -> None:
-    """Partial-block entries (one hash unit of a larger block, chained unit by unit) and
-    the lookups that hit inside blocks: the same state and answers."""
-    pure, fast = feed(hybrid_stream(plan, kind))
+    """Partial-block entries (one hash unit of a larger block, chained unit by unit),
+    groups of smaller blocks placed in the larger blocks' tree (some skipping units), and
+    the lookups over them: the same state and answers."""
+    pure, fast = feed(hybrid_stream(plan, kind, sizes))
     differential.assert_same(pure, fast, HYBRID_PROMPTS)
     for src in list(pure.sources()):
         pure.drop_source(src)

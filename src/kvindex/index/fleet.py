@@ -27,6 +27,9 @@ How a stored hash finds its node (`Placement`):
   block) hangs inside its group's block, under the block before it or the partial entry
   of the unit before (`_store_partial`); lookups of publishers whose engine hits inside
   blocks (Mamba "align") read them (`_fine_reuse`).
+- A GPU group whose blocks are smaller than another group's of the same publisher (vLLM's
+  groups of different block sizes) hangs its chains in the larger blocks' tree, unit by
+  unit (`_store_units`), so both groups' hashes of one block are one node.
 - A hash keeps its namespace across tiers: an unkeyed store on a lower tier (vLLM's CPU
   offload events carry no extra keys, even for salted requests) takes the node the
   publisher already holds that hash at; and when a keyed or GPU copy arrives later at
@@ -46,14 +49,17 @@ its window's last blocks). See `lookup`.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import TypeVar
 
 import msgspec
 
 from kvindex.index.base import IndexBase, LookupRow, medium_matches
 from kvindex.index.keys import (
+    BIGRAM,
     block_keys,
     block_size_of,
     chain_keys_bytes,
@@ -63,7 +69,7 @@ from kvindex.index.keys import (
     tree_size,
 )
 from kvindex.index.namespaces import PLAIN, ChainKeys, LoraKey, chain_keys, lora_key
-from kvindex.index.reuse import GroupSpec, Reuse, engine_reuse, fine_grained, fine_reuse
+from kvindex.index.reuse import GroupSpec, Reuse, engine_reuse, unit_reuse
 from kvindex.index.stats import CacheStats
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import (
@@ -137,6 +143,9 @@ class _PoolInfo:
     medium: str
     tier: str
     size: int = 0
+    # The tree its blocks hang in when another group's blocks are larger (`_store_units`):
+    # that group's block size (0: its own size).
+    tree: int = 0
 
 
 @dataclass(slots=True)
@@ -304,7 +313,11 @@ class FleetIndex(IndexBase[_Source]):
         # An unkeyed store on a lower tier may lack the namespace its GPU copy had (vLLM's
         # offload events carry no extra keys): it keeps the placement it already has.
         keyed = info.tier == TIER_GPU or is_keyed(event, keys)
+        tree = self._unit_tree(src, info, size, keys) if src.where is not None else 0
         if size == 0 or len(tokens) != width * len(hashes):
+            if tree:  # a group of smaller blocks than another's that skipped some
+                self._store_units(src, event, keys, pool, info, pool_key, tree)
+                return
             # Skipped blocks (a sliding-window group) or no tokens: the event can't say
             # where each hash goes.
             self._store_elsewhere_placed(src, pool, info, pool_key, hashes, size)
@@ -313,6 +326,9 @@ class FleetIndex(IndexBase[_Source]):
             # A partial block (`BlockPool.cache_partial_block`): one hash unit of a larger
             # block, placed inside its group's block.
             self._store_partial(src, event, keys, pool, info, pool_key, hashes[0], size)
+            return
+        if tree:
+            self._store_units(src, event, keys, pool, info, pool_key, tree)
             return
         parent = self._anchor(src, event, keys, pool, info, size)
         if parent is None:
@@ -366,6 +382,157 @@ class FleetIndex(IndexBase[_Source]):
             return
         node = _child(parent, PARTIAL_MARK + chain[0], h)
         self._put(src, pool, info, pool_key, h, node)
+
+    def _unit_tree(self, src: _Source, info: _PoolInfo, size: int, keys: ChainKeys) -> int:
+        """The tree a GPU group's blocks hang in when another GPU group of the publisher
+        has larger blocks, a multiple of these (vLLM: groups of different block sizes hash
+        every `hash_block_size` tokens, a block's hash is the one at its last unit): that
+        group's size (the largest), else 0. Plain and namespaced chains only (own keys
+        are per block of the event's size: not the larger block's)."""
+        if info.tier != TIER_GPU or info.size != size or keys.own is not None or not size:
+            return 0
+        tree = 0
+        for other in src.info.values():
+            t = other.size
+            if other.tier == TIER_GPU and t > size and t % size == 0 and not t & BIGRAM:
+                tree = max(tree, t)
+        return tree
+
+    def _store_units(
+        self,
+        src: _Source,
+        event: BlockStored,
+        keys: ChainKeys,
+        pool: Pool,
+        info: _PoolInfo,
+        pool_key: PoolKey,
+        tree: int,
+    ) -> None:
+        """A chain of blocks of `unit` tokens (its event's block size) in the tree of the
+        publisher's larger blocks (`tree` tokens): unit by unit from its parent, a unit
+        inside a larger block is a partial node (as `_store_partial`'s), a unit that ends
+        one is that block's node (keyed by the whole block's tokens, so the larger group's
+        own block is the same node). Where the event skipped blocks (a sliding window's
+        `block_mask`), each hash's unit is the one the publisher holds it at elsewhere, or
+        the only one its neighbours leave it (`_unit_positions`); a hash whose unit can't
+        be known, or whose larger block began before the event (its tokens unknown) and
+        is held nowhere, is held without a place."""
+        hashes = event.block_hashes
+        tokens = event.token_ids
+        unit = info.size
+        info.tree = tree
+        src.unit = unit if not src.unit else min(src.unit, unit)
+        k = tree // unit
+        units = len(tokens) // unit
+        try:
+            data = array("I", tokens).tobytes() if len(tokens) % unit == 0 else None
+        except (OverflowError, TypeError):
+            data = None
+        parent_hash = event.parent_block_hash
+        start: _Node | None
+        if data is None:
+            start = None
+        elif parent_hash is None:
+            start = self._root_of((lora_key(event), keys.salt, tree))
+        else:
+            start = pool.get(parent_hash)
+            if start is None or start is _LOOSE or self._size_of(start) != tree:
+                start = self._placed_elsewhere(src, parent_hash, tree, None)
+        if start is None or data is None:
+            self._store_elsewhere_placed(src, pool, info, pool_key, hashes, tree)
+            return
+        into = _partial_units(start)  # units of its block before the event's first
+        anchor = start  # the node the current larger block hangs from
+        for _ in range(into):
+            assert anchor.parent is not None
+            anchor = anchor.parent
+        if units == len(hashes):
+            positions: list[int | None] = list(range(units))
+        else:
+            positions = self._unit_positions(src, hashes, start, anchor, into, k, units, tree)
+        node: _Node | None = start
+        begun = -into  # the event's unit the current larger block begins at
+        done = 0  # the event's units walked
+        width = unit * 4
+        for h, at in zip(hashes, positions, strict=True):
+            if at is None or node is None:
+                self._store_elsewhere_placed(src, pool, info, pool_key, [h], tree)
+                continue
+            while done <= at and node is not None:
+                into += 1
+                if into < k:
+                    key = PARTIAL_MARK + data[done * width : (done + 1) * width]
+                    node = _child(node, key, h)
+                else:
+                    last = node
+                    if begun >= 0:
+                        node = _child(anchor, data[begun * width : (done + 1) * width], h)
+                    else:  # the block began before the event: only a held node will do
+                        found = self._placed_elsewhere(src, h, tree, None) if done == at else None
+                        node = found if found is not None and found.parent is anchor else None
+                        if node is None and not last.mask and not last.children:
+                            self._prune(last)  # the units walked to here, held by none
+                    anchor = node if node is not None else anchor
+                    into = 0
+                    begun = done + 1
+                done += 1
+            if node is None:
+                self._store_elsewhere_placed(src, pool, info, pool_key, [h], tree)
+                continue
+            self._put(src, pool, info, pool_key, h, node)
+
+    def _unit_positions(
+        self,
+        src: _Source,
+        hashes: list[BlockHash],
+        start: _Node,
+        anchor: _Node,
+        into: int,
+        k: int,
+        units: int,
+        tree: int,
+    ) -> list[int | None]:
+        """The event's unit each hash is at, in an event that skipped units: a hash the
+        publisher holds at a node below `start` is at that node's unit; the others, in
+        order, between their neighbours, where only one unit is left (else None)."""
+        known: list[int | None] = []
+        for h in hashes:
+            node = self._placed_elsewhere(src, h, tree, None)
+            at = None
+            if node is not None:
+                d = 0
+                cur: _Node | None = node
+                last_partial = False
+                while (
+                    cur is not None and cur is not start and cur is not anchor and d <= units + into
+                ):
+                    last_partial = _is_partial(cur.key)
+                    d += 1 if last_partial else k
+                    cur = cur.parent
+                if cur is start and start is not anchor:
+                    at = d - 1
+                elif cur is anchor and not (start is not anchor and last_partial):
+                    at = d - into - 1
+                if at is not None and not 0 <= at < units:
+                    at = None
+            known.append(at)
+        n = len(hashes)
+        low: list[int] = []
+        prev = -1
+        for at in known:
+            prev = at if at is not None else prev + 1
+            low.append(prev)
+        high = [0] * n
+        nxt = units
+        for i in range(n - 1, -1, -1):
+            at = known[i]
+            nxt = at if at is not None else nxt - 1
+            high[i] = nxt
+        if any(lo > hi for lo, hi in zip(low, high, strict=True)) or any(
+            a >= b for a, b in pairwise(low)
+        ):
+            return [None] * n  # what the publisher holds contradicts the event: no guess
+        return [lo if lo == hi else None for lo, hi in zip(low, high, strict=True)]
 
     def _store_elsewhere_placed(
         self,
@@ -760,12 +927,11 @@ class FleetIndex(IndexBase[_Source]):
             bit = 1 << info.index
             held[pool_key] = [bool(where.get(node, 0) & bit) for node in walk.path]
         sizes = {pk: block_size_of(info.size) for pk, info in src.info.items()}
-        unit = src.unit
-        if unit and fine_grained(src.groups, sizes, unit):
-            return self._fine_reuse(src, walks, token_ids, (lora_name, cache_salt), held, sizes)
+        if src.unit:
+            return self._unit_reuse(src, walks, token_ids, (lora_name, cache_salt), held, sizes)
         return engine_reuse(held, sizes, src.groups)
 
-    def _fine_reuse(
+    def _unit_reuse(
         self,
         src: _Source,
         walks: dict[int, _Walk],
@@ -774,15 +940,15 @@ class FleetIndex(IndexBase[_Source]):
         held: dict[PoolKey, list[bool]],
         sizes: dict[PoolKey, int],
     ) -> Reuse:
-        """`_reuse` at the hash block size (`reuse.fine_grained`): per GPU pool, which of
-        the prompt's hash boundaries it holds, a whole block's node or a partial entry
-        hanging inside the next block (see `_store_partial`)."""
+        """`_reuse` at the hash block size (`reuse.unit_reuse`): per GPU pool, which of
+        the prompt's hash boundaries it holds, a whole block's node or a partial node
+        inside the next block (`_store_partial`, `_store_units`)."""
         unit = src.unit
         where = src.where or {}
         count = len(token_ids) // unit
         at: dict[int, dict[int, _Node]] = {}  # tree size -> hash index -> node
         for info in src.info.values():
-            size = info.size
+            size = info.tree or info.size
             if not size or size in at or info.tier != TIER_GPU or size % unit:
                 continue
             nodes = at[size] = {}
@@ -812,12 +978,12 @@ class FleetIndex(IndexBase[_Source]):
                 continue
             if not info.size:
                 continue
-            nodes = at.get(info.size, {})
+            nodes = at.get(info.tree or info.size, {})
             bit = 1 << info.index
             fine[pool_key] = [
                 f in nodes and bool(where.get(nodes[f], 0) & bit) for f in range(count)
             ]
-        return fine_reuse(fine, sizes, src.groups, unit, lower)
+        return unit_reuse(fine, sizes, src.groups, unit, lower)
 
     def _walk(self, root: _Node, keys: list[bytes]) -> _Walk:
         """Per publisher bit, how many of these blocks from the root it holds in a row;

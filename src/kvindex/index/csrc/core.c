@@ -662,6 +662,7 @@ static pool_t *pool_get(core_t *c, source_t *s, int64_t group, uint32_t medium) 
     p->tier = core_tier_of(c, medium);
     p->index = (uint8_t)s->npools;
     p->size = 0;
+    p->tree = 0;
     pmap_init(&p->blocks);
     s->npools++;
     if (s->npools == 2) {
@@ -968,6 +969,175 @@ static void store_partial(core_t *c, source_t *s, const scratch_t *sc, const rop
     put(c, s, p, h, node, NULL, 0);
 }
 
+/* `_unit_tree`. */
+static uint32_t unit_tree(const source_t *s, const pool_t *p, uint32_t size, const op_t *op) {
+    if (p->tier != TIER_GPU || p->size != size || op->own || !size)
+        return 0;
+    uint32_t tree = 0;
+    for (uint32_t i = 0; i < s->npools; i++) {
+        uint32_t t = s->pools[i].size;
+        if (s->pools[i].tier == TIER_GPU && t > size && t % size == 0 && !(t & BIGRAM_TREE) &&
+            t > tree)
+            tree = t;
+    }
+    return tree;
+}
+
+static inline uint32_t partial_units_of(const core_t *c, uint32_t n) {
+    map_entry *e = c->partial.count ? map_find(&c->partial, n, 0) : NULL;
+    return e ? e->value : 0;
+}
+
+/* `_unit_positions`: into `at` (UINT32_MAX: unknown). 0: out of memory. */
+static int unit_positions(core_t *c, source_t *s, const hkey *hashes, uint32_t n,
+                          uint32_t start, uint32_t anchor, uint32_t into, uint32_t k,
+                          uint32_t units, uint32_t tree, uint32_t *at) {
+    int64_t *low = malloc(((size_t)n + 1) * 2 * sizeof(int64_t));
+    if (low == NULL)
+        return 0;
+    int64_t *high = low + n + 1;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t node = placed_elsewhere(c, s, hashes[i], tree, NULL);
+        at[i] = UINT32_MAX;
+        if (node == NODE_NONE)
+            continue;
+        uint64_t d = 0;
+        uint32_t cur = node;
+        int last_partial = 0;
+        while (cur != NODE_NONE && cur != start && cur != anchor && d <= (uint64_t)units + into) {
+            last_partial = partial_units_of(c, cur) != 0;
+            d += last_partial ? 1 : k;
+            cur = c->nodes[cur].parent;
+        }
+        int64_t pos = -1;
+        if (cur == start && start != anchor)
+            pos = (int64_t)d - 1;
+        else if (cur == anchor && !(start != anchor && last_partial))
+            pos = (int64_t)d - into - 1;
+        if (pos >= 0 && pos < units)
+            at[i] = (uint32_t)pos;
+    }
+    int64_t prev = -1;
+    for (uint32_t i = 0; i < n; i++) {
+        prev = at[i] != UINT32_MAX ? (int64_t)at[i] : prev + 1;
+        low[i] = prev;
+    }
+    int64_t next = units;
+    for (uint32_t i = n; i-- > 0;) {
+        next = at[i] != UINT32_MAX ? (int64_t)at[i] : next - 1;
+        high[i] = next;
+    }
+    int bad = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (low[i] > high[i] || (i + 1 < n && low[i] >= low[i + 1]))
+            bad = 1;
+    for (uint32_t i = 0; i < n; i++)
+        at[i] = !bad && low[i] == high[i] ? (uint32_t)low[i] : UINT32_MAX;
+    free(low);
+    return 1;
+}
+
+/* A partial node: `child_make` and its units in `c->partial`. NODE_NONE: no memory. */
+static uint32_t partial_child(core_t *c, uint32_t parent, uint64_t key, uint32_t units) {
+    uint32_t node = child_make(c, parent, key ^ PARTIAL_KEY);
+    if (node == NODE_NONE)
+        return NODE_NONE;
+    int made;
+    map_entry *e = map_put(&c->partial, node, 0, &made);
+    if (e == NULL) { /* out of memory: a node nobody can tell partial goes */
+        if (!c->nodes[node].holders && !c->nodes[node].nchild)
+            prune(c, node);
+        return NODE_NONE;
+    }
+    e->value = units;
+    return node;
+}
+
+/* `_store_units`. */
+static void store_units(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, pool_t *p,
+                        uint32_t tree) {
+    const op_t *op = r->op;
+    const hkey *hashes = r->hashes;
+    uint32_t n = r->n, unit = p->size;
+    p->tree = tree;
+    if (!s->unit || unit < s->unit)
+        s->unit = unit;
+    uint32_t k = tree / unit, units = op->ntokens / unit;
+    const uint32_t *data =
+        op->tokens_kept && op->ntokens % unit == 0 ? sc->tokens + op->tokens_off : NULL;
+    uint32_t start = NODE_NONE;
+    if (data == NULL || r->from != 0 || r->n != op->nhashes) { /* never sliced: unsplit */
+        start = NODE_NONE;
+    } else if (!op->has_parent) {
+        start = root_for(c, op, tree);
+    } else if (r->parent_known) {
+        pmap_entry *e = POOL_FIND(p, r->parent);
+        if (e != NULL && pmap_value(e) != NODE_LOOSE && size_of(c, pmap_value(e)) == tree)
+            start = pmap_value(e);
+        else
+            start = placed_elsewhere(c, s, r->parent, tree, NULL);
+    }
+    uint32_t *at = start != NODE_NONE ? malloc(((size_t)n + 1) * sizeof(uint32_t)) : NULL;
+    if (at == NULL) {
+        store_elsewhere_placed(c, s, p, hashes, n, tree);
+        return;
+    }
+    uint32_t into = partial_units_of(c, start), anchor = start;
+    for (uint32_t i = 0; i < into; i++)
+        anchor = c->nodes[anchor].parent;
+    if (units == n) {
+        for (uint32_t i = 0; i < n; i++)
+            at[i] = i;
+    } else if (!unit_positions(c, s, hashes, n, start, anchor, into, k, units, tree, at)) {
+        free(at);
+        store_elsewhere_placed(c, s, p, hashes, n, tree);
+        return;
+    }
+    uint32_t node = start;
+    int64_t begun = -(int64_t)into;
+    uint32_t done = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (at[i] == UINT32_MAX || node == NODE_NONE) {
+            store_elsewhere_placed(c, s, p, hashes + i, 1, tree);
+            continue;
+        }
+        while (done <= at[i] && node != NODE_NONE) {
+            into++;
+            if (into < k) {
+                uint64_t key = key_digest(c, (const uint8_t *)(data + (size_t)done * unit),
+                                          (size_t)unit * 4);
+                node = partial_child(c, node, key, into);
+            } else {
+                uint32_t last = node;
+                if (begun >= 0) {
+                    uint64_t key =
+                        key_digest(c, (const uint8_t *)(data + (size_t)begun * unit),
+                                   ((size_t)done + 1 - (size_t)begun) * unit * 4);
+                    node = child_make(c, anchor, key);
+                } else {
+                    uint32_t found =
+                        done == at[i] ? placed_elsewhere(c, s, hashes[i], tree, NULL) : NODE_NONE;
+                    node = found != NODE_NONE && c->nodes[found].parent == anchor ? found
+                                                                                   : NODE_NONE;
+                    if (node == NODE_NONE && !c->nodes[last].holders && !c->nodes[last].nchild)
+                        prune(c, last);
+                }
+                if (node != NODE_NONE)
+                    anchor = node;
+                into = 0;
+                begun = (int64_t)done + 1;
+            }
+            done++;
+        }
+        if (node == NODE_NONE) {
+            store_elsewhere_placed(c, s, p, hashes + i, 1, tree);
+            continue;
+        }
+        put(c, s, p, hashes[i], node, NULL, 0);
+    }
+    free(at);
+}
+
 /* `_store`, for the slice `r` of the op. `chain`: the node a later slice's first block
  * hangs from (the first slice sets it). */
 static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, uint32_t *chain) {
@@ -991,13 +1161,22 @@ static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, ui
     uint32_t n = r->n, end = r->from + r->n;
     if (n == 0)
         return 0;
+    uint32_t tree = s->several ? unit_tree(s, p, size, op) : 0;
     if (size == 0 || (uint64_t)op->ntokens != (uint64_t)width * op->nhashes) {
+        if (tree) {
+            store_units(c, s, sc, r, p, tree);
+            return 0;
+        }
         store_elsewhere_placed(c, s, p, hashes, n, size);
         return 0;
     }
     if (p->size > size && p->size % size == 0 && op->nhashes == 1 && width == size &&
         !(size & BIGRAM_TREE)) {
         store_partial(c, s, sc, r, p, size);
+        return 0;
+    }
+    if (tree) {
+        store_units(c, s, sc, r, p, tree);
         return 0;
     }
     uint32_t parent = r->from == 0 ? anchor(c, s, r, p, size) : *chain;
@@ -1057,6 +1236,7 @@ void source_clear(core_t *c, source_t *s) {
     }
     s->npools = 0;
     s->several = 0;
+    s->unit = 0;
     map_free(&s->extra);
     map_free(&s->refs);
     map_free(&s->where);
@@ -1166,6 +1346,19 @@ static void drop_unheld(core_t *c, const rop_t *r) {
  * slices the index is consistent (each block applied whole); readers may see a part of
  * a huge batch, as if the engine had sent it in several.
  * 1: the batch is applied; 0: call again with the same cursor; -1: out of memory. */
+/* A store `store_units` may place: it places the whole chain at once (its hashes'
+ * units are read from all of them), so a slice never ends inside it. */
+static int unsplit(const source_t *s, const op_t *op) {
+    if (!s->several || op->block_size <= 0 || op->block_size >= (1LL << 31))
+        return 0;
+    for (uint32_t i = 0; i < s->npools; i++) {
+        uint32_t t = s->pools[i].size;
+        if (s->pools[i].tier == TIER_GPU && t > op->block_size && t % op->block_size == 0)
+            return 1;
+    }
+    return 0;
+}
+
 int apply_slice(core_t *c, source_t *s, scratch_t *sc, apply_cursor *cur, uint32_t budget) {
     if (cur->started && cur->epoch != s->epoch)
         cur->node = NODE_NONE; /* cleared meanwhile (not by ingest): the chain's start gone */
@@ -1175,9 +1368,10 @@ int apply_slice(core_t *c, source_t *s, scratch_t *sc, apply_cursor *cur, uint32
         if (budget == 0)
             break;
         uint32_t n = op->nhashes - cur->done;
-        if (n > budget)
+        if (n > budget && !(op->type == OP_STORED && cur->done == 0 && unsplit(s, op)))
             n = budget;
-        budget -= n ? n : 1; /* an op of no hashes costs one */
+        uint32_t cost = n ? n : 1; /* an op of no hashes costs one */
+        budget = cost >= budget ? 0 : budget - cost;
         rop_t r;
         if (op->type == OP_REMOVED) {
             if (cur->done == 0)
@@ -1322,51 +1516,67 @@ int fine_grained(const core_t *c, const source_t *s) {
     return mamba;
 }
 
-/* `reuse._fine_hit`: one group's hit in tokens, at most `max_len`; `h[f]`: whether it
- * holds the prompt's hash f (`count` of them, `unit` tokens apart). */
-static uint64_t fine_hit(const uint8_t *h, uint32_t count, uint32_t size, int klass,
-                         int64_t window, uint32_t unit, uint64_t max_len) {
-    uint32_t k = size / unit;
+/* `reuse._unit_hit`: one group's hit in tokens, at most `max_len`, on `align`; `h[f]`:
+ * whether it holds the prompt's hash f (`count` of them, `unit` tokens apart), its blocks
+ * `size` tokens (block j is hash (j + 1) * size / unit - 1). */
+static uint64_t unit_hit(const uint8_t *h, uint32_t count, uint32_t size, int klass,
+                         int64_t window, uint32_t unit, uint64_t max_len, uint64_t align) {
+    uint64_t k = size / unit;
+    int fine = align < size && size % align == 0;
+    uint64_t blocks = max_len / size < count / k ? max_len / size : count / k;
     if (klass == KIND_MAMBA) {
-        uint64_t lim = max_len / unit < count ? max_len / unit : count;
-        for (uint64_t f = lim; f-- > 0;)
-            if (h[f])
-                return (f + 1) * unit;
+        if (fine) {
+            uint64_t lim = max_len / unit < count ? max_len / unit : count;
+            for (uint64_t f = lim; f-- > 0;)
+                if (h[f])
+                    return (f + 1) * unit;
+            return 0;
+        }
+        for (uint64_t i = blocks; i-- > 0;)
+            if (h[(i + 1) * k - 1] && ((i + 1) * size) % align == 0)
+                return (i + 1) * size;
         return 0;
     }
-    if (klass == KIND_WINDOW) { /* `_group_hit` on blocks of `size` (one unit here) */
-        uint64_t limit = max_len / size < count ? max_len / size : count;
+    if (klass == KIND_WINDOW) {
         int64_t needed = window <= 1 ? 1 : (int64_t)(((uint64_t)window - 2) / size + 1);
         uint64_t run = 0;
-        for (uint64_t i = limit; i-- > 0;) {
-            if (h[i]) {
+        for (uint64_t i = blocks; i-- > 0;) {
+            if (h[(i + 1) * k - 1]) {
+                if (run == 0 && ((i + 1) * size) % align)
+                    continue;
                 if ((int64_t)++run >= needed)
                     return (i + run) * size;
             } else {
                 run = 0;
             }
         }
+        while (run * size % align)
+            run--;
         return run * size;
     }
-    uint64_t whole = 0; /* full attention: leading whole blocks, then a partial entry */
-    while (whole < max_len / size && (whole + 1) * k - 1 < count && h[(whole + 1) * k - 1])
+    uint64_t whole = 0; /* full attention: leading whole blocks, then (fine) a partial entry */
+    while (whole < blocks && h[(whole + 1) * k - 1])
         whole++;
-    uint64_t first = whole * k, top = first + k - 1;
-    if (max_len / unit < top)
-        top = max_len / unit;
-    if (count < top)
-        top = count;
-    for (uint64_t f = top; f-- > first;)
-        if (h[f])
-            return (f + 1) * unit;
-    return whole * size;
+    uint64_t hit = whole * size;
+    if (fine) {
+        uint64_t first = whole * k, top = first + k - 1;
+        if (max_len / unit < top)
+            top = max_len / unit;
+        if (count < top)
+            top = count;
+        for (uint64_t f = top; f-- > first;)
+            if (h[f])
+                return (f + 1) * unit;
+    }
+    return hit - hit % align;
 }
 
-/* `FleetIndex._fine_reuse`: per GPU pool, which of the prompt's hashes it holds (a whole
- * block's path node, or a partial entry inside the next block), then `reuse.fine_reuse`'s
- * GPU hit (returned, in tokens) and by_group (into `out`). -1: out of memory. */
-static int64_t fine_gpu(const core_t *c, const source_t *s, const uint32_t *sizes,
-                        const walk_path *const *wp, uint32_t nsizes, const fine_prompt *fp,
+/* `FleetIndex._unit_reuse`: per GPU pool, which of the prompt's hashes it holds (a whole
+ * block's path node in the tree it hangs in, or a partial node inside the next block),
+ * then `reuse.unit_reuse`'s GPU hit (returned, in tokens) and by_group (into `out`). -1:
+ * out of memory. */
+static int64_t unit_gpu(const core_t *c, const source_t *s, const uint32_t *sizes,
+                        const walk_path *walks, uint32_t nsizes, const fine_prompt *fp,
                         reuse_t *out) {
     uint32_t unit = s->unit, count = fp->nunits;
     uint8_t *held = calloc((size_t)s->npools * count + 1, 1);
@@ -1381,14 +1591,17 @@ static int64_t fine_gpu(const core_t *c, const source_t *s, const uint32_t *size
         const pool_t *p = &s->pools[i];
         klass[i] = kind_class(c, spec_of(s, p));
         cached[i] = p->tier == TIER_GPU && psize(p) && klass[i] != KIND_UNCACHED;
-        if (p->tier != TIER_GPU || !p->size || p->size % unit)
+        uint32_t tree = p->tree ? p->tree : p->size;
+        if (p->tier != TIER_GPU || !p->size || tree % unit)
             continue;
         uint32_t root = NODE_NONE;
+        const walk_path *w = NULL;
         for (uint32_t k = 0; k < nsizes; k++)
-            if (sizes[k] == p->size)
+            if (sizes[k] == tree) {
                 root = fp->roots[k];
-        const walk_path *w = wp[i];
-        uint32_t len = w ? w->len : 0, k = p->size / unit;
+                w = &walks[k];
+            }
+        uint32_t len = w ? w->len : 0, k = tree / unit;
         memset(at, 0, ((size_t)count + 1) * sizeof(uint32_t));
         for (uint32_t j = 0; j < len; j++)
             if ((uint64_t)(j + 1) * k - 1 < count)
@@ -1421,6 +1634,22 @@ static int64_t fine_gpu(const core_t *c, const source_t *s, const uint32_t *size
                 order[n++] = i;
                 nprefix += pass == 0;
             }
+    uint64_t align = unit;
+    if (!fine_grained(c, s)) { /* the scheduler block size: the LCM of the groups' sizes */
+        align = 1;
+        for (uint32_t i = 0; i < s->npools; i++) {
+            uint64_t size = psize(&s->pools[i]);
+            if (s->pools[i].tier != TIER_GPU || !size)
+                continue;
+            uint64_t a = align, b = size;
+            while (b) {
+                uint64_t t = a % b;
+                a = b;
+                b = t;
+            }
+            align = align / a * size;
+        }
+    }
     uint64_t length = (uint64_t)count * unit, hit = length;
     uint64_t known[MAX_POOLS];
     uint8_t have[MAX_POOLS] = {0};
@@ -1434,8 +1663,8 @@ static int64_t fine_gpu(const core_t *c, const source_t *s, const uint32_t *size
                     curr = known[i];
                 continue;
             }
-            curr = fine_hit(held + (size_t)i * count, count, psize(&s->pools[i]), klass[i],
-                            spec_of(s, &s->pools[i])->window, unit, curr);
+            curr = unit_hit(held + (size_t)i * count, count, psize(&s->pools[i]), klass[i],
+                            spec_of(s, &s->pools[i])->window, unit, curr, align);
             if (klass[i] == KIND_PREFIX) {
                 known[i] = curr;
                 have[i] = 1;
@@ -1452,8 +1681,8 @@ static int64_t fine_gpu(const core_t *c, const source_t *s, const uint32_t *size
             continue;
         out->groups[out->ngroups] = s->pools[i].group;
         out->group_blocks[out->ngroups++] = (uint32_t)(
-            fine_hit(held + (size_t)i * count, count, psize(&s->pools[i]), klass[i],
-                     spec_of(s, &s->pools[i])->window, unit, length) /
+            unit_hit(held + (size_t)i * count, count, psize(&s->pools[i]), klass[i],
+                     spec_of(s, &s->pools[i])->window, unit, length, align) /
             unit);
     }
     free(held);
@@ -1487,7 +1716,7 @@ int engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
     uint64_t gpu_tokens = 0;
     uint32_t size = 0;
     if (fine != NULL) {
-        int64_t hit = fine_gpu(c, s, sizes, wp, nsizes, fine, out);
+        int64_t hit = unit_gpu(c, s, sizes, walks, nsizes, fine, out);
         if (hit < 0)
             return -1; /* out of memory: the caller fails the lookup */
         gpu_tokens = (uint64_t)hit;

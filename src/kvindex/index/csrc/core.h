@@ -62,6 +62,7 @@ typedef struct {
     uint8_t tier;
     uint8_t index; /* its bit in `where` */
     uint32_t size; /* largest tree size of its events (BIGRAM_TREE: bigram pages) */
+    uint32_t tree; /* the tree its blocks hang in, if another group's are larger (0: own) */
     pmap_t blocks; /* a = hash value, b = hash kind -> node index or NODE_LOOSE */
 } pool_t;
 
@@ -137,6 +138,7 @@ typedef struct {
     uint8_t keyed;       /* a namespace or own keys: decides namespaces across tiers */
     uint8_t tokens_kept; /* the tokens are in scratch.tokens (all fit 32 bits) */
     uint8_t bigram;      /* EAGLE bigram pages: tokens are their pairs, flattened */
+    uint8_t own;         /* own keys (multimodal, lookahead, ...) on some block */
     phash parent;
     uint32_t nhashes, hashes_off; /* in scratch.hashes */
     uint32_t ntokens;             /* token ids the event carried */

@@ -318,12 +318,13 @@ static int opt_int(PyObject *obj, int64_t *v, uint8_t *present) {
 /* One op of the Python path, a tuple built by kvindex.index.compiled:
      ("S", hashes, parent|None, keys: list[bytes], ntokens, tokens: bytes|None, block_size,
       lora_name|None, lora_id|None, salt|None, keyed, medium|None, group|None,
-      spec_kind|None, window|None, unrecognised, bigram)
+      spec_kind|None, window|None, unrecognised, bigram, own)
      ("R", hashes, medium|None, group|None)
      ("C",)
    `keys` are the fleet.py tree keys of the blocks (digested here), `tokens` the uint32
    token bytes when they all fit (kept for shared nodes). `bigram`: an EAGLE bigram
-   cache's pages (their pairs flattened in keys and tokens; see keys.py). */
+   cache's pages (their pairs flattened in keys and tokens; see keys.py). `own`: some
+   block has own keys (fleet._unit_tree leaves such chains to the other rules). */
 static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
     if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(t, 0))) {
         PyErr_SetString(PyExc_TypeError, "an op is a tuple starting with its kind");
@@ -350,7 +351,7 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
         sc->nops++;
         return 1;
     }
-    if ((kind[0] == 'S' && size != 17) || (kind[0] == 'R' && size != 4) ||
+    if ((kind[0] == 'S' && size != 18) || (kind[0] == 'R' && size != 4) ||
         (kind[0] != 'S' && kind[0] != 'R')) {
         PyErr_SetString(PyExc_ValueError, "malformed op");
         return 0;
@@ -477,6 +478,10 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
     if (bigram < 0)
         return 0;
     op->bigram = (uint8_t)bigram;
+    int own = PyObject_IsTrue(PyTuple_GET_ITEM(t, 17));
+    if (own < 0)
+        return 0;
+    op->own = (uint8_t)own;
     sc->nops++;
     return 1;
 }
@@ -920,7 +925,7 @@ static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_i
             if (c->sources[b] && c->sources[b]->several) {
                 const source_t *s = c->sources[b];
                 fine_prompt fp = {roots, NULL, 0};
-                int fine = fine_grained(c, s);
+                int fine = s->unit != 0;
                 if (fine) { /* hits inside blocks: the prompt's hash units' keys */
                     if (unit_keys == NULL)
                         unit_keys = malloc(((size_t)ntokens + 1) * sizeof(uint64_t));

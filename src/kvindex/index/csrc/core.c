@@ -650,14 +650,16 @@ static inline void hkey_unref(core_t *c, hkey h) {
 
 /* `_pool`: the pool of (group, medium), made if new. On the publisher's second pool,
  * `where` starts: every node of the first pool is held by pool 0. */
-static pool_t *pool_get(core_t *c, source_t *s, int64_t group, uint32_t medium) {
+static pool_t *pool_get(core_t *c, source_t *s, int64_t group, uint8_t big, uint32_t medium) {
     for (uint32_t i = 0; i < s->npools; i++)
-        if (s->pools[i].group == group && s->pools[i].medium == medium)
+        if (s->pools[i].group == group && s->pools[i].group_big == big &&
+            s->pools[i].medium == medium)
             return &s->pools[i];
     if (s->npools == MAX_POOLS)
         return NULL;
     pool_t *p = &s->pools[s->npools];
     p->group = group;
+    p->group_big = big;
     p->medium = medium;
     p->tier = core_tier_of(c, medium);
     p->index = (uint8_t)s->npools;
@@ -1142,7 +1144,8 @@ static void store_units(core_t *c, source_t *s, const scratch_t *sc, const rop_t
  * hangs from (the first slice sets it). */
 static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, uint32_t *chain) {
     const op_t *op = r->op;
-    pool_t *p = pool_get(c, s, op->has_group ? op->group : 0, r->medium);
+    pool_t *p = pool_get(c, s, op->has_group ? op->group : 0, op->has_group && op->group_big,
+                         r->medium);
     if (p == NULL) /* past MAX_POOLS (fleet.py's too): not held; else out of memory */
         return s->npools == MAX_POOLS ? 0 : -1;
     uint32_t size = op->block_size > 0 && op->block_size < (1LL << 31) ? (uint32_t)op->block_size : 0;
@@ -1153,7 +1156,7 @@ static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, ui
         size |= BIGRAM_TREE;
     if (size > p->size)
         p->size = size;
-    if (op->has_spec && p->group >= 0 && p->group < MAX_GROUPS)
+    if (op->has_spec && !p->group_big && p->group >= 0 && p->group < MAX_GROUPS)
         s->groups[p->group] = (group_spec){r->spec_kind, op->has_window ? op->window : 0, 1};
     if (r->from == 0)
         s->stats.unrecognised_keys += op->unrecognised;
@@ -1190,11 +1193,12 @@ static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, ui
 }
 
 /* `_remove`. */
-static void remove_hashes(core_t *c, source_t *s, int64_t group, uint32_t medium,
+static void remove_hashes(core_t *c, source_t *s, int64_t group, uint8_t big, uint32_t medium,
                           const hkey *hashes, uint32_t n) {
     pool_t *p = NULL;
     for (uint32_t i = 0; i < s->npools; i++)
-        if (s->pools[i].group == group && s->pools[i].medium == medium)
+        if (s->pools[i].group == group && s->pools[i].group_big == big &&
+            s->pools[i].medium == medium)
             p = &s->pools[i];
     if (p == NULL)
         return;
@@ -1379,7 +1383,8 @@ int apply_slice(core_t *c, source_t *s, scratch_t *sc, apply_cursor *cur, uint32
             int known = resolve(c, sc, op, cur->done, n, &r);
             if (known < 0)
                 return -1;
-            remove_hashes(c, s, op->has_group ? op->group : 0, r.medium, r.hashes,
+            remove_hashes(c, s, op->has_group ? op->group : 0, op->has_group && op->group_big,
+                          r.medium, r.hashes,
                           (uint32_t)known);
         } else if (op->type == OP_STORED) {
             if (cur->done == 0)
@@ -1490,7 +1495,8 @@ static int tier_rank(uint8_t tier) { return tier; } /* the enum is in TIERS orde
 
 static const group_spec *spec_of(const source_t *s, const pool_t *p) {
     static const group_spec none = {0, 0, 0};
-    return p->group >= 0 && p->group < MAX_GROUPS ? &s->groups[p->group] : &none;
+    return !p->group_big && p->group >= 0 && p->group < MAX_GROUPS ? &s->groups[p->group]
+                                                                    : &none;
 }
 
 /* `reuse.fine_grained`. */
@@ -1679,6 +1685,7 @@ static int64_t unit_gpu(const core_t *c, const source_t *s, const uint32_t *size
     for (uint32_t i = 0; i < s->npools; i++) {
         if (!cached[i] || out->ngroups == MAX_POOLS)
             continue;
+        out->groups_big[out->ngroups] = s->pools[i].group_big;
         out->groups[out->ngroups] = s->pools[i].group;
         out->group_blocks[out->ngroups++] = (uint32_t)(
             unit_hit(held + (size_t)i * count, count, psize(&s->pools[i]), klass[i],
@@ -1705,7 +1712,7 @@ int engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
             if (sizes[k] == p->size && p->size) /* tree sizes */
                 wp[i] = &walks[k];
         const group_spec *g =
-            p->group >= 0 && p->group < MAX_GROUPS ? &s->groups[p->group] : NULL;
+            !p->group_big && p->group >= 0 && p->group < MAX_GROUPS ? &s->groups[p->group] : NULL;
         group_spec none = {0, 0, 0};
         klass[i] = kind_class(c, g ? g : &none);
         window[i] = g ? g->window : 0;
@@ -1746,9 +1753,7 @@ int engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
                 if (hit < bound)
                     bound = hit;
             } else {
-                uint32_t kind = s->pools[i].group >= 0 && s->pools[i].group < MAX_GROUPS
-                                    ? s->groups[s->pools[i].group].kind
-                                    : 0;
+                uint32_t kind = spec_of(s, &s->pools[i])->kind;
                 if (first_kind < 0) {
                     first_kind = kind, first_window = window[i], first_size = psize(&s->pools[i]);
                     others_distinct = 1;
@@ -1781,13 +1786,14 @@ int engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
     for (uint32_t i = 0; i < s->npools; i++) {
         if (!cached[i] || out->ngroups == MAX_POOLS)
             continue;
+        out->groups_big[out->ngroups] = s->pools[i].group_big;
         out->groups[out->ngroups] = s->pools[i].group;
         out->group_blocks[out->ngroups++] =
             group_hit(c, s, &s->pools[i], wp[i], klass[i], window[i], UINT32_MAX);
     }
     /* `_row_size` */
     for (uint32_t i = 0; i < s->npools; i++)
-        if (cached[i] && s->pools[i].group == 0) {
+        if (cached[i] && s->pools[i].group == 0 && !s->pools[i].group_big) {
             size = psize(&s->pools[i]);
             break;
         }

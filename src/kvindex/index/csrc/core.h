@@ -56,8 +56,10 @@ typedef struct {
 
 typedef struct {
     /* group_idx as the wire says it: any int64 (was int32, which folded 2^32 onto 0 and
-     * made a new pool per event; found by fuzz/). Past int64: see module.c's opt_int. */
+     * made a new pool per event; found by fuzz/), or with `group_big` a uint64 past
+     * INT64_MAX (msgpack's range; was clamped, which merged such groups). */
     int64_t group;
+    uint8_t group_big;
     uint32_t medium; /* interned string id */
     uint8_t tier;
     uint8_t index; /* its bit in `where` */
@@ -146,6 +148,7 @@ typedef struct {
     uint32_t tokens_off;          /* in scratch.tokens */
     int64_t block_size;
     int64_t group;
+    uint8_t group_big; /* group is a uint64 past INT64_MAX (see pool_t) */
     int64_t window;
     span_t medium; /* absent: the GPU */
     span_t lora;   /* the adapter's name (lora_name) */
@@ -215,6 +218,7 @@ typedef struct {
     uint32_t by_tier[TIER_COUNT];
     uint32_t ngroups;
     int64_t groups[MAX_POOLS];
+    uint8_t groups_big[MAX_POOLS];
     uint32_t group_blocks[MAX_POOLS];
 } reuse_t;
 

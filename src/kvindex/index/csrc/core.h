@@ -140,7 +140,6 @@ typedef struct {
     uint8_t keyed;       /* a namespace or own keys: decides namespaces across tiers */
     uint8_t tokens_kept; /* the tokens are in scratch.tokens (all fit 32 bits) */
     uint8_t bigram;      /* EAGLE bigram pages: tokens are their pairs, flattened */
-    uint8_t own;         /* own keys (multimodal, lookahead, ...) on some block */
     phash parent;
     uint32_t nhashes, hashes_off; /* in scratch.hashes */
     uint32_t ntokens;             /* token ids the event carried */
@@ -148,12 +147,13 @@ typedef struct {
     uint32_t tokens_off;          /* in scratch.tokens */
     int64_t block_size;
     int64_t group;
-    uint8_t group_big; /* group is a uint64 past INT64_MAX (see pool_t) */
     int64_t window;
     span_t medium; /* absent: the GPU */
     span_t lora;   /* the adapter's name (lora_name) */
     int64_t lora_id; /* without a name: the process-local id (vLLM < 0.14) */
     uint8_t has_lora_id;
+    uint8_t own;       /* own keys (multimodal, lookahead, ...) on some block */
+    uint8_t group_big; /* group is a uint64 past INT64_MAX (see pool_t) */
     span_t salt;
     span_t spec_kind;
     uint32_t unrecognised;

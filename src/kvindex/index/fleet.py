@@ -322,7 +322,13 @@ class FleetIndex(IndexBase[_Source]):
             # where each hash goes.
             self._store_elsewhere_placed(src, pool, info, pool_key, hashes, size)
             return
-        if info.size > size and info.size % size == 0 and len(hashes) == 1 and size == width:
+        if (
+            info.size > size
+            and not info.size & BIGRAM
+            and info.size % size == 0
+            and len(hashes) == 1
+            and size == width
+        ):
             # A partial block (`BlockPool.cache_partial_block`): one hash unit of a larger
             # block, placed inside its group's block.
             self._store_partial(src, event, keys, pool, info, pool_key, hashes[0], size)
@@ -470,8 +476,8 @@ class FleetIndex(IndexBase[_Source]):
                     else:  # the block began before the event: only a held node will do
                         found = self._placed_elsewhere(src, h, tree, None) if done == at else None
                         node = found if found is not None and found.parent is anchor else None
-                        if node is None and not last.mask and not last.children:
-                            self._prune(last)  # the units walked to here, held by none
+                    if not last.mask and not last.children:
+                        self._prune(last)  # skipped units inside the block, held by none
                     anchor = node if node is not None else anchor
                     into = 0
                     begun = done + 1

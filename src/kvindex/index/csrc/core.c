@@ -1121,9 +1121,10 @@ static void store_units(core_t *c, source_t *s, const scratch_t *sc, const rop_t
                         done == at[i] ? placed_elsewhere(c, s, hashes[i], tree, NULL) : NODE_NONE;
                     node = found != NODE_NONE && c->nodes[found].parent == anchor ? found
                                                                                    : NODE_NONE;
-                    if (node == NODE_NONE && !c->nodes[last].holders && !c->nodes[last].nchild)
-                        prune(c, last);
                 }
+                /* skipped units inside the block, held by none */
+                if (!c->nodes[last].holders && !c->nodes[last].nchild)
+                    prune(c, last);
                 if (node != NODE_NONE)
                     anchor = node;
                 into = 0;
@@ -1174,7 +1175,7 @@ static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, ui
         return 0;
     }
     if (p->size > size && p->size % size == 0 && op->nhashes == 1 && width == size &&
-        !(size & BIGRAM_TREE)) {
+        !(size & BIGRAM_TREE) && !(p->size & BIGRAM_TREE)) {
         store_partial(c, s, sc, r, p, size);
         return 0;
     }
@@ -1656,7 +1657,7 @@ static int64_t unit_gpu(const core_t *c, const source_t *s, const uint32_t *size
             align = align / a * size;
         }
     }
-    uint64_t length = (uint64_t)count * unit, hit = length;
+    uint64_t length = n ? (uint64_t)count * unit : 0, hit = length; /* no cached group: 0 */
     uint64_t known[MAX_POOLS];
     uint8_t have[MAX_POOLS] = {0};
     int simple = n == 2 && nprefix >= 1;

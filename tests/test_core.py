@@ -552,3 +552,163 @@ def test_many_indexes_live_at_once() -> None:
     for index in indexes[::100] + indexes[-3:]:
         index.apply_payload(SourceKey("a"), payload)
         assert index.block_count("a") == 2
+
+
+# -- hybrid groups with partial-block entries (vLLM 0.33's Mamba "align" mode) --------------
+
+UNIT = 4  # the hash block size
+GROUP_BLOCK = 4 * UNIT  # both groups' block size: four hashes a block
+HYBRID_KINDS = [("mamba", None), ("sliding_window", 2 * UNIT), ("full_attention", None)]
+
+
+def hybrid_tokens(p: int, variant: int) -> list[int]:
+    """40 tokens: two blocks and a half of the groups' size."""
+    return prompt_of(p, variant) + prompt_of((p + 1) % len(BASE), variant)
+
+
+def unit_hash(tokens: list[int], u: int) -> int:
+    """vLLM's hash at `(u + 1) * UNIT` tokens (a whole block's is its last unit's)."""
+    return hash(("unit", tuple(tokens[: (u + 1) * UNIT]))) & (2**64 - 1)
+
+
+hybrid_plan = st.tuples(
+    st.sampled_from(["whole"] * 3 + ["partial"] * 3 + ["remove"] * 2 + ["clear"]),
+    st.integers(0, 2),  # group (2: both, in one batch, as vLLM stores them)
+    st.integers(0, len(BASE) - 1),
+    st.integers(0, 2),  # prompt variant
+    st.integers(0, 4),  # first block, or the partial's unit
+    st.integers(1, 2),  # blocks
+)
+
+
+def hybrid_stream(
+    plan: list[tuple[Any, ...]], kind: tuple[str, int | None], sizes: bool = False
+) -> list[tuple[SourceKey, str, Any]]:
+    """`sizes`: group 1's blocks are one unit (a window group beside 4-unit full-attention
+    blocks, as vLLM's hybrid-sizes), its stores chains of units, some skipping units."""
+    src = SourceKey("h")
+    held: list[tuple[int, int]] = []
+    out: list[tuple[SourceKey, str, Any]] = []
+    for what, groups, p, variant, at, count in plan:
+        tokens = hybrid_tokens(p, variant)
+        events = []
+        for group in (0, 1) if groups == 2 else (groups,):
+            if sizes and group == 1 and what in ("whole", "partial"):
+                event = unit_chain(what == "partial", tokens, at, count, kind, held)
+            else:
+                event = hybrid_event(what, group, tokens, at, count, kind, held)
+            events.append(event)
+            if isinstance(event, AllBlocksCleared):
+                break
+        out.append((src, "batch", (EventBatch(float(len(out)), events, None), False)))
+    return out
+
+
+def unit_chain(
+    skip: bool,
+    tokens: list[int],
+    at: int,
+    count: int,
+    kind: tuple[str, int | None],
+    held: list[tuple[int, int]],
+) -> BlockStored:
+    """Group 1's store of a chain of one-unit blocks; `skip`: only its last two units are
+    cached (a window's `block_mask`), the tokens still cover them all."""
+    total = len(tokens) // UNIT
+    first = min(at * 3, total - 1)
+    units = list(range(first, min(total, first + count * 3)))
+    kept = units[-2:] if skip else units
+    hashes = [unit_hash(tokens, u) for u in kept]
+    parent = unit_hash(tokens, first - 1) if first else None
+    chunk = tokens[first * UNIT : (units[-1] + 1) * UNIT]
+    held.extend((h, 1) for h in hashes)
+    return BlockStored(
+        hashes,
+        parent,
+        chunk,
+        UNIT,
+        group_idx=1,
+        kv_cache_spec_kind=kind[0],
+        kv_cache_spec_sliding_window=kind[1],
+    )
+
+
+def hybrid_event(
+    what: str,
+    group: int,
+    tokens: list[int],
+    at: int,
+    count: int,
+    kind: tuple[str, int | None],
+    held: list[tuple[int, int]],
+) -> Any:
+    spec = ("full_attention", None) if group == 0 else kind
+    fields: dict[str, Any] = {
+        "group_idx": group,
+        "kv_cache_spec_kind": spec[0],
+        "kv_cache_spec_sliding_window": spec[1],
+    }
+    k = GROUP_BLOCK // UNIT
+    event: Any
+    if what == "whole":
+        blocks = len(tokens) // GROUP_BLOCK
+        first = min(at, blocks - 1)
+        last = min(blocks, first + count)
+        hashes = [unit_hash(tokens, (j + 1) * k - 1) for j in range(first, last)]
+        parent = unit_hash(tokens, first * k - 1) if first else None
+        chunk = tokens[first * GROUP_BLOCK : last * GROUP_BLOCK]
+        event = BlockStored(hashes, parent, chunk, GROUP_BLOCK, **fields)
+        held.extend((h, group) for h in hashes)
+    elif what == "partial":
+        u = min(at * 2 + count, len(tokens) // UNIT - 1)
+        if (u + 1) % k == 0:
+            u -= 1  # a block's last unit is a whole block, never a partial entry
+        h = unit_hash(tokens, u)
+        parent = unit_hash(tokens, u - 1) if u else None
+        chunk = tokens[u * UNIT : (u + 1) * UNIT]
+        event = BlockStored([h], parent, chunk, UNIT, extra_keys=[None], **fields)
+        held.append((h, group))
+    elif what == "remove":
+        h, g = held[(at * 5 + count) % len(held)] if held else (1, group)
+        event = BlockRemoved([h], group_idx=g)
+    else:
+        held.clear()
+        event = AllBlocksCleared()
+    return event
+
+
+HYBRID_PROMPTS = [
+    (hybrid_tokens(p, variant)[:n], {})
+    for p in range(len(BASE))
+    for variant in range(3)
+    for n in (UNIT * 3, GROUP_BLOCK + UNIT * 2 + 1, 40)
+]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(hybrid_plan, max_size=40), st.sampled_from(HYBRID_KINDS), st.booleans())
+def test_partial_block_entries_agree(
+    plan: list[tuple[Any, ...]], kind: tuple[str, int | None], sizes: bool
+) -> None:
+    """Partial-block entries (one hash unit of a larger block, chained unit by unit),
+    groups of smaller blocks placed in the larger blocks' tree (some skipping units), and
+    the lookups over them: the same state and answers."""
+    pure, fast = feed(hybrid_stream(plan, kind, sizes))
+    differential.assert_same(pure, fast, HYBRID_PROMPTS)
+    for src in list(pure.sources()):
+        pure.drop_source(src)
+        fast.drop_source(src)
+    assert fast.tree_nodes() == pure.tree_nodes() == 0
+
+
+def test_partial_hits_are_vllms() -> None:
+    """A hand-checked case: block 0 whole in both groups, then block 1's first two units
+    as partial entries; the prompt's 40 tokens hit at 24 tokens (vLLM 0.33's Mamba align:
+    full attention takes the partial entry inside block 1, Mamba its rightmost hash)."""
+    tokens = hybrid_tokens(0, 0)
+    plan = [("whole", 2, 0, 0, 0, 1)]
+    plan += [("partial", 2, 0, 0, 2, 0)]  # unit 4: block 1's first
+    plan += [("partial", 2, 0, 0, 2, 1)]  # unit 5
+    for index in feed(hybrid_stream(plan, HYBRID_KINDS[0])):
+        (row,) = index.lookup(tokens)
+        assert (row.matched_tokens, row.block_size, row.by_group) == (24, UNIT, {0: 6, 1: 6})

@@ -3,6 +3,7 @@ bench runs on, resident memory, and a throwaway Redis server."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import shutil
@@ -23,6 +24,7 @@ __all__ = [
     "percentile",
     "redis_server",
     "rss_bytes",
+    "trim_heap",
 ]
 
 BLOCK = 16  # tokens per block, vLLM's default
@@ -46,6 +48,16 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return percentile(sorted(values), 0.5)
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`), so an RSS
+    delta measured from here counts what is allocated next, not what reuses pages freed
+    before (a no-op where there is no glibc)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
 
 
 def rss_bytes() -> int:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from kvindex.bench.common import median, percentile, rss_bytes
+from kvindex.bench.common import median, percentile, rss_bytes, trim_heap
 from kvindex.bench.consumers import Dynamo, Kvindex, Naive
 from kvindex.bench.workloads import FillSpec, FillStore, Prompt, fill, prompts
 
@@ -47,6 +47,7 @@ def probe(consumer: str, spec: FillSpec, prompt_count: int, rounds: int) -> dict
     c = CONSUMERS[consumer](spec.instances)
     stores = _Counted(fill(spec))
     gc.collect()
+    trim_heap()  # free pages the build would otherwise reuse unseen (small fills read 0)
     before = rss_bytes()
     start = time.perf_counter()
     c.build(stores)

@@ -308,8 +308,12 @@ def _stored_op(event: BlockStored) -> tuple[Any, ...]:
     hashes = event.block_hashes
     positioned = size > 0 and len(tokens) == width * len(hashes) and hashes
     chain = chain_keys_bytes(tokens, width, len(hashes), keys.own) if positioned else []
+    # The tokens go along for shared nodes, and for a chain of a group whose blocks are
+    # smaller than another's (fleet._store_units reads them unit by unit, skipped or not).
     try:
-        token_bytes: bytes | None = array("I", tokens).tobytes() if positioned else None
+        token_bytes: bytes | None = (
+            array("I", tokens).tobytes() if size > 0 and hashes and tokens else None
+        )
     except (OverflowError, TypeError):
         token_bytes = None
     return (
@@ -330,4 +334,5 @@ def _stored_op(event: BlockStored) -> tuple[Any, ...]:
         event.kv_cache_spec_sliding_window,
         keys.unrecognised,
         isinstance(event, BigramBlockStored),
+        keys.own is not None,
     )

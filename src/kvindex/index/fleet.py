@@ -23,6 +23,13 @@ How a stored hash finds its node (`Placement`):
   event, a chain whose parent is unknown -- the hash takes the node the publisher holds
   the same hash at in another pool of that block size (the full-attention group's
   placement), else it is held out of the tree (counted, never guessed).
+- A partial-block entry (vLLM 0.33's `cache_partial_block`: one hash unit of a larger
+  block) hangs inside its group's block, under the block before it or the partial entry
+  of the unit before (`_store_partial`); lookups of publishers whose engine hits inside
+  blocks (Mamba "align") read them (`_fine_reuse`).
+- A GPU group whose blocks are smaller than another group's of the same publisher (vLLM's
+  groups of different block sizes) hangs its chains in the larger blocks' tree, unit by
+  unit (`_store_units`), so both groups' hashes of one block are one node.
 - A hash keeps its namespace across tiers: an unkeyed store on a lower tier (vLLM's CPU
   offload events carry no extra keys, even for salted requests) takes the node the
   publisher already holds that hash at; and when a keyed or GPU copy arrives later at
@@ -42,8 +49,10 @@ its window's last blocks). See `lookup`.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any, TypeVar
 
 import msgspec
@@ -62,7 +71,7 @@ from kvindex.index.keys import (
 from kvindex.index.localhash import as_unsigned, block_local_hash, namespace_seed
 from kvindex.index.multimodal import MMFeature, MMKey, PromptKeys
 from kvindex.index.namespaces import PLAIN, ChainKeys, LoraKey, chain_keys, lora_key
-from kvindex.index.reuse import GroupSpec, Reuse, engine_reuse
+from kvindex.index.reuse import GroupSpec, Reuse, engine_reuse, unit_reuse
 from kvindex.index.stats import CacheStats
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import (
@@ -131,6 +140,9 @@ class _PoolInfo:
     medium: str
     tier: str
     size: int = 0
+    # The tree its blocks hang in when another group's blocks are larger (`_store_units`):
+    # that group's block size (0: its own size).
+    tree: int = 0
 
 
 @dataclass(slots=True)
@@ -149,6 +161,9 @@ class _Source:
     # KV cache group -> its spec as the events say (0.22+), for hybrid lookups.
     groups: dict[int, GroupSpec] = field(default_factory=dict)
     stats: CacheStats = field(default_factory=CacheStats)
+    # The hash block size its partial-block entries show (0: none seen): its KV cache
+    # groups' blocks are whole multiples of it, and vLLM's hybrid lookups may hit there.
+    unit: int = 0
     last_seq: int | None = None
     last_ts: float | None = None
     # 1 << bit, made once: every node only this publisher holds shares this int object
@@ -299,10 +314,28 @@ class FleetIndex(IndexBase[_Source]):
         # An unkeyed store on a lower tier may lack the namespace its GPU copy had (vLLM's
         # offload events carry no extra keys): it keeps the placement it already has.
         keyed = info.tier == TIER_GPU or is_keyed(event, keys)
+        tree = self._unit_tree(src, info, size, keys) if src.where is not None else 0
         if size == 0 or len(tokens) != width * len(hashes):
-            # Skipped blocks (a sliding-window group), a partial block or no tokens: the
-            # event can't say where each hash goes.
+            if tree:  # a group of smaller blocks than another's that skipped some
+                self._store_units(src, event, keys, pool, info, pool_key, tree)
+                return
+            # Skipped blocks (a sliding-window group) or no tokens: the event can't say
+            # where each hash goes.
             self._store_elsewhere_placed(src, pool, info, pool_key, hashes, size)
+            return
+        if (
+            info.size > size
+            and not info.size & BIGRAM
+            and info.size % size == 0
+            and len(hashes) == 1
+            and size == width
+        ):
+            # A partial block (`BlockPool.cache_partial_block`): one hash unit of a larger
+            # block, placed inside its group's block.
+            self._store_partial(src, event, keys, pool, info, pool_key, hashes[0], size)
+            return
+        if tree:
+            self._store_units(src, event, keys, pool, info, pool_key, tree)
             return
         parent = self._anchor(src, event, keys, pool, info, size)
         if parent is None:
@@ -312,6 +345,201 @@ class FleetIndex(IndexBase[_Source]):
         self._insert_chain(src, pool, info, pool_key, parent, hashes, chain, keyed, size)
         if len(chain) < len(hashes):  # a token id that can't be keyed ends the chain
             self._store_elsewhere_placed(src, pool, info, pool_key, hashes[len(chain) :], size)
+
+    def _store_partial(
+        self,
+        src: _Source,
+        event: BlockStored,
+        keys: ChainKeys,
+        pool: Pool,
+        info: _PoolInfo,
+        pool_key: PoolKey,
+        h: BlockHash,
+        unit: int,
+    ) -> None:
+        """A partial-block entry: vLLM's hash at a hash-block boundary inside a block of
+        its group (`BlockPool.cache_partial_block`: the tokens of the last hash unit, the
+        parent the hash before). It hangs in the tree of its group's block size, under
+        the block before it (or the root) for the block's first unit, else under the
+        partial entry of the unit before; a partial node's key is `PARTIAL_MARK` and its
+        unit's tokens, so a lookup by whole blocks never enters it. Where the parent is
+        no node the publisher holds (a hash no event announced), the entry is held
+        without a place (never guessed)."""
+        size = info.size
+        src.unit = unit if not src.unit else min(src.unit, unit)
+        parent_hash = event.parent_block_hash
+        parent: _Node | None
+        if parent_hash is None:
+            parent = self._root_of((lora_key(event), keys.salt, size))
+        else:
+            parent = pool.get(parent_hash)
+            if parent is None or parent is _LOOSE or self._size_of(parent) != size:
+                parent = self._placed_elsewhere(src, parent_hash, size, pool)
+        units = 1
+        if parent is not None:
+            units += _partial_units(parent)
+        chain = chain_keys_bytes(event.token_ids, unit, 1, keys.own)
+        if parent is None or units * unit >= size or not chain:
+            node = self._placed_elsewhere(src, h, size, pool) if src.where is not None else None
+            if node is None:
+                node = _LOOSE
+                if h not in pool:
+                    src.stats.unplaced += 1
+            self._put(src, pool, info, pool_key, h, node)
+            return
+        node = _child(parent, PARTIAL_MARK + chain[0], h)
+        self._put(src, pool, info, pool_key, h, node)
+
+    def _unit_tree(self, src: _Source, info: _PoolInfo, size: int, keys: ChainKeys) -> int:
+        """The tree a GPU group's blocks hang in when another GPU group of the publisher
+        has larger blocks, a multiple of these (vLLM: groups of different block sizes hash
+        every `hash_block_size` tokens, a block's hash is the one at its last unit): that
+        group's size (the largest), else 0. Plain and namespaced chains only (own keys
+        are per block of the event's size: not the larger block's)."""
+        if info.tier != TIER_GPU or info.size != size or keys.own is not None or not size:
+            return 0
+        tree = 0
+        for other in src.info.values():
+            t = other.size
+            if other.tier == TIER_GPU and t > size and t % size == 0 and not t & BIGRAM:
+                tree = max(tree, t)
+        return tree
+
+    def _store_units(
+        self,
+        src: _Source,
+        event: BlockStored,
+        keys: ChainKeys,
+        pool: Pool,
+        info: _PoolInfo,
+        pool_key: PoolKey,
+        tree: int,
+    ) -> None:
+        """A chain of blocks of `unit` tokens (its event's block size) in the tree of the
+        publisher's larger blocks (`tree` tokens): unit by unit from its parent, a unit
+        inside a larger block is a partial node (as `_store_partial`'s), a unit that ends
+        one is that block's node (keyed by the whole block's tokens, so the larger group's
+        own block is the same node). Where the event skipped blocks (a sliding window's
+        `block_mask`), each hash's unit is the one the publisher holds it at elsewhere, or
+        the only one its neighbours leave it (`_unit_positions`); a hash whose unit can't
+        be known, or whose larger block began before the event (its tokens unknown) and
+        is held nowhere, is held without a place."""
+        hashes = event.block_hashes
+        tokens = event.token_ids
+        unit = info.size
+        info.tree = tree
+        src.unit = unit if not src.unit else min(src.unit, unit)
+        k = tree // unit
+        units = len(tokens) // unit
+        try:
+            data = array("I", tokens).tobytes() if len(tokens) % unit == 0 else None
+        except (OverflowError, TypeError):
+            data = None
+        parent_hash = event.parent_block_hash
+        start: _Node | None
+        if data is None:
+            start = None
+        elif parent_hash is None:
+            start = self._root_of((lora_key(event), keys.salt, tree))
+        else:
+            start = pool.get(parent_hash)
+            if start is None or start is _LOOSE or self._size_of(start) != tree:
+                start = self._placed_elsewhere(src, parent_hash, tree, None)
+        if start is None or data is None:
+            self._store_elsewhere_placed(src, pool, info, pool_key, hashes, tree)
+            return
+        into = _partial_units(start)  # units of its block before the event's first
+        anchor = start  # the node the current larger block hangs from
+        for _ in range(into):
+            assert anchor.parent is not None
+            anchor = anchor.parent
+        if units == len(hashes):
+            positions: list[int | None] = list(range(units))
+        else:
+            positions = self._unit_positions(src, hashes, start, anchor, into, k, units, tree)
+        node: _Node | None = start
+        begun = -into  # the event's unit the current larger block begins at
+        done = 0  # the event's units walked
+        width = unit * 4
+        for h, at in zip(hashes, positions, strict=True):
+            if at is None or node is None:
+                self._store_elsewhere_placed(src, pool, info, pool_key, [h], tree)
+                continue
+            while done <= at and node is not None:
+                into += 1
+                if into < k:
+                    key = PARTIAL_MARK + data[done * width : (done + 1) * width]
+                    node = _child(node, key, h)
+                else:
+                    last = node
+                    if begun >= 0:
+                        node = _child(anchor, data[begun * width : (done + 1) * width], h)
+                    else:  # the block began before the event: only a held node will do
+                        found = self._placed_elsewhere(src, h, tree, None) if done == at else None
+                        node = found if found is not None and found.parent is anchor else None
+                    if not last.mask and not last.children:
+                        self._prune(last)  # skipped units inside the block, held by none
+                    anchor = node if node is not None else anchor
+                    into = 0
+                    begun = done + 1
+                done += 1
+            if node is None:
+                self._store_elsewhere_placed(src, pool, info, pool_key, [h], tree)
+                continue
+            self._put(src, pool, info, pool_key, h, node)
+
+    def _unit_positions(
+        self,
+        src: _Source,
+        hashes: list[BlockHash],
+        start: _Node,
+        anchor: _Node,
+        into: int,
+        k: int,
+        units: int,
+        tree: int,
+    ) -> list[int | None]:
+        """The event's unit each hash is at, in an event that skipped units: a hash the
+        publisher holds at a node below `start` is at that node's unit; the others, in
+        order, between their neighbours, where only one unit is left (else None)."""
+        known: list[int | None] = []
+        for h in hashes:
+            node = self._placed_elsewhere(src, h, tree, None)
+            at = None
+            if node is not None:
+                d = 0
+                cur: _Node | None = node
+                last_partial = False
+                while (
+                    cur is not None and cur is not start and cur is not anchor and d <= units + into
+                ):
+                    last_partial = _is_partial(cur.key)
+                    d += 1 if last_partial else k
+                    cur = cur.parent
+                if cur is start and start is not anchor:
+                    at = d - 1
+                elif cur is anchor and not (start is not anchor and last_partial):
+                    at = d - into - 1
+                if at is not None and not 0 <= at < units:
+                    at = None
+            known.append(at)
+        n = len(hashes)
+        low: list[int] = []
+        prev = -1
+        for at in known:
+            prev = at if at is not None else prev + 1
+            low.append(prev)
+        high = [0] * n
+        nxt = units
+        for i in range(n - 1, -1, -1):
+            at = known[i]
+            nxt = at if at is not None else nxt - 1
+            high[i] = nxt
+        if any(lo > hi for lo, hi in zip(low, high, strict=True)) or any(
+            a >= b for a, b in pairwise(low)
+        ):
+            return [None] * n  # what the publisher holds contradicts the event: no guess
+        return [lo if lo == hi else None for lo, hi in zip(low, high, strict=True)]
 
     def _store_elsewhere_placed(
         self,
@@ -501,15 +729,7 @@ class FleetIndex(IndexBase[_Source]):
         or None if it can't be placed."""
         parent_hash = event.parent_block_hash
         if parent_hash is None:
-            namespace = (lora_key(event), keys.salt, size)
-            root = self._roots.get(namespace)
-            if root is None:
-                if namespace[2] not in self._sizes and len(self._sizes) >= MAX_ROOT_SIZES:
-                    return None  # a block size past MAX_ROOT_SIZES: held without a place
-                root = self._roots[namespace] = _Node(None, b"")
-                self._root_ns[id(root)] = namespace
-                self._sizes[namespace[2]] = self._sizes.get(namespace[2], 0) + 1
-            return root
+            return self._root_of((lora_key(event), keys.salt, size))
         node = pool.get(parent_hash)
         # A partial-block event (smaller than its group's blocks) hangs only from a parent
         # in a tree of its own block size.
@@ -522,6 +742,17 @@ class FleetIndex(IndexBase[_Source]):
         if src.where is None:
             return None  # the parent is unknown to us: the chain can't be placed
         return self._placed_elsewhere(src, parent_hash, size, pool)
+
+    def _root_of(self, namespace: Namespace) -> _Node | None:
+        """The root of a namespace, made if new (None past MAX_ROOT_SIZES block sizes)."""
+        root = self._roots.get(namespace)
+        if root is None:
+            if namespace[2] not in self._sizes and len(self._sizes) >= MAX_ROOT_SIZES:
+                return None  # a block size past MAX_ROOT_SIZES: held without a place
+            root = self._roots[namespace] = _Node(None, b"")
+            self._root_ns[id(root)] = namespace
+            self._sizes[namespace[2]] = self._sizes.get(namespace[2], 0) + 1
+        return root
 
     def _placed_elsewhere(
         self, src: _Source, h: BlockHash, size: int, skip: Pool | None = None
@@ -590,6 +821,7 @@ class FleetIndex(IndexBase[_Source]):
         src.extra.clear()
         src.refs.clear()
         src.groups.clear()
+        src.unit = 0
         src.where = None
         self._several &= keep
 
@@ -649,6 +881,8 @@ class FleetIndex(IndexBase[_Source]):
             stack = [(child, 1) for child in _kids(root)]
             while stack:
                 node, depth = stack.pop()
+                if _is_partial(node.key):
+                    continue  # a partial-block entry: not a block of this tree's size
                 yield namespace, depth, node.key, node.mask
                 stack.extend((child, depth + 1) for child in _kids(node))
 
@@ -682,7 +916,7 @@ class FleetIndex(IndexBase[_Source]):
                 keys = own.apply(keys, token_ids, size)
             walks[size] = self._walk(root, keys)
         # What an instance matching nothing reports as its block size: the smallest.
-        return self._answer_walks(walks)
+        return self._answer_walks(walks, (token_ids, lora_name, cache_salt))
 
     def lookup_local_hashes(
         self,
@@ -719,10 +953,13 @@ class FleetIndex(IndexBase[_Source]):
             size: _Walk({}, []) if ns is None else self._walk(self._roots[ns], keys)
             for size, (ns, keys) in sorted(chosen.items())
         }
-        return self._answer_walks(walks)
+        # Local hashes name whole blocks: no prompt, so no hits inside a block.
+        return self._answer_walks(walks, None)
 
-    def _answer_walks(self, walks: dict[int, _Walk]) -> list[LookupRow]:
-        """The rows of a lookup's walks (tree size -> walk, ascending): see `lookup`."""
+    def _answer_walks(self, walks: dict[int, _Walk], prompt: _Prompt | None) -> list[LookupRow]:
+        """The rows of a lookup's walks (tree size -> walk, ascending): see `lookup`.
+        `prompt` (token ids, LoRA, salt) lets publishers with partial-block entries hit
+        inside a block; without it they are answered in whole blocks."""
         default_size = block_size_of(next(iter(walks), 0))
         found: dict[int, Reuse] = {}
         for size, walk in walks.items():
@@ -733,10 +970,15 @@ class FleetIndex(IndexBase[_Source]):
         several = self._several & self._all_mask
         if several and walks:
             for bit in _bits(several):
-                found[bit] = self._reuse(self._by_bit[bit], walks)
+                found[bit] = self._reuse(self._by_bit[bit], walks, prompt)
         return self._rows(found, default_size)
 
-    def _reuse(self, src: _Source, walks: dict[int, _Walk]) -> Reuse:
+    def _reuse(
+        self,
+        src: _Source,
+        walks: dict[int, _Walk],
+        prompt: _Prompt | None,
+    ) -> Reuse:
         """What a publisher with several pools would reuse: per pool, which path nodes it
         holds (its `where`), given to the engine's own rules."""
         where = src.where or {}
@@ -748,7 +990,64 @@ class FleetIndex(IndexBase[_Source]):
             bit = 1 << info.index
             held[pool_key] = [bool(where.get(node, 0) & bit) for node in walk.path]
         sizes = {pk: block_size_of(info.size) for pk, info in src.info.items()}
+        if src.unit and prompt is not None:
+            token_ids, lora_name, cache_salt = prompt
+            return self._unit_reuse(src, walks, token_ids, (lora_name, cache_salt), held, sizes)
         return engine_reuse(held, sizes, src.groups)
+
+    def _unit_reuse(
+        self,
+        src: _Source,
+        walks: dict[int, _Walk],
+        token_ids: Sequence[int],
+        names: tuple[LoraKey, str | None],
+        held: dict[PoolKey, list[bool]],
+        sizes: dict[PoolKey, int],
+    ) -> Reuse:
+        """`_reuse` at the hash block size (`reuse.unit_reuse`): per GPU pool, which of
+        the prompt's hash boundaries it holds, a whole block's node or a partial node
+        inside the next block (`_store_partial`, `_store_units`)."""
+        unit = src.unit
+        where = src.where or {}
+        count = len(token_ids) // unit
+        at: dict[int, dict[int, _Node]] = {}  # tree size -> hash index -> node
+        for info in src.info.values():
+            size = info.tree or info.size
+            if not size or size in at or info.tier != TIER_GPU or size % unit:
+                continue
+            nodes = at[size] = {}
+            walk = walks.get(size)
+            path = walk.path if walk is not None else []
+            k = size // unit
+            for j, whole in enumerate(path):
+                nodes[(j + 1) * k - 1] = whole
+            root = self._roots.get((names[0], names[1], size))
+            for j in range(len(path) + 1 if root is not None else 0):
+                node = path[j - 1] if j else root
+                for m in range(1, k):
+                    end = j * size + m * unit
+                    if end > len(token_ids):
+                        break
+                    keys = block_keys(token_ids[end - unit : end], unit, 1)
+                    found = _child_at(node, PARTIAL_MARK + keys[0]) if keys and node else None
+                    if found is None:
+                        break
+                    node = nodes[j * k + m - 1] = found
+        fine: dict[PoolKey, list[bool]] = {}
+        lower: dict[PoolKey, list[bool]] = {}
+        for pool_key, info in src.info.items():
+            if info.tier != TIER_GPU:
+                if pool_key in held:
+                    lower[pool_key] = held[pool_key]
+                continue
+            if not info.size:
+                continue
+            nodes = at.get(info.tree or info.size, {})
+            bit = 1 << info.index
+            fine[pool_key] = [
+                f in nodes and bool(where.get(nodes[f], 0) & bit) for f in range(count)
+            ]
+        return unit_reuse(fine, sizes, src.groups, unit, lower)
 
     def _walk(self, root: _Node, keys: list[bytes]) -> _Walk:
         """Per publisher bit, how many of these blocks from the root it holds in a row;
@@ -826,6 +1125,10 @@ class _Walk:
     path: list[_Node]  # the prompt's nodes, while a publisher with several pools is on it
 
 
+# A lookup's prompt as the reuse rules need it: token ids, LoRA name, cache salt.
+_Prompt = tuple[Sequence[int], LoraKey, str | None]
+
+
 MAX_BLOCK_SIZE = 1 << 31  # a size from 2**31 on can't be a block's: such events have no place
 # Limits a real engine never nears (a few KV cache groups and media, one or two block
 # sizes), which the compiled core's layout needs (which pools hold a node: 32 bits; a
@@ -858,6 +1161,34 @@ def is_plain(event: BlockStored) -> bool:
         and event.cache_salt is None
         and event.lookahead_token_ids is None
     )
+
+
+PARTIAL_MARK = b"\xffP"
+"""Starts the key of a partial-block entry (its unit's token key after it): 2 bytes more
+than a multiple of 4 (or 3, with int64 tokens), a length no whole block's key has (those
+are 4s, 1 + 8s, each + OWN_KEY_BYTES), so a lookup by whole blocks never enters one."""
+
+
+def _is_partial(key: bytes) -> bool:
+    return key[:2] == PARTIAL_MARK and len(key) % 4 in (2, 3)
+
+
+def _partial_units(node: _Node) -> int:
+    """How many partial units a node ends: 0 for a whole block or a root."""
+    units = 0
+    while node.parent is not None and _is_partial(node.key):
+        units += 1
+        node = node.parent
+    return units
+
+
+def _child_at(node: _Node, key: bytes) -> _Node | None:
+    children = node.children
+    if children is None:
+        return None
+    if isinstance(children, _Node):
+        return children if children.key == key else None
+    return children.get(key)
 
 
 def _child(node: _Node, key: bytes, h: BlockHash) -> _Node:

@@ -19,6 +19,7 @@ for publishers with several pools: hybrid groups, offload tiers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import msgspec
@@ -26,7 +27,14 @@ import msgspec
 from kvindex.wire.pools import PoolKey
 from kvindex.wire.tiers import TIER_GPU, TIERS, tier_of
 
-__all__ = ["GroupSpec", "Reuse", "engine_reuse"]
+__all__ = [
+    "GroupSpec",
+    "Reuse",
+    "engine_reuse",
+    "fine_grained",
+    "scheduler_block_size",
+    "unit_reuse",
+]
 
 # vLLM's KVCacheSpecKind values whose groups reuse a leading run of blocks.
 _PREFIX_KINDS = frozenset(
@@ -40,6 +48,8 @@ _PREFIX_KINDS = frozenset(
 )
 _WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 _MAMBA_KINDS = frozenset({"mamba"})
+# Kinds whose vLLM managers look up at the hash block size (`supports_fine_grained_hash_lookup`).
+_FINE_KINDS = frozenset({"full_attention", "mla_attention", "mamba"})
 # Groups that never take part in prefix caching (per-request scratch).
 _UNCACHED_KINDS = frozenset({"encoder_only_attention", "cross_attention"})
 
@@ -101,6 +111,123 @@ def engine_reuse(
         {tier: tokens // size for tier, tokens in by_tier.items() if tokens // size},
         by_group,
     )
+
+
+def fine_grained(groups: Mapping[int, GroupSpec], sizes: Mapping[PoolKey, int], unit: int) -> bool:
+    """Whether vLLM's hybrid coordinator takes hits at `unit` (the hash block size) inside
+    larger blocks (`partial_hash_hits_enabled`, vLLM 0.33): a Mamba group ("align" mode,
+    the only one that caches) of blocks larger than the unit, and every other cached GPU
+    group's manager looks up at that grain (full attention, Mamba) or has unit blocks."""
+    gpu = [pk for pk in sizes if tier_of(pk[1]) == TIER_GPU and sizes[pk]]
+    kinds = {pk: groups.get(pk[0], GroupSpec()).kind for pk in gpu}
+    if not any(kinds[pk] in _MAMBA_KINDS and sizes[pk] > unit for pk in gpu):
+        return False
+    return all(
+        kinds[pk] in _FINE_KINDS or kinds[pk] in _UNCACHED_KINDS or sizes[pk] == unit for pk in gpu
+    )
+
+
+def scheduler_block_size(sizes: Mapping[PoolKey, int]) -> int:
+    """vLLM's `scheduler_block_size` with several groups: the LCM of their block sizes
+    (`resolve_kv_cache_block_sizes`); hits land on it unless they may land inside blocks."""
+    out = 1
+    for pk, size in sizes.items():
+        if tier_of(pk[1]) == TIER_GPU and size:
+            out = out * size // math.gcd(out, size)
+    return out
+
+
+def unit_reuse(
+    held: Mapping[PoolKey, Sequence[bool]],
+    sizes: Mapping[PoolKey, int],
+    groups: Mapping[int, GroupSpec],
+    unit: int,
+    lower: Mapping[PoolKey, Sequence[bool]],
+) -> Reuse:
+    """`engine_reuse` for a publisher whose groups' blocks are multiples of the hash block
+    size `unit` and larger than it somewhere (partial-block entries, groups of different
+    block sizes): `held[pool][f]` says whether the GPU pool holds the prompt's hash `f`
+    (the hash at `(f + 1) * unit` tokens: a whole block's, of any of its groups' sizes, or
+    a partial-block entry's), and the answer counts blocks of `unit` tokens. Hits land on
+    the alignment vLLM uses: `unit` when it takes hits inside blocks (`fine_grained`),
+    else the scheduler block size. vLLM 0.33: `HybridKVCacheCoordinator.find_longest_cache_hit`
+    (fixed point, full attention first) over each manager's `find_longest_cache_hit`;
+    `by_group` as `find_longest_cache_hit_per_group`."""
+    spec = {pk: groups.get(pk[0], GroupSpec()) for pk in held}
+    cached = {pk: h for pk, h in held.items() if spec[pk].kind not in _UNCACHED_KINDS}
+    align = unit if fine_grained(groups, sizes, unit) else scheduler_block_size(sizes)
+    length = max((len(h) for h in cached.values()), default=0) * unit
+    order = sorted(cached, key=lambda pk: not _is_prefix(spec[pk]))
+    simple = len(order) == 2 and _is_prefix(spec[order[0]])
+    hit = length
+    known: dict[PoolKey, int] = {}
+    while True:
+        curr = hit
+        for pk in order:
+            if pk in known:
+                curr = min(curr, known[pk])
+                continue
+            curr = _unit_hit(cached[pk], sizes[pk], spec[pk], unit, curr, align)
+            if _is_prefix(spec[pk]):
+                known[pk] = curr
+        if curr >= hit:
+            break
+        hit = curr
+        if simple:
+            break
+    by_group = {
+        pk[0]: _unit_hit(h, sizes[pk], spec[pk], unit, length, align) // unit
+        for pk, h in cached.items()
+    }
+    by_tier = {TIER_GPU: hit // unit} if hit else {}
+    for tier, tokens in _lower_run(lower, sizes, hit).items():
+        by_tier[tier] = by_tier.get(tier, 0) + tokens // unit
+    return Reuse(sum(by_tier.values()), unit, by_tier, by_group)
+
+
+def _unit_hit(
+    held: Sequence[bool], size: int, spec: GroupSpec, unit: int, max_len: int, align: int
+) -> int:
+    """One group's hit in tokens, at most `max_len`, on `align`; hashes `unit` tokens
+    apart, the group's blocks `size` tokens (its block j is hash (j + 1) * size / unit - 1)."""
+    k = size // unit
+    fine = align < size and size % align == 0  # hits inside blocks (align is the unit)
+    blocks = min(max_len // size, len(held) // k)
+    if spec.kind in _MAMBA_KINDS:
+        if fine:
+            for f in range(min(max_len // unit, len(held)) - 1, -1, -1):
+                if held[f]:
+                    return (f + 1) * unit
+            return 0
+        for i in range(blocks - 1, -1, -1):  # MambaManager: the rightmost aligned block
+            if held[(i + 1) * k - 1] and ((i + 1) * size) % align == 0:
+                return (i + 1) * size
+        return 0
+    if spec.kind in _WINDOW_KINDS and spec.sliding_window:
+        needed = max(1, -(-(spec.sliding_window - 1) // size))
+        run = 0
+        for i in range(blocks - 1, -1, -1):  # SlidingWindowManager, from the right
+            if held[(i + 1) * k - 1]:
+                if run == 0 and ((i + 1) * size) % align:
+                    continue  # a run must end on the alignment
+                run += 1
+                if run >= needed:
+                    return (i + run) * size
+            else:
+                run = 0
+        while run * size % align:  # the leading run, shorter than a window, cut to it
+            run -= 1
+        return run * size
+    whole = 0  # full attention: leading whole blocks, then (fine) a partial entry
+    while whole < blocks and held[(whole + 1) * k - 1]:
+        whole += 1
+    hit = whole * size
+    if fine:
+        first = whole * k
+        for f in range(min(first + k - 1, max_len // unit, len(held)) - 1, first - 1, -1):
+            if held[f]:
+                return (f + 1) * unit
+    return hit - hit % align
 
 
 def _row_size(gpu: Mapping[PoolKey, Sequence[bool]], sizes: Mapping[PoolKey, int]) -> int:

@@ -304,7 +304,10 @@ static void write_tiers_groups(const core_t *c, const answer_t *a, int32_t bit, 
             if (g)
                 JB_LIT(b, ",");
             JB_LIT(b, "\"");
-            jb_i64(b, a->detail->groups[g]);
+            if (a->detail->groups_big[g])
+                jb_u64(b, (uint64_t)a->detail->groups[g]);
+            else
+                jb_i64(b, a->detail->groups[g]);
             JB_LIT(b, "\":");
             jb_u64(b, a->detail->group_blocks[g]);
         }
@@ -314,11 +317,15 @@ static void write_tiers_groups(const core_t *c, const answer_t *a, int32_t bit, 
     /* One pool: everything it reuses is that pool's tier and group. */
     const source_t *s = c->sources[bit];
     uint8_t tier = s && s->npools ? s->pools[0].tier : TIER_GPU;
-    int32_t group = s && s->npools ? s->pools[0].group : 0;
+    int64_t group = s && s->npools ? s->pools[0].group : 0; /* was int32: folded 2^32 on 0 */
+    uint8_t big = s && s->npools ? s->pools[0].group_big : 0;
     jb_put(b, TIER_JSON[tier], strlen(TIER_JSON[tier]));
     jb_u64(b, a->blocks);
     JB_LIT(b, "},\"by_group\":{\"");
-    jb_i64(b, group);
+    if (big)
+        jb_u64(b, (uint64_t)group);
+    else
+        jb_i64(b, group);
     JB_LIT(b, "\":");
     jb_u64(b, a->blocks);
     JB_LIT(b, "}");

@@ -126,6 +126,7 @@ int core_init(core_t *c, uint64_t seed) {
     pmap_init(&c->children);
     map_init(&c->root_ns);
     map_init(&c->tokens);
+    map_init(&c->partial);
     map_init(&c->ns_by_key);
     map_init(&c->local);
     interner_init(&c->strings, seed ^ 0x5bd1e995u);
@@ -161,6 +162,7 @@ void core_free(core_t *c) {
     }
     free(c->token_store);
     map_free(&c->tokens);
+    map_free(&c->partial);
     interner_free(&c->strings);
     interner_free(&c->bytes);
     interner_free(&c->names);
@@ -222,6 +224,11 @@ static void node_free(core_t *c, uint32_t i) {
     if (n->holders & HOLD_SET) { /* only a node two publishers hold keeps tokens */
         set_free(c, n->holders & ~HOLD_SET);
         tokens_forget(c, i);
+    }
+    if (c->partial.count) {
+        map_entry *e = map_find(&c->partial, i, 0);
+        if (e != NULL)
+            map_delete(&c->partial, e);
     }
     n->holders = NODE_FREED;
     n->parent = c->free_nodes;
@@ -677,18 +684,21 @@ static inline void hkey_unref(core_t *c, hkey h) {
 
 /* `_pool`: the pool of (group, medium), made if new. On the publisher's second pool,
  * `where` starts: every node of the first pool is held by pool 0. */
-static pool_t *pool_get(core_t *c, source_t *s, int64_t group, uint32_t medium) {
+static pool_t *pool_get(core_t *c, source_t *s, int64_t group, uint8_t big, uint32_t medium) {
     for (uint32_t i = 0; i < s->npools; i++)
-        if (s->pools[i].group == group && s->pools[i].medium == medium)
+        if (s->pools[i].group == group && s->pools[i].group_big == big &&
+            s->pools[i].medium == medium)
             return &s->pools[i];
     if (s->npools == MAX_POOLS)
         return NULL;
     pool_t *p = &s->pools[s->npools];
     p->group = group;
+    p->group_big = big;
     p->medium = medium;
     p->tier = core_tier_of(c, medium);
     p->index = (uint8_t)s->npools;
     p->size = 0;
+    p->tree = 0;
     pmap_init(&p->blocks);
     s->npools++;
     if (s->npools == 2) {
@@ -1015,11 +1025,235 @@ static uint32_t insert_chain(core_t *c, source_t *s, pool_t *p, uint32_t node,
     return node;
 }
 
+int is_partial(const core_t *c, uint32_t n) {
+    return c->partial.count && map_find(&c->partial, n, 0) != NULL;
+}
+
+/* `_store_partial`: a partial-block entry (one hash unit of a larger block). */
+static void store_partial(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r,
+                          pool_t *p, uint32_t unit) {
+    const op_t *op = r->op;
+    uint32_t size = p->size;
+    hkey h = r->hashes[0];
+    if (!s->unit || unit < s->unit)
+        s->unit = unit;
+    uint32_t parent = NODE_NONE;
+    if (!op->has_parent) {
+        parent = root_for(c, op, size);
+    } else if (r->parent_known) {
+        pmap_entry *e = POOL_FIND(p, r->parent);
+        if (e != NULL && pmap_value(e) != NODE_LOOSE && size_of(c, pmap_value(e)) == size)
+            parent = pmap_value(e);
+        else
+            parent = placed_elsewhere(c, s, r->parent, size, p);
+    }
+    uint32_t units = 1;
+    if (parent != NODE_NONE) {
+        map_entry *e = c->partial.count ? map_find(&c->partial, parent, 0) : NULL;
+        units += e ? e->value : 0;
+    }
+    uint32_t node = NODE_NONE;
+    if (parent != NODE_NONE && (uint64_t)units * unit < size && op->nkeys >= 1) {
+        node = child_make(c, parent, sc->keys[op->keys_off] ^ PARTIAL_KEY);
+        if (node != NODE_NONE) {
+            int made;
+            map_entry *e = map_put(&c->partial, node, 0, &made);
+            if (e == NULL) { /* out of memory: a node nobody can tell partial goes */
+                if (!c->nodes[node].holders && !c->nodes[node].nchild)
+                    prune(c, node);
+                node = NODE_NONE;
+            } else {
+                e->value = units;
+            }
+        }
+    }
+    if (node == NODE_NONE) {
+        node = s->several ? placed_elsewhere(c, s, h, size, p) : NODE_NONE;
+        if (node == NODE_NONE) {
+            node = NODE_LOOSE;
+            if (POOL_FIND(p, h) == NULL)
+                s->stats.unplaced++;
+        }
+    }
+    put(c, s, p, h, node, NULL, 0);
+}
+
+/* `_unit_tree`. */
+static uint32_t unit_tree(const source_t *s, const pool_t *p, uint32_t size, const op_t *op) {
+    if (p->tier != TIER_GPU || p->size != size || op->own || !size)
+        return 0;
+    uint32_t tree = 0;
+    for (uint32_t i = 0; i < s->npools; i++) {
+        uint32_t t = s->pools[i].size;
+        if (s->pools[i].tier == TIER_GPU && t > size && t % size == 0 && !(t & BIGRAM_TREE) &&
+            t > tree)
+            tree = t;
+    }
+    return tree;
+}
+
+static inline uint32_t partial_units_of(const core_t *c, uint32_t n) {
+    map_entry *e = c->partial.count ? map_find(&c->partial, n, 0) : NULL;
+    return e ? e->value : 0;
+}
+
+/* `_unit_positions`: into `at` (UINT32_MAX: unknown). 0: out of memory. */
+static int unit_positions(core_t *c, source_t *s, const hkey *hashes, uint32_t n,
+                          uint32_t start, uint32_t anchor, uint32_t into, uint32_t k,
+                          uint32_t units, uint32_t tree, uint32_t *at) {
+    int64_t *low = malloc(((size_t)n + 1) * 2 * sizeof(int64_t));
+    if (low == NULL)
+        return 0;
+    int64_t *high = low + n + 1;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t node = placed_elsewhere(c, s, hashes[i], tree, NULL);
+        at[i] = UINT32_MAX;
+        if (node == NODE_NONE)
+            continue;
+        uint64_t d = 0;
+        uint32_t cur = node;
+        int last_partial = 0;
+        while (cur != NODE_NONE && cur != start && cur != anchor && d <= (uint64_t)units + into) {
+            last_partial = partial_units_of(c, cur) != 0;
+            d += last_partial ? 1 : k;
+            cur = c->nodes[cur].parent;
+        }
+        int64_t pos = -1;
+        if (cur == start && start != anchor)
+            pos = (int64_t)d - 1;
+        else if (cur == anchor && !(start != anchor && last_partial))
+            pos = (int64_t)d - into - 1;
+        if (pos >= 0 && pos < units)
+            at[i] = (uint32_t)pos;
+    }
+    int64_t prev = -1;
+    for (uint32_t i = 0; i < n; i++) {
+        prev = at[i] != UINT32_MAX ? (int64_t)at[i] : prev + 1;
+        low[i] = prev;
+    }
+    int64_t next = units;
+    for (uint32_t i = n; i-- > 0;) {
+        next = at[i] != UINT32_MAX ? (int64_t)at[i] : next - 1;
+        high[i] = next;
+    }
+    int bad = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (low[i] > high[i] || (i + 1 < n && low[i] >= low[i + 1]))
+            bad = 1;
+    for (uint32_t i = 0; i < n; i++)
+        at[i] = !bad && low[i] == high[i] ? (uint32_t)low[i] : UINT32_MAX;
+    free(low);
+    return 1;
+}
+
+/* A partial node: `child_make` and its units in `c->partial`. NODE_NONE: no memory. */
+static uint32_t partial_child(core_t *c, uint32_t parent, uint64_t key, uint32_t units) {
+    uint32_t node = child_make(c, parent, key ^ PARTIAL_KEY);
+    if (node == NODE_NONE)
+        return NODE_NONE;
+    int made;
+    map_entry *e = map_put(&c->partial, node, 0, &made);
+    if (e == NULL) { /* out of memory: a node nobody can tell partial goes */
+        if (!c->nodes[node].holders && !c->nodes[node].nchild)
+            prune(c, node);
+        return NODE_NONE;
+    }
+    e->value = units;
+    return node;
+}
+
+/* `_store_units`. */
+static void store_units(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, pool_t *p,
+                        uint32_t tree) {
+    const op_t *op = r->op;
+    const hkey *hashes = r->hashes;
+    uint32_t n = r->n, unit = p->size;
+    p->tree = tree;
+    if (!s->unit || unit < s->unit)
+        s->unit = unit;
+    uint32_t k = tree / unit, units = op->ntokens / unit;
+    const uint32_t *data =
+        op->tokens_kept && op->ntokens % unit == 0 ? sc->tokens + op->tokens_off : NULL;
+    uint32_t start = NODE_NONE;
+    if (data == NULL || r->from != 0 || r->n != op->nhashes) { /* never sliced: unsplit */
+        start = NODE_NONE;
+    } else if (!op->has_parent) {
+        start = root_for(c, op, tree);
+    } else if (r->parent_known) {
+        pmap_entry *e = POOL_FIND(p, r->parent);
+        if (e != NULL && pmap_value(e) != NODE_LOOSE && size_of(c, pmap_value(e)) == tree)
+            start = pmap_value(e);
+        else
+            start = placed_elsewhere(c, s, r->parent, tree, NULL);
+    }
+    uint32_t *at = start != NODE_NONE ? malloc(((size_t)n + 1) * sizeof(uint32_t)) : NULL;
+    if (at == NULL) {
+        store_elsewhere_placed(c, s, p, hashes, n, tree);
+        return;
+    }
+    uint32_t into = partial_units_of(c, start), anchor = start;
+    for (uint32_t i = 0; i < into; i++)
+        anchor = c->nodes[anchor].parent;
+    if (units == n) {
+        for (uint32_t i = 0; i < n; i++)
+            at[i] = i;
+    } else if (!unit_positions(c, s, hashes, n, start, anchor, into, k, units, tree, at)) {
+        free(at);
+        store_elsewhere_placed(c, s, p, hashes, n, tree);
+        return;
+    }
+    uint32_t node = start;
+    int64_t begun = -(int64_t)into;
+    uint32_t done = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (at[i] == UINT32_MAX || node == NODE_NONE) {
+            store_elsewhere_placed(c, s, p, hashes + i, 1, tree);
+            continue;
+        }
+        while (done <= at[i] && node != NODE_NONE) {
+            into++;
+            if (into < k) {
+                uint64_t key = key_digest(c, (const uint8_t *)(data + (size_t)done * unit),
+                                          (size_t)unit * 4);
+                node = partial_child(c, node, key, into);
+            } else {
+                uint32_t last = node;
+                if (begun >= 0) {
+                    uint64_t key =
+                        key_digest(c, (const uint8_t *)(data + (size_t)begun * unit),
+                                   ((size_t)done + 1 - (size_t)begun) * unit * 4);
+                    node = child_make(c, anchor, key);
+                } else {
+                    uint32_t found =
+                        done == at[i] ? placed_elsewhere(c, s, hashes[i], tree, NULL) : NODE_NONE;
+                    node = found != NODE_NONE && c->nodes[found].parent == anchor ? found
+                                                                                   : NODE_NONE;
+                }
+                /* skipped units inside the block, held by none */
+                if (!c->nodes[last].holders && !c->nodes[last].nchild)
+                    prune(c, last);
+                if (node != NODE_NONE)
+                    anchor = node;
+                into = 0;
+                begun = (int64_t)done + 1;
+            }
+            done++;
+        }
+        if (node == NODE_NONE) {
+            store_elsewhere_placed(c, s, p, hashes + i, 1, tree);
+            continue;
+        }
+        put(c, s, p, hashes[i], node, NULL, 0);
+    }
+    free(at);
+}
+
 /* `_store`, for the slice `r` of the op. `chain`: the node a later slice's first block
  * hangs from (the first slice sets it). */
 static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, uint32_t *chain) {
     const op_t *op = r->op;
-    pool_t *p = pool_get(c, s, op->has_group ? op->group : 0, r->medium);
+    pool_t *p = pool_get(c, s, op->has_group ? op->group : 0, op->has_group && op->group_big,
+                         r->medium);
     if (p == NULL) /* past MAX_POOLS (fleet.py's too): not held; else out of memory */
         return s->npools == MAX_POOLS ? 0 : -1;
     uint32_t size = op->block_size > 0 && op->block_size < (1LL << 31) ? (uint32_t)op->block_size : 0;
@@ -1030,7 +1264,7 @@ static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, ui
         size |= BIGRAM_TREE;
     if (size > p->size)
         p->size = size;
-    if (op->has_spec && p->group >= 0 && p->group < MAX_GROUPS)
+    if (op->has_spec && !p->group_big && p->group >= 0 && p->group < MAX_GROUPS)
         s->groups[p->group] = (group_spec){r->spec_kind, op->has_window ? op->window : 0, 1};
     if (r->from == 0)
         s->stats.unrecognised_keys += op->unrecognised;
@@ -1038,8 +1272,22 @@ static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, ui
     uint32_t n = r->n, end = r->from + r->n;
     if (n == 0)
         return 0;
+    uint32_t tree = s->several ? unit_tree(s, p, size, op) : 0;
     if (size == 0 || (uint64_t)op->ntokens != (uint64_t)width * op->nhashes) {
+        if (tree) {
+            store_units(c, s, sc, r, p, tree);
+            return 0;
+        }
         store_elsewhere_placed(c, s, p, hashes, n, size);
+        return 0;
+    }
+    if (p->size > size && p->size % size == 0 && op->nhashes == 1 && width == size &&
+        !(size & BIGRAM_TREE) && !(p->size & BIGRAM_TREE)) {
+        store_partial(c, s, sc, r, p, size);
+        return 0;
+    }
+    if (tree) {
+        store_units(c, s, sc, r, p, tree);
         return 0;
     }
     uint32_t parent = r->from == 0 ? anchor(c, s, r, p, size) : *chain;
@@ -1053,11 +1301,12 @@ static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, ui
 }
 
 /* `_remove`. */
-static void remove_hashes(core_t *c, source_t *s, int64_t group, uint32_t medium,
+static void remove_hashes(core_t *c, source_t *s, int64_t group, uint8_t big, uint32_t medium,
                           const hkey *hashes, uint32_t n) {
     pool_t *p = NULL;
     for (uint32_t i = 0; i < s->npools; i++)
-        if (s->pools[i].group == group && s->pools[i].medium == medium)
+        if (s->pools[i].group == group && s->pools[i].group_big == big &&
+            s->pools[i].medium == medium)
             p = &s->pools[i];
     if (p == NULL)
         return;
@@ -1099,6 +1348,7 @@ void source_clear(core_t *c, source_t *s) {
     }
     s->npools = 0;
     s->several = 0;
+    s->unit = 0;
     map_free(&s->extra);
     map_free(&s->refs);
     map_free(&s->where);
@@ -1208,6 +1458,19 @@ static void drop_unheld(core_t *c, const rop_t *r) {
  * slices the index is consistent (each block applied whole); readers may see a part of
  * a huge batch, as if the engine had sent it in several.
  * 1: the batch is applied; 0: call again with the same cursor; -1: out of memory. */
+/* A store `store_units` may place: it places the whole chain at once (its hashes'
+ * units are read from all of them), so a slice never ends inside it. */
+static int unsplit(const source_t *s, const op_t *op) {
+    if (!s->several || op->block_size <= 0 || op->block_size >= (1LL << 31))
+        return 0;
+    for (uint32_t i = 0; i < s->npools; i++) {
+        uint32_t t = s->pools[i].size;
+        if (s->pools[i].tier == TIER_GPU && t > op->block_size && t % op->block_size == 0)
+            return 1;
+    }
+    return 0;
+}
+
 int apply_slice(core_t *c, source_t *s, scratch_t *sc, apply_cursor *cur, uint32_t budget) {
     if (cur->started && cur->epoch != s->epoch)
         cur->node = NODE_NONE; /* cleared meanwhile (not by ingest): the chain's start gone */
@@ -1217,9 +1480,10 @@ int apply_slice(core_t *c, source_t *s, scratch_t *sc, apply_cursor *cur, uint32
         if (budget == 0)
             break;
         uint32_t n = op->nhashes - cur->done;
-        if (n > budget)
+        if (n > budget && !(op->type == OP_STORED && cur->done == 0 && unsplit(s, op)))
             n = budget;
-        budget -= n ? n : 1; /* an op of no hashes costs one */
+        uint32_t cost = n ? n : 1; /* an op of no hashes costs one */
+        budget = cost >= budget ? 0 : budget - cost;
         rop_t r;
         if (op->type == OP_REMOVED) {
             if (cur->done == 0)
@@ -1227,7 +1491,8 @@ int apply_slice(core_t *c, source_t *s, scratch_t *sc, apply_cursor *cur, uint32
             int known = resolve(c, sc, op, cur->done, n, &r);
             if (known < 0)
                 return -1;
-            remove_hashes(c, s, op->has_group ? op->group : 0, r.medium, r.hashes,
+            remove_hashes(c, s, op->has_group ? op->group : 0, op->has_group && op->group_big,
+                          r.medium, r.hashes,
                           (uint32_t)known);
         } else if (op->type == OP_STORED) {
             if (cur->done == 0)
@@ -1336,9 +1601,213 @@ static uint32_t group_hit(const core_t *c, const source_t *s, const pool_t *p, c
 
 static int tier_rank(uint8_t tier) { return tier; } /* the enum is in TIERS order */
 
+static const group_spec *spec_of(const source_t *s, const pool_t *p) {
+    static const group_spec none = {0, 0, 0};
+    return !p->group_big && p->group >= 0 && p->group < MAX_GROUPS ? &s->groups[p->group]
+                                                                    : &none;
+}
+
+/* `reuse.fine_grained`. */
+int fine_grained(const core_t *c, const source_t *s) {
+    uint32_t unit = s->unit;
+    if (!unit)
+        return 0;
+    int mamba = 0;
+    for (uint32_t i = 0; i < s->npools; i++) {
+        const pool_t *p = &s->pools[i];
+        if (p->tier != TIER_GPU || !psize(p))
+            continue;
+        const group_spec *g = spec_of(s, p);
+        int klass = kind_class(c, g);
+        if (klass == KIND_MAMBA && psize(p) > unit)
+            mamba = 1;
+        int fine_kind = g->present && g->kind &&
+                        (blob_is(c, g->kind, "full_attention") ||
+                         blob_is(c, g->kind, "mla_attention") || blob_is(c, g->kind, "mamba"));
+        if (!fine_kind && klass != KIND_UNCACHED && psize(p) != unit)
+            return 0;
+    }
+    return mamba;
+}
+
+/* `reuse._unit_hit`: one group's hit in tokens, at most `max_len`, on `align`; `h[f]`:
+ * whether it holds the prompt's hash f (`count` of them, `unit` tokens apart), its blocks
+ * `size` tokens (block j is hash (j + 1) * size / unit - 1). */
+static uint64_t unit_hit(const uint8_t *h, uint32_t count, uint32_t size, int klass,
+                         int64_t window, uint32_t unit, uint64_t max_len, uint64_t align) {
+    uint64_t k = size / unit;
+    int fine = align < size && size % align == 0;
+    uint64_t blocks = max_len / size < count / k ? max_len / size : count / k;
+    if (klass == KIND_MAMBA) {
+        if (fine) {
+            uint64_t lim = max_len / unit < count ? max_len / unit : count;
+            for (uint64_t f = lim; f-- > 0;)
+                if (h[f])
+                    return (f + 1) * unit;
+            return 0;
+        }
+        for (uint64_t i = blocks; i-- > 0;)
+            if (h[(i + 1) * k - 1] && ((i + 1) * size) % align == 0)
+                return (i + 1) * size;
+        return 0;
+    }
+    if (klass == KIND_WINDOW) {
+        int64_t needed = window <= 1 ? 1 : (int64_t)(((uint64_t)window - 2) / size + 1);
+        uint64_t run = 0;
+        for (uint64_t i = blocks; i-- > 0;) {
+            if (h[(i + 1) * k - 1]) {
+                if (run == 0 && ((i + 1) * size) % align)
+                    continue;
+                if ((int64_t)++run >= needed)
+                    return (i + run) * size;
+            } else {
+                run = 0;
+            }
+        }
+        while (run * size % align)
+            run--;
+        return run * size;
+    }
+    uint64_t whole = 0; /* full attention: leading whole blocks, then (fine) a partial entry */
+    while (whole < blocks && h[(whole + 1) * k - 1])
+        whole++;
+    uint64_t hit = whole * size;
+    if (fine) {
+        uint64_t first = whole * k, top = first + k - 1;
+        if (max_len / unit < top)
+            top = max_len / unit;
+        if (count < top)
+            top = count;
+        for (uint64_t f = top; f-- > first;)
+            if (h[f])
+                return (f + 1) * unit;
+    }
+    return hit - hit % align;
+}
+
+/* `FleetIndex._unit_reuse`: per GPU pool, which of the prompt's hashes it holds (a whole
+ * block's path node in the tree it hangs in, or a partial node inside the next block),
+ * then `reuse.unit_reuse`'s GPU hit (returned, in tokens) and by_group (into `out`). -1:
+ * out of memory. */
+static int64_t unit_gpu(const core_t *c, const source_t *s, const uint32_t *sizes,
+                        const walk_path *walks, uint32_t nsizes, const fine_prompt *fp,
+                        reuse_t *out) {
+    uint32_t unit = s->unit, count = fp->nunits;
+    uint8_t *held = calloc((size_t)s->npools * count + 1, 1);
+    uint32_t *at = calloc((size_t)count + 1, sizeof(uint32_t));
+    if (held == NULL || at == NULL) {
+        free(held);
+        free(at);
+        return -1;
+    }
+    int klass[MAX_POOLS], cached[MAX_POOLS];
+    for (uint32_t i = 0; i < s->npools; i++) {
+        const pool_t *p = &s->pools[i];
+        klass[i] = kind_class(c, spec_of(s, p));
+        cached[i] = p->tier == TIER_GPU && psize(p) && klass[i] != KIND_UNCACHED;
+        uint32_t tree = p->tree ? p->tree : p->size;
+        if (p->tier != TIER_GPU || !p->size || tree % unit)
+            continue;
+        uint32_t root = NODE_NONE;
+        const walk_path *w = NULL;
+        for (uint32_t k = 0; k < nsizes; k++)
+            if (sizes[k] == tree) {
+                root = fp->roots[k];
+                w = &walks[k];
+            }
+        uint32_t len = w ? w->len : 0, k = tree / unit;
+        memset(at, 0, ((size_t)count + 1) * sizeof(uint32_t));
+        for (uint32_t j = 0; j < len; j++)
+            if ((uint64_t)(j + 1) * k - 1 < count)
+                at[(j + 1) * k - 1] = w->path[j];
+        for (uint32_t j = 0; root != NODE_NONE && j <= len; j++) {
+            uint32_t node = j == 0 ? root : w->path[j - 1];
+            for (uint32_t m = 1; m < k; m++) {
+                uint64_t u = (uint64_t)j * k + m - 1; /* the unit ending at j*size + m*unit */
+                if (u >= count)
+                    break;
+                node = child_get(c, node, fp->unit_keys[u] ^ PARTIAL_KEY);
+                if (node == NODE_NONE)
+                    break;
+                at[u] = node;
+            }
+        }
+        for (uint32_t f = 0; f < count; f++) {
+            if (at[f] == NODE_NONE)
+                continue;
+            map_entry *e = map_find(&s->where, at[f], 0);
+            held[(size_t)i * count + f] = e != NULL && ((e->value >> p->index) & 1);
+        }
+    }
+    free(at);
+    /* `fine_reuse`: full attention first, to a fixed point */
+    uint32_t order[MAX_POOLS], n = 0, nprefix = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (uint32_t i = 0; i < s->npools; i++)
+            if (cached[i] && (klass[i] == KIND_PREFIX) == (pass == 0)) {
+                order[n++] = i;
+                nprefix += pass == 0;
+            }
+    uint64_t align = unit;
+    if (!fine_grained(c, s)) { /* the scheduler block size: the LCM of the groups' sizes */
+        align = 1;
+        for (uint32_t i = 0; i < s->npools; i++) {
+            uint64_t size = psize(&s->pools[i]);
+            if (s->pools[i].tier != TIER_GPU || !size)
+                continue;
+            uint64_t a = align, b = size;
+            while (b) {
+                uint64_t t = a % b;
+                a = b;
+                b = t;
+            }
+            align = align / a * size;
+        }
+    }
+    uint64_t length = n ? (uint64_t)count * unit : 0, hit = length; /* no cached group: 0 */
+    uint64_t known[MAX_POOLS];
+    uint8_t have[MAX_POOLS] = {0};
+    int simple = n == 2 && nprefix >= 1;
+    for (;;) {
+        uint64_t curr = hit;
+        for (uint32_t o = 0; o < n; o++) {
+            uint32_t i = order[o];
+            if (have[i]) {
+                if (known[i] < curr)
+                    curr = known[i];
+                continue;
+            }
+            curr = unit_hit(held + (size_t)i * count, count, psize(&s->pools[i]), klass[i],
+                            spec_of(s, &s->pools[i])->window, unit, curr, align);
+            if (klass[i] == KIND_PREFIX) {
+                known[i] = curr;
+                have[i] = 1;
+            }
+        }
+        if (curr >= hit)
+            break;
+        hit = curr;
+        if (simple)
+            break;
+    }
+    for (uint32_t i = 0; i < s->npools; i++) {
+        if (!cached[i] || out->ngroups == MAX_POOLS)
+            continue;
+        out->groups_big[out->ngroups] = s->pools[i].group_big;
+        out->groups[out->ngroups] = s->pools[i].group;
+        out->group_blocks[out->ngroups++] = (uint32_t)(
+            unit_hit(held + (size_t)i * count, count, psize(&s->pools[i]), klass[i],
+                     spec_of(s, &s->pools[i])->window, unit, length, align) /
+            unit);
+    }
+    free(held);
+    return (int64_t)hit;
+}
+
 /* `engine_reuse`. `walks[i]` is the path of block size `sizes[i]`. */
-void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
-                  const walk_path *walks, uint32_t nsizes, reuse_t *out) {
+int engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
+                 const walk_path *walks, uint32_t nsizes, const fine_prompt *fine,
+                 reuse_t *out) {
     memset(out, 0, sizeof *out);
     out->several = 1;
     const walk_path *wp[MAX_POOLS] = {0};
@@ -1351,7 +1820,7 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
             if (sizes[k] == p->size && p->size) /* tree sizes */
                 wp[i] = &walks[k];
         const group_spec *g =
-            p->group >= 0 && p->group < MAX_GROUPS ? &s->groups[p->group] : NULL;
+            !p->group_big && p->group >= 0 && p->group < MAX_GROUPS ? &s->groups[p->group] : NULL;
         group_spec none = {0, 0, 0};
         klass[i] = kind_class(c, g ? g : &none);
         window[i] = g ? g->window : 0;
@@ -1359,8 +1828,17 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
         cached[i] = gpu[i] && klass[i] != KIND_UNCACHED;
         lower[i] = wp[i] != NULL && p->tier != TIER_GPU;
     }
-    /* `_hybrid_hit` */
     uint64_t gpu_tokens = 0;
+    uint32_t size = 0;
+    if (fine != NULL) {
+        int64_t hit = unit_gpu(c, s, sizes, walks, nsizes, fine, out);
+        if (hit < 0)
+            return -1; /* out of memory: the caller fails the lookup */
+        gpu_tokens = (uint64_t)hit;
+        size = s->unit;
+        goto lower_run;
+    }
+    /* `_hybrid_hit` */
     int any = 0, prefix = 0;
     uint64_t bound = 0;
     for (uint32_t i = 0; i < s->npools; i++)
@@ -1383,9 +1861,7 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
                 if (hit < bound)
                     bound = hit;
             } else {
-                uint32_t kind = s->pools[i].group >= 0 && s->pools[i].group < MAX_GROUPS
-                                    ? s->groups[s->pools[i].group].kind
-                                    : 0;
+                uint32_t kind = spec_of(s, &s->pools[i])->kind;
                 if (first_kind < 0) {
                     first_kind = kind, first_window = window[i], first_size = psize(&s->pools[i]);
                     others_distinct = 1;
@@ -1418,14 +1894,14 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
     for (uint32_t i = 0; i < s->npools; i++) {
         if (!cached[i] || out->ngroups == MAX_POOLS)
             continue;
+        out->groups_big[out->ngroups] = s->pools[i].group_big;
         out->groups[out->ngroups] = s->pools[i].group;
         out->group_blocks[out->ngroups++] =
             group_hit(c, s, &s->pools[i], wp[i], klass[i], window[i], UINT32_MAX);
     }
     /* `_row_size` */
-    uint32_t size = 0;
     for (uint32_t i = 0; i < s->npools; i++)
-        if (cached[i] && s->pools[i].group == 0) {
+        if (cached[i] && s->pools[i].group == 0 && !s->pools[i].group_big) {
             size = psize(&s->pools[i]);
             break;
         }
@@ -1433,6 +1909,7 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
         for (uint32_t i = 0; i < s->npools; i++)
             if (cached[i] && (!size || psize(&s->pools[i]) < size))
                 size = psize(&s->pools[i]);
+lower_run:;
     /* `_lower_run`: the fastest tier holding the next block serves it */
     uint64_t tier_tokens[TIER_COUNT] = {0};
     tier_tokens[TIER_GPU] = gpu_tokens;
@@ -1471,7 +1948,7 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
                 size = psize(&s->pools[order[k]]);
     if (!size) {
         out->ngroups = 0;
-        return;
+        return 0;
     }
     uint64_t total = 0;
     for (int t = 0; t < TIER_COUNT; t++) {
@@ -1480,6 +1957,7 @@ void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
     }
     out->blocks = (uint32_t)(total / size);
     out->size = size;
+    return 0;
 }
 
 uint32_t intern_str(core_t *c, const uint8_t *p, uint32_t len) {

@@ -56,12 +56,15 @@ typedef struct {
 
 typedef struct {
     /* group_idx as the wire says it: any int64 (was int32, which folded 2^32 onto 0 and
-     * made a new pool per event; found by fuzz/). Past int64: see module.c's opt_int. */
+     * made a new pool per event; found by fuzz/), or with `group_big` a uint64 past
+     * INT64_MAX (msgpack's range; was clamped, which merged such groups). */
     int64_t group;
+    uint8_t group_big;
     uint32_t medium; /* interned string id */
     uint8_t tier;
     uint8_t index; /* its bit in `where` */
     uint32_t size; /* largest tree size of its events (BIGRAM_TREE: bigram pages) */
+    uint32_t tree; /* the tree its blocks hang in, if another group's are larger (0: own) */
     pmap_t blocks; /* a = hash value, b = hash kind -> node index or NODE_LOOSE */
 } pool_t;
 
@@ -88,6 +91,7 @@ typedef struct {
     group_spec groups[MAX_GROUPS];
     source_stats stats;
     uint32_t epoch; /* cleared this many times (apply_slice: a chain's start gone) */
+    uint32_t unit;  /* the hash block size its partial-block entries show (0: none) */
 } source_t;
 
 typedef struct {
@@ -149,6 +153,8 @@ typedef struct {
     span_t lora;   /* the adapter's name (lora_name) */
     int64_t lora_id; /* without a name: the process-local id (vLLM < 0.14) */
     uint8_t has_lora_id;
+    uint8_t own;       /* own keys (multimodal, lookahead, ...) on some block */
+    uint8_t group_big; /* group is a uint64 past INT64_MAX (see pool_t) */
     span_t salt;
     span_t spec_kind;
     uint32_t unrecognised;
@@ -177,6 +183,7 @@ typedef struct {
     pmap_t children; /* a = the child's prefix digest, b = probe -> child (see prefix_of) */
     map_t root_ns;  /* a = root node, b = 0 -> namespace index */
     map_t tokens;   /* a = node, b = 0 -> index into token_store (shared nodes) */
+    map_t partial;  /* a = node, b = 0 -> the partial units it ends (fleet._partial_units) */
     /* holder sets */
     uint64_t *sets;
     uint32_t set_words, nsets, sets_cap, free_sets;
@@ -219,6 +226,7 @@ typedef struct {
     uint32_t by_tier[TIER_COUNT];
     uint32_t ngroups;
     int64_t groups[MAX_POOLS];
+    uint8_t groups_big[MAX_POOLS];
     uint32_t group_blocks[MAX_POOLS];
 } reuse_t;
 
@@ -269,8 +277,20 @@ uint32_t walk_nodes(const core_t *c, const uint32_t *nodes, uint32_t n, uint32_t
 int keep_local_hashes(core_t *c, int on);
 uint32_t local_path(const core_t *c, uint32_t root, const uint64_t *hashes, uint32_t n,
                     uint32_t *nodes);
-void engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
-                  const walk_path *walks, uint32_t nsizes, reuse_t *out);
+/* A prompt's hash units, for publishers whose lookups hit inside blocks (fine_reuse). */
+typedef struct {
+    const uint32_t *roots; /* by size, as `sizes` */
+    const uint64_t *unit_keys; /* the key digest of each of the prompt's hash units */
+    uint32_t nunits;
+} fine_prompt;
+int engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
+                 const walk_path *walks, uint32_t nsizes, const fine_prompt *fine,
+                 reuse_t *out);
+int fine_grained(const core_t *c, const source_t *s);
+int is_partial(const core_t *c, uint32_t n);
+/* A partial-block entry's key: its unit's key digest with this mixed in (fleet.py puts
+ * PARTIAL_MARK before the key bytes), so no whole block's key meets it. */
+#define PARTIAL_KEY 0x5bd1e9955bd1e995ULL
 uint32_t size_of(const core_t *c, uint32_t n);
 int holds(const core_t *c, uint32_t n, uint32_t bit);
 const uint32_t *node_tokens(const core_t *c, uint32_t n);

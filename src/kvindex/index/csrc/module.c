@@ -316,15 +316,41 @@ static int opt_int(PyObject *obj, int64_t *v, uint8_t *present) {
     return 1;
 }
 
+/* A group_idx: any int64, or a uint64 past INT64_MAX (`big`), as msgpack can say; an int
+ * past those (only from a decoded batch) can't come off the wire: clamped. */
+static int opt_group(PyObject *obj, int64_t *v, uint8_t *present, uint8_t *big) {
+    *big = 0;
+    if (!opt_int(obj, v, present))
+        return 0;
+    if (*present && *v == INT64_MAX) {
+        unsigned long long u = PyLong_AsUnsignedLongLong(obj);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            u = UINT64_MAX;
+        }
+        if (u > (unsigned long long)INT64_MAX) {
+            *v = (int64_t)u;
+            *big = 1;
+        }
+    }
+    return 1;
+}
+
+static PyObject *group_object(int64_t group, uint8_t big) {
+    return big ? PyLong_FromUnsignedLongLong((unsigned long long)group)
+               : PyLong_FromLongLong(group);
+}
+
 /* One op of the Python path, a tuple built by kvindex.index.compiled:
      ("S", hashes, parent|None, keys: list[bytes], ntokens, tokens: bytes|None, block_size,
       lora_name|None, lora_id|None, salt|None, keyed, medium|None, group|None,
-      spec_kind|None, window|None, unrecognised, bigram)
+      spec_kind|None, window|None, unrecognised, bigram, own)
      ("R", hashes, medium|None, group|None)
      ("C",)
    `keys` are the fleet.py tree keys of the blocks (digested here), `tokens` the uint32
    token bytes when they all fit (kept for shared nodes). `bigram`: an EAGLE bigram
-   cache's pages (their pairs flattened in keys and tokens; see keys.py). */
+   cache's pages (their pairs flattened in keys and tokens; see keys.py). `own`: some
+   block has own keys (fleet._unit_tree leaves such chains to the other rules). */
 static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
     if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(t, 0))) {
         PyErr_SetString(PyExc_TypeError, "an op is a tuple starting with its kind");
@@ -351,7 +377,7 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
         sc->nops++;
         return 1;
     }
-    if ((kind[0] == 'S' && size != 17) || (kind[0] == 'R' && size != 4) ||
+    if ((kind[0] == 'S' && size != 18) || (kind[0] == 'R' && size != 4) ||
         (kind[0] != 'S' && kind[0] != 'R')) {
         PyErr_SetString(PyExc_ValueError, "malformed op");
         return 0;
@@ -385,7 +411,7 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
     if (kind[0] == 'R') {
         op->type = OP_REMOVED;
         if (!opt_str(PyTuple_GET_ITEM(t, 2), &op->medium) ||
-            !opt_int(PyTuple_GET_ITEM(t, 3), &op->group, &op->has_group))
+            !opt_group(PyTuple_GET_ITEM(t, 3), &op->group, &op->has_group, &op->group_big))
             return 0;
         sc->nops++;
         return 1;
@@ -466,7 +492,7 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
     op->lora_id = lora_id;
     op->keyed = (uint8_t)PyObject_IsTrue(PyTuple_GET_ITEM(t, 10));
     if (!opt_str(PyTuple_GET_ITEM(t, 11), &op->medium) ||
-        !opt_int(PyTuple_GET_ITEM(t, 12), &op->group, &op->has_group) ||
+        !opt_group(PyTuple_GET_ITEM(t, 12), &op->group, &op->has_group, &op->group_big) ||
         !opt_str(PyTuple_GET_ITEM(t, 13), &op->spec_kind) ||
         !opt_int(PyTuple_GET_ITEM(t, 14), &op->window, &op->has_window))
         return 0;
@@ -478,6 +504,10 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
     if (bigram < 0)
         return 0;
     op->bigram = (uint8_t)bigram;
+    int own = PyObject_IsTrue(PyTuple_GET_ITEM(t, 17));
+    if (own < 0)
+        return 0;
+    op->own = (uint8_t)own;
     sc->nops++;
     return 1;
 }
@@ -699,10 +729,11 @@ static int lookup_names(CoreObject *self, PyObject *lora, PyObject *salt, uint32
 }
 
 
-static PyObject *int_dict(const int64_t *keys, const uint32_t *values, uint32_t n) {
+static PyObject *int_dict(const int64_t *keys, const uint8_t *big, const uint32_t *values,
+                          uint32_t n) {
     PyObject *d = PyDict_New();
     for (uint32_t i = 0; d && i < n; i++) {
-        PyObject *k = PyLong_FromLongLong(keys[i]), *v = PyLong_FromUnsignedLong(values[i]);
+        PyObject *k = group_object(keys[i], big[i]), *v = PyLong_FromUnsignedLong(values[i]);
         if (!k || !v || PyDict_SetItem(d, k, v) < 0)
             Py_CLEAR(d);
         Py_XDECREF(k);
@@ -751,14 +782,16 @@ static PyObject *make_row(CoreObject *self, PyObject *row_type, PyObject *name, 
     PyObject *tiers, *groups;
     if (a->detail != NULL) {
         tiers = tier_dict(a->detail->by_tier);
-        groups = int_dict(a->detail->groups, a->detail->group_blocks, a->detail->ngroups);
+        groups = int_dict(a->detail->groups, a->detail->groups_big, a->detail->group_blocks,
+                          a->detail->ngroups);
     } else { /* one pool: everything it reuses is that pool's tier and group */
         const source_t *s = c->sources[bit];
         int64_t group = s && s->npools ? s->pools[0].group : 0;
+        uint8_t big = s && s->npools ? s->pools[0].group_big : 0;
         uint8_t tier = s && s->npools ? s->pools[0].tier : TIER_GPU;
         tiers = shared_dict(self, tier, a->blocks);
-        groups = group == 0 ? shared_dict(self, TIER_COUNT, a->blocks)
-                            : int_dict(&group, &a->blocks, 1);
+        groups = group == 0 && !big ? shared_dict(self, TIER_COUNT, a->blocks)
+                                    : int_dict(&group, &big, &a->blocks, 1);
     }
     PyObject *row = NULL;
     if (tiers && groups) {
@@ -989,11 +1022,30 @@ static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_i
     if (!oom && any_several && nsizes) {
         reuse_t *reuses = out->reuses = calloc(bits + 1, sizeof(reuse_t));
         oom = reuses == NULL;
+        uint64_t *unit_keys = NULL;
         for (uint32_t b = 0; !oom && b < bits; b++)
             if (c->sources[b] && c->sources[b]->several) {
-                engine_reuse(c, c->sources[b], sizes, walks, nsizes, &reuses[b]);
+                const source_t *s = c->sources[b];
+                fine_prompt fp = {roots, NULL, 0};
+                int fine = s->unit != 0;
+                if (fine) { /* hits inside blocks: the prompt's hash units' keys */
+                    if (unit_keys == NULL)
+                        unit_keys = malloc(((size_t)ntokens + 1) * sizeof(uint64_t));
+                    if (unit_keys == NULL) {
+                        oom = 1;
+                        break;
+                    }
+                    fp.unit_keys = unit_keys;
+                    fp.nunits = prompt_keys(c, prompt->small, prompt->wide, ntokens, s->unit,
+                                            unit_keys);
+                }
+                if (engine_reuse(c, s, sizes, walks, nsizes, fine ? &fp : NULL, &reuses[b])) {
+                    oom = 1;
+                    break;
+                }
                 answers[b] = (answer_t){reuses[b].blocks, reuses[b].size, &reuses[b]};
             }
+        free(unit_keys);
     }
     out->oom = oom;
     if (several != small_words)
@@ -1104,7 +1156,11 @@ static void walk_local(const core_t *c, const uint64_t *hashes, uint32_t n, uint
         oom = reuses == NULL;
         for (uint32_t b = 0; !oom && b < bits; b++)
             if (c->sources[b] && c->sources[b]->several) {
-                engine_reuse(c, c->sources[b], sizes, walks, nsizes, &reuses[b]);
+                /* Local hashes name whole blocks only: no hits inside a block (no fine). */
+                if (engine_reuse(c, c->sources[b], sizes, walks, nsizes, NULL, &reuses[b])) {
+                    oom = 1;
+                    break;
+                }
                 answers[b] = (answer_t){reuses[b].blocks, reuses[b].size, &reuses[b]};
             }
     }
@@ -1525,7 +1581,8 @@ static PyObject *Core_pools(CoreObject *self, PyObject *bit_obj) {
             Py_XDECREF(v);
         }
         PyObject *medium = d ? str_object(c, p->medium) : NULL;
-        PyObject *row = medium ? Py_BuildValue("(LNN)", (long long)p->group, medium, d) : NULL;
+        PyObject *group = medium ? group_object(p->group, p->group_big) : NULL;
+        PyObject *row = group ? Py_BuildValue("(NNN)", group, medium, d) : NULL;
         if (row == NULL) {
             Py_XDECREF(d);
             Py_CLEAR(out);
@@ -1551,7 +1608,9 @@ static PyObject *Core_pool_keys(CoreObject *self, PyObject *bit_obj) {
     source_t *s = source_get(c, bit, 0);
     for (uint32_t i = 0; out && s && i < s->npools; i++) {
         PyObject *medium = str_object(c, s->pools[i].medium);
-        PyObject *row = medium ? Py_BuildValue("(LN)", (long long)s->pools[i].group, medium) : NULL;
+        PyObject *group =
+            medium ? group_object(s->pools[i].group, s->pools[i].group_big) : NULL;
+        PyObject *row = group ? Py_BuildValue("(NN)", group, medium) : NULL;
         if (row == NULL || PyList_Append(out, row) < 0)
             Py_CLEAR(out);
         Py_XDECREF(row);
@@ -1757,9 +1816,16 @@ static PyObject *Core_hashes(CoreObject *self, PyObject *args) {
 /* count(bit, group, medium, hash) -> copies held in that pool (0 if none). */
 static PyObject *Core_count(CoreObject *self, PyObject *args) {
     READY(self);
-    PyObject *bit_obj, *medium_obj, *hash_obj;
-    long long group;
-    if (!PyArg_ParseTuple(args, "OLOO", &bit_obj, &group, &medium_obj, &hash_obj))
+    PyObject *bit_obj, *group_obj, *medium_obj, *hash_obj;
+    if (!PyArg_ParseTuple(args, "OOOO", &bit_obj, &group_obj, &medium_obj, &hash_obj))
+        return NULL;
+    int64_t group;
+    uint8_t has_group, big;
+    if (!PyLong_Check(group_obj)) {
+        PyErr_SetString(PyExc_TypeError, "group: an int");
+        return NULL;
+    }
+    if (!opt_group(group_obj, &group, &has_group, &big))
         return NULL;
     uint32_t bit;
     span_t medium;
@@ -1780,7 +1846,7 @@ static PyObject *Core_count(CoreObject *self, PyObject *args) {
         h.v = find_bytes(c, ph.p, ph.len);
     for (uint32_t i = 0; s && mid && (ph.kind != HK_BYTES || h.v) && i < s->npools; i++) {
         pool_t *p = &s->pools[i];
-        if (p->group != group || p->medium != mid)
+        if (p->group != group || p->group_big != big || p->medium != mid)
             continue;
         if (pmap_find(&p->blocks, h.v, h.kind) != NULL) {
             map_entry *x = map_find(&s->extra, h.v, h.kind | ((uint32_t)p->index << 8));
@@ -1912,6 +1978,8 @@ static PyObject *Core_walk_tree(CoreObject *self, PyObject *Py_UNUSED(unused)) {
             uint32_t depth = stack[--top];
             uint32_t n = stack[--top];
             node_t *node = &c->nodes[n];
+            if (is_partial(c, n))
+                continue; /* a partial-block entry: not a block of this tree's size */
             PyObject *holders;
             if (node->holders & HOLD_SET)
                 holders = _PyLong_FromByteArray((const unsigned char *)set_words_of(c, node->holders),

@@ -73,6 +73,9 @@ def test_metrics_follow_the_fleet_and_lookups() -> None:
         assert value(s, "kvindex_blocks_stored_total", engine="m") == 6
         assert value(s, "kvindex_blocks_removed_total", engine="m") == 1
         assert value(s, "kvindex_cache_clears_total", engine="m") == 1
+        # The CPU event had no tokens: held by hash, without a place in the tree.
+        assert value(s, "kvindex_blocks_unplaced_total", engine="m") == 1
+        assert value(s, "kvindex_blocks_unrecognised_keys_total", engine="m") == 0
         assert value(s, "kvindex_engine_status", engine="m", status="live") == 1
         assert value(s, "kvindex_engine_status", engine="m", status="down") == 0
         assert value(s, "kvindex_batches_delivered_total", engine="m") == 5
@@ -89,6 +92,31 @@ def test_metrics_follow_the_fleet_and_lookups() -> None:
 
         pub.publish([BlockStored([b"\x02" * 32], None, [], 0, medium="CPU")])
         assert wait_until(lambda: ("kvindex_engine_blocks", cpu) in scrape(client))
+
+
+def test_placement_counters_follow_keys_across_tiers() -> None:
+    """A salted GPU chain, then the same hashes offloaded to the CPU without extra keys
+    (as vLLM's offload tracker announces them): the CPU copies keep the salt's namespace,
+    counted; a block with extra keys of an unknown shape is counted too."""
+    salted = {"extra_keys": [["tenant-salt"], None], "medium": "GPU"}
+    with (
+        Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub,
+        TestClient(
+            create_app(Fleet([InstanceSpec("m", pub.endpoint, pub.replay_endpoint)]))
+        ) as client,
+    ):
+        assert wait_until(
+            lambda: client.get("/v1/instances").json()["instances"][0]["status"] == "live"
+        )
+        pub.publish([BlockStored([1, 2], None, list(range(8)), 4, **salted)])
+        pub.publish([BlockStored([1, 2], None, list(range(8)), 4, medium="CPU")])
+        pub.publish([BlockStored([7], None, [9, 9, 9, 9], 4, extra_keys=[[{"odd": 1}]])])
+        key = ("kvindex_namespace_kept_total", frozenset({("engine", "m")}))
+        assert wait_until(lambda: scrape(client).get(key) == 2)
+        s = scrape(client)
+        assert value(s, "kvindex_blocks_unrecognised_keys_total", engine="m") == 1
+        assert value(s, "kvindex_namespace_moved_total", engine="m") == 0
+        assert value(s, "kvindex_blocks_unplaced_total", engine="m") == 0
 
 
 def test_two_apps_have_separate_registries() -> None:

@@ -426,6 +426,10 @@ class Fleet:
             clears=stats.clears,
             batches=stats.batches,
             discovery=self.discovery.view(name),
+            unplaced=stats.unplaced,
+            unrecognised_keys=stats.unrecognised_keys,
+            namespace_kept=stats.namespace_kept,
+            namespace_moved=stats.namespace_moved,
         )
 
     def _rank_view(self, source: SourceKey) -> RankView:

@@ -116,6 +116,11 @@ class InstanceView:
     clears: int
     batches: int
     discovery: DiscoveryView | None = None  # an engine named by its URL: how it was found
+    # How the index placed the engine's blocks (index.stats.CacheStats, since start).
+    unplaced: int = 0  # held without a place in the prefix tree: found by hash only
+    unrecognised_keys: int = 0  # extra keys of a shape this version doesn't know
+    namespace_kept: int = 0  # unkeyed lower-tier stores that kept the keyed copy's namespace
+    namespace_moved: int = 0  # entries moved when the keyed copy came after the unkeyed one
 
     @property
     def name(self) -> str:

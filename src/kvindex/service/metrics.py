@@ -164,6 +164,7 @@ class FleetCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         views = self.fleet.instance_views()
         yield from _engine_metrics(views)
+        yield from _placement_metrics(views)
         yield from _source_metrics(views)
         yield from _load_metrics(views)
         yield from self._fleet_metrics(views)
@@ -199,6 +200,42 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc)
     family.add_metric([], value)
     return family
+
+
+# How the index placed each engine's blocks (issue 20): counters per engine, from its view.
+_PLACEMENT_COUNTERS = (
+    (
+        "kvindex_blocks_unplaced",
+        "Blocks held without a place in the prefix tree (no tokens, an unknown parent, a "
+        "position no event says): counted in the engine's pools, found by hash only.",
+        "unplaced",
+    ),
+    (
+        "kvindex_blocks_unrecognised_keys",
+        "Blocks whose extra keys had a shape this kvindex doesn't know: keyed on their own, "
+        "never matched by a plain lookup.",
+        "unrecognised_keys",
+    ),
+    (
+        "kvindex_namespace_kept",
+        "Lower-tier stores without extra keys (vLLM's offload events) that kept the "
+        "namespace (LoRA, salt) of the engine's keyed copy of the same hash.",
+        "namespace_kept",
+    ),
+    (
+        "kvindex_namespace_moved",
+        "Entries moved into their namespace when the keyed copy came after an unkeyed one.",
+        "namespace_moved",
+    ),
+)
+
+
+def _placement_metrics(views: list[InstanceView]) -> Iterator[Metric]:
+    for name, doc, field in _PLACEMENT_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=[ENGINE])
+        for view in views:
+            family.add_metric([view.name], getattr(view, field))
+        yield family
 
 
 def _engine_metrics(views: list[InstanceView]) -> Iterator[Metric]:

@@ -331,6 +331,27 @@ def test_the_limits_of_the_core_are_the_reference_s() -> None:
     differential.assert_same(pure, fast, prompts, [[g, bytes([g]) * 32] for g in range(40)])
 
 
+def test_group_specs_past_max_groups_are_full_attention_in_both() -> None:
+    """A window spec on a group from MAX_GROUPS on is not kept by the core (its layout has
+    room for 64 groups' specs): the reference does the same, so both answer alike (pure
+    32 tokens where the core said 0, before)."""
+    from kvindex.index.fleet import MAX_GROUPS
+
+    tokens = prompt_of(0, 0)[:16]
+    window = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
+    for group in (MAX_GROUPS - 1, MAX_GROUPS, 100):
+        events = [
+            BlockStored([1, 2, 3, 4], None, tokens, BS, group_idx=0),
+            BlockStored([11, 12, 13, 14], None, tokens, BS, group_idx=group, **window),
+            BlockRemoved([11], group_idx=group),
+        ]
+        pure, fast = PureFleetIndex(), CompiledIndex(seed=3)
+        payload = payload_of(EventBatch(1.0, events), False)  # type: ignore[arg-type]
+        pure.apply(SOURCES[0], BatchDecoder().decode(payload), 1)
+        fast.apply_payload(SOURCES[0], payload, 1)
+        differential.assert_same(pure, fast, [(tokens, {})])
+
+
 @pytest.mark.parametrize("window", [2**63 - 1, 2**63 - 2, -(2**63), 1, 5])
 def test_extreme_sliding_windows_agree(window: int) -> None:
     """A window group's needed blocks, ceil((window - 1) / size), for any int64 window

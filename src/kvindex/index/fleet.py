@@ -303,7 +303,7 @@ class FleetIndex(IndexBase[_Source]):
         tokens, width, size = event_tokens(event)
         if size > info.size:
             info.size = size
-        if event.kv_cache_spec_kind is not None:
+        if event.kv_cache_spec_kind is not None and 0 <= info.group < MAX_GROUPS:
             src.groups[info.group] = GroupSpec(
                 event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window
             )
@@ -1135,6 +1135,8 @@ MAX_BLOCK_SIZE = 1 << 31  # a size from 2**31 on can't be a block's: such events
 # lookup walks one tree per size), kept here too so both implementations hold the same:
 MAX_POOLS = 32  # (group, medium) pools of one publisher: a store to another is not held
 MAX_ROOT_SIZES = 16  # block sizes with a root at once: a chain of another has no place
+MAX_GROUPS = 64  # groups (0..63) whose spec (attention kind, window) is kept; others are
+# taken as full attention
 
 
 def is_keyed(event: BlockStored, keys: ChainKeys) -> bool:

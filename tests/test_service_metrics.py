@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,9 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples[(name, frozenset(labels.items()))]
 
 
-def test_metrics_follow_the_fleet_and_lookups() -> None:
+@contextmanager
+def live_engine() -> Iterator[tuple[Publisher, TestClient]]:
+    """A publisher followed as engine `m` by an app, once it is live."""
     with (
         Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub,
         TestClient(
@@ -46,6 +50,11 @@ def test_metrics_follow_the_fleet_and_lookups() -> None:
         assert wait_until(
             lambda: client.get("/v1/instances").json()["instances"][0]["status"] == "live"
         )
+        yield pub, client
+
+
+def test_metrics_follow_the_fleet_and_lookups() -> None:
+    with live_engine() as (pub, client):
         pub.publish([BlockStored([1, 2], None, list(range(8)), 4)])
         pub.publish([BlockStored([b"\x01" * 32], None, [], 0, medium="CPU")])
         pub.publish([AllBlocksCleared()])
@@ -99,15 +108,7 @@ def test_placement_counters_follow_keys_across_tiers() -> None:
     (as vLLM's offload tracker announces them): the CPU copies keep the salt's namespace,
     counted; a block with extra keys of an unknown shape is counted too."""
     salted = {"extra_keys": [["tenant-salt"], None], "medium": "GPU"}
-    with (
-        Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub,
-        TestClient(
-            create_app(Fleet([InstanceSpec("m", pub.endpoint, pub.replay_endpoint)]))
-        ) as client,
-    ):
-        assert wait_until(
-            lambda: client.get("/v1/instances").json()["instances"][0]["status"] == "live"
-        )
+    with live_engine() as (pub, client):
         pub.publish([BlockStored([1, 2], None, list(range(8)), 4, **salted)])
         pub.publish([BlockStored([1, 2], None, list(range(8)), 4, medium="CPU")])
         pub.publish([BlockStored([7], None, [9, 9, 9, 9], 4, extra_keys=[[{"odd": 1}]])])

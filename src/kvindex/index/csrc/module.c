@@ -954,6 +954,19 @@ static void walk_free(walked_t *w) {
     free(w->reuses);
 }
 
+/* Marks in `several` (`words` words, cleared here) the publishers with several pools,
+   whose answers need each size's walk path; 1 if there is any. Both lookups' set-up. */
+static int mark_several(const core_t *c, uint64_t *several, uint32_t words, uint32_t bits) {
+    int any = 0;
+    memset(several, 0, words * sizeof(uint64_t));
+    for (uint32_t b = 0; b < bits; b++)
+        if (c->sources[b] && c->sources[b]->several) {
+            several[b / 64] |= 1ULL << (b % 64);
+            any = 1;
+        }
+    return any;
+}
+
 static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_id,
                         uint32_t salt_id, int unknown, const own_keys *own, walked_t *out) {
     memset(out, 0, sizeof *out);
@@ -989,12 +1002,7 @@ static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_i
     int oom = !several || !answers || !depth || !keys;
     int any_several = 0;
     if (!oom) {
-        memset(several, 0, words * sizeof(uint64_t));
-        for (uint32_t b = 0; b < bits; b++)
-            if (c->sources[b] && c->sources[b]->several) {
-                several[b / 64] |= 1ULL << (b % 64);
-                any_several = 1;
-            }
+        any_several = mark_several(c, several, words, bits);
         if (any_several && nsizes) {
             paths = malloc(((size_t)ntokens + 1) * nsizes * sizeof(uint32_t));
             oom = paths == NULL;
@@ -1126,12 +1134,7 @@ static void walk_local(const core_t *c, const uint64_t *hashes, uint32_t n, uint
     oom |= !several || !answers || !depth;
     int any_several = 0;
     if (!oom) {
-        memset(several, 0, words * sizeof(uint64_t));
-        for (uint32_t b = 0; b < bits; b++)
-            if (c->sources[b] && c->sources[b]->several) {
-                several[b / 64] |= 1ULL << (b % 64);
-                any_several = 1;
-            }
+        any_several = mark_several(c, several, words, bits);
         if (any_several && nsizes) {
             paths = malloc(((size_t)n + 1) * nsizes * sizeof(uint32_t));
             oom = paths == NULL;

@@ -10,7 +10,7 @@ SOAK_SECONDS ?= 300
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade pip 'setuptools>=77'
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP) $(CORE_STAMP)
 

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from kvindex.index import PureFleetIndex
+from kvindex.index import ReferenceIndex
 from kvindex.index.compiled import CompiledIndex
 from kvindex.subscriber import SourceKey
 from kvindex.wire import BlockStored
@@ -85,7 +85,7 @@ def main() -> None:
         result["memory_local_bytes_per_block"] = round(
             sum(with_local.memory().values()) / blocks, 1
         )
-    pure = PureFleetIndex()
+    pure = ReferenceIndex()
     for seq, (src, data) in enumerate(payloads):
         pure.apply_payload(src, data, seq)
     assert fast.lookup(prompt) == pure.lookup(prompt)

@@ -1,7 +1,7 @@
 """The differential check behind the compiled core's fuzzing: one input, three indexes.
 
 An input is a program (fuzz/program.py): payloads and restarts over four publishers. Every
-step goes to the pure-Python reference (`PureFleetIndex`, which decodes the payload with
+step goes to the pure-Python reference (`ReferenceIndex`, which decodes the payload with
 kvindex.wire) and to the compiled index (`CompiledIndex`, whose C parser takes what it can
 and hands the rest to the same decoder). They must agree on everything a caller can see:
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import differential
 from program import CONTROL, FILLERS, SOURCES, steps, wide
 
-from kvindex.index import PureFleetIndex, _core
+from kvindex.index import ReferenceIndex, _core
 from kvindex.index.compiled import CompiledIndex
 from kvindex.subscriber import SourceKey
 from kvindex.wire import BatchDecoder, EventBatch, WireError
@@ -70,7 +70,7 @@ def _same(a: Any, b: Any) -> bool:
     return ((nan and math.isnan(b[0])) or a[0] == b[0]) and a[1:] == b[1:]
 
 
-def _same_counts(pure: PureFleetIndex, fast: CompiledIndex) -> None:
+def _same_counts(pure: ReferenceIndex, fast: CompiledIndex) -> None:
     """`count` of a few held hashes per pool (and of one no pool holds), as each says."""
     for source in pure.sources():
         for (group, medium), held in pure.copies(source).items():
@@ -80,7 +80,7 @@ def _same_counts(pure: PureFleetIndex, fast: CompiledIndex) -> None:
                 ), (source, group, medium, h)
 
 
-def _known(pure: PureFleetIndex) -> str | None:
+def _known(pure: ReferenceIndex) -> str | None:
     """A state the compiled core can't hold the same way, by design (for the lead): none
     now (a group_idx in [2^63, 2^64), a uint64 on the wire, was one until the core kept
     such groups apart)."""
@@ -105,7 +105,7 @@ def check(data: bytes) -> None:
 def _compare(data: bytes) -> None:
     # `fast` takes the payloads (the C parser, or its Python fallback); `decoded` takes the
     # batches the Python decoder made of them (`apply`: a store's feed, the simulator).
-    pure, fast, decoded = PureFleetIndex(), CompiledIndex(seed=11), CompiledIndex(seed=12)
+    pure, fast, decoded = ReferenceIndex(), CompiledIndex(seed=11), CompiledIndex(seed=12)
     indexes = (pure, fast, decoded)
     if wide(data):  # 62 publishers first: the program's own get bits 62 to 65
         for i in range(FILLERS):

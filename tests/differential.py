@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvindex.index import PureFleetIndex
+from kvindex.index import ReferenceIndex
 from kvindex.wire import BigramBlockStored, BlockHash, BlockStored, EventBatch
 
 # (token ids, lookup keywords: lora_name and cache_salt, and a chain's multimodal keys)
@@ -23,7 +23,7 @@ MEDIA = (None, "GPU", "cpu", "CPU_PINNED", "disk")
 
 
 def assert_same(
-    pure: PureFleetIndex,
+    pure: ReferenceIndex,
     fast: Any,
     prompts: Iterable[Prompt] = (),
     hash_runs: Iterable[Sequence[BlockHash]] = (),

@@ -3,7 +3,7 @@
 Hypothesis streams of every event shape the model knows (both wire generations, LoRA and
 salted namespaces the vLLM and SGLang ways, multimodal and lookahead own keys, hash-only
 and skipped-block events, several groups and tiers, duplicate copies, clears, restarts,
-instances removed) go to `PureFleetIndex` (decoded, in Python) and to `CompiledIndex` (as
+instances removed) go to `ReferenceIndex` (decoded, in Python) and to `CompiledIndex` (as
 the payload bytes, through the C parser or its Python fallback). After each stream the two
 must hold the same pools and copies, count the same stats, give the same rows for every
 lookup (by tokens and by hashes) and have the same tree.
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvindex.index import PureFleetIndex
+from kvindex.index import ReferenceIndex
 from kvindex.index.localhash import as_signed, local_hashes
 from kvindex.subscriber import SourceKey
 from kvindex.wire import (
@@ -168,8 +168,8 @@ def payload_of(batch: EventBatch, arrays: bool) -> bytes:
     return encode_batch(events, batch.ts, batch.data_parallel_rank, generation)
 
 
-def feed(stream: list[tuple[SourceKey, str, Any]]) -> tuple[PureFleetIndex, Any]:
-    pure, fast = PureFleetIndex(), CompiledIndex(seed=7, local_hashes=True)
+def feed(stream: list[tuple[SourceKey, str, Any]]) -> tuple[ReferenceIndex, Any]:
+    pure, fast = ReferenceIndex(), CompiledIndex(seed=7, local_hashes=True)
     decoder = BatchDecoder()
     for seq, (src, kind, what) in enumerate(stream):
         if kind == "batch":
@@ -233,7 +233,7 @@ LOCAL_RUNS: list[tuple[list[int], dict[str, Any]]] = [
 ]
 
 
-def assert_same(pure: PureFleetIndex, fast: Any) -> None:
+def assert_same(pure: ReferenceIndex, fast: Any) -> None:
     local = LOCAL_RUNS if fast.local_hashes else ()
     differential.assert_same(pure, fast, PROMPTS, HASH_RUNS, local_runs=local)
 
@@ -292,7 +292,7 @@ def test_parser_agrees_with_msgspec_on_broken_payloads(seed: int) -> None:
     ]
     for arrays in (False, True):
         payload = payload_of(EventBatch(2.0, events, 0), arrays)
-        pure, fast = PureFleetIndex(), CompiledIndex(seed=3, local_hashes=True)
+        pure, fast = ReferenceIndex(), CompiledIndex(seed=3, local_hashes=True)
         decoder = BatchDecoder()
         for data in mutations(payload, rng):
             try:
@@ -313,14 +313,14 @@ def test_the_limits_of_the_core_are_the_reference_s() -> None:
     """More pools than a publisher may have, more block sizes than may have roots: both
     implementations hold the same (a hostile publisher made the core raise MemoryError
     and hold unplaced what the reference placed)."""
-    from kvindex.index.fleet import MAX_POOLS, MAX_ROOT_SIZES
+    from kvindex.index.reference import MAX_POOLS, MAX_ROOT_SIZES
 
     events = [
         BlockStored([g, bytes([g]) * 32], None, list(range(8)), BS, group_idx=g)
         for g in range(MAX_POOLS + 4)
     ]
     events += [BlockStored([1000 + n], None, [n] * n, n) for n in range(1, MAX_ROOT_SIZES + 4)]
-    pure, fast = PureFleetIndex(), CompiledIndex(seed=2, local_hashes=True)
+    pure, fast = ReferenceIndex(), CompiledIndex(seed=2, local_hashes=True)
     for arrays in (False, True):
         payload = payload_of(EventBatch(1.0, events), arrays)  # type: ignore[arg-type]
         pure.apply(SOURCES[0], BatchDecoder().decode(payload), 1)
@@ -335,7 +335,7 @@ def test_group_specs_past_max_groups_are_full_attention_in_both() -> None:
     """A window spec on a group from MAX_GROUPS on is not kept by the core (its layout has
     room for 64 groups' specs): the reference does the same, so both answer alike (pure
     32 tokens where the core said 0, before)."""
-    from kvindex.index.fleet import MAX_GROUPS
+    from kvindex.index.reference import MAX_GROUPS
 
     tokens = prompt_of(0, 0)[:16]
     window = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
@@ -345,7 +345,7 @@ def test_group_specs_past_max_groups_are_full_attention_in_both() -> None:
             BlockStored([11, 12, 13, 14], None, tokens, BS, group_idx=group, **window),
             BlockRemoved([11], group_idx=group),
         ]
-        pure, fast = PureFleetIndex(), CompiledIndex(seed=3)
+        pure, fast = ReferenceIndex(), CompiledIndex(seed=3)
         payload = payload_of(EventBatch(1.0, events), False)  # type: ignore[arg-type]
         pure.apply(SOURCES[0], BatchDecoder().decode(payload), 1)
         fast.apply_payload(SOURCES[0], payload, 1)
@@ -361,7 +361,7 @@ def test_extreme_sliding_windows_agree(window: int) -> None:
     spec = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": window}
     windowed = BlockStored([11, 12, 13, 14, 15], None, tokens, BS, group_idx=1, **spec)
     removal = BlockRemoved([12], group_idx=1)  # a gap in the window group
-    pure, fast = PureFleetIndex(), CompiledIndex(seed=4, local_hashes=True)
+    pure, fast = ReferenceIndex(), CompiledIndex(seed=4, local_hashes=True)
     for seq, events in enumerate([[full, windowed], [removal]]):
         payload = payload_of(EventBatch(1.0, events), False)  # type: ignore[arg-type]
         pure.apply(SOURCES[0], BatchDecoder().decode(payload), seq)
@@ -372,7 +372,7 @@ def test_extreme_sliding_windows_agree(window: int) -> None:
 def test_hashes_no_wire_can_say_are_held_by_nobody() -> None:
     """Asking about an int hash outside [-2^63, 2^64): no match, as the reference says
     (the core raised OverflowError)."""
-    pure, fast = PureFleetIndex(), CompiledIndex(seed=8, local_hashes=True)
+    pure, fast = ReferenceIndex(), CompiledIndex(seed=8, local_hashes=True)
     for index in (pure, fast):
         index.apply(SOURCES[0], EventBatch(1.0, [BlockStored([1, 2], None, list(range(8)), BS)]))
     for hashes in ([2**70], [1, 2**64], [1, 2, -(2**63) - 1]):
@@ -386,7 +386,7 @@ def test_names_of_16_mib_and_more_agree() -> None:
     long = "x" * (17 << 20)
     event = BlockStored([1, 2], None, list(range(8)), BS, medium=long, cache_salt=long + "s")
     payload = payload_of(EventBatch(1.0, [event]), False)  # type: ignore[arg-type]
-    pure, fast = PureFleetIndex(), CompiledIndex(seed=6, local_hashes=True)
+    pure, fast = ReferenceIndex(), CompiledIndex(seed=6, local_hashes=True)
     pure.apply(SOURCES[0], BatchDecoder().decode(payload), 1)
     fast.apply_payload(SOURCES[0], payload, 1)
     prompts = [(list(range(8)), {"cache_salt": long + "s"})]

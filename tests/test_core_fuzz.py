@@ -27,7 +27,7 @@ import corediff  # noqa: E402
 from mutate import mutate  # noqa: E402
 from program import CONTROL, program  # noqa: E402
 
-from kvindex.index import PureFleetIndex  # noqa: E402
+from kvindex.index import ReferenceIndex  # noqa: E402
 from kvindex.index.compiled import CompiledIndex  # noqa: E402
 from kvindex.subscriber import SourceKey  # noqa: E402
 from kvindex.wire import BlockRemoved, BlockStored, WireError  # noqa: E402
@@ -67,7 +67,7 @@ def test_seeded_mutants_give_the_same_state_on_both() -> None:
 def test_the_check_catches_a_difference() -> None:
     """The comparison is not vacuous: a compiled index that missed one batch differs."""
     payload = encode_batch([BlockStored([1, 2], None, list(range(8)), 4)], 1.0, 0, "maps")
-    pure, fast = PureFleetIndex(), CompiledIndex(seed=1)
+    pure, fast = ReferenceIndex(), CompiledIndex(seed=1)
     pure.apply_payload(SourceKey("a"), payload)
     with pytest.raises(AssertionError):
         corediff.differential.assert_same(pure, fast)
@@ -119,7 +119,7 @@ def test_an_empty_medium_is_the_gpu(generation: str) -> None:
 
 def test_group_idx_past_int64() -> None:
     """A uint64 group_idx past INT64_MAX is its own group (the core clamped it once)."""
-    pure, fast = PureFleetIndex(), CompiledIndex(seed=1)
+    pure, fast = ReferenceIndex(), CompiledIndex(seed=1)
     for group in (2**63, 2**63 + 1):
         payload = encode_batch([BlockStored([5], None, [1, 2, 3, 4], 4, group_idx=group)])
         pure.apply_payload(SourceKey("a"), payload)

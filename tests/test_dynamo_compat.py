@@ -26,7 +26,7 @@ from test_router_service import until
 
 from kvindex.bench.e2e.dynamo import Peer, standalone, standalone_status
 from kvindex.bench.e2e.probes import http_json
-from kvindex.index import FleetIndex, PureFleetIndex
+from kvindex.index import FleetIndex, ReferenceIndex
 from kvindex.index.localhash import as_signed, local_hashes
 from kvindex.runtime import Fleet
 from kvindex.service.app import create_app
@@ -87,8 +87,8 @@ def publish_and_wait(
 
 def local_hash_index() -> Any:
     """The default index, keeping local block hashes (what `serve --local-hashes` runs)."""
-    if FleetIndex is PureFleetIndex:
-        return PureFleetIndex()
+    if FleetIndex is ReferenceIndex:
+        return ReferenceIndex()
     from kvindex.index.compiled import CompiledIndex
 
     return CompiledIndex(local_hashes=True)

@@ -21,7 +21,7 @@ from tokenizer_fixture import build_tokenizer
 from kvindex.runtime import Fleet
 from kvindex.runtime.tokenize import Chat, LocalTokenizer, Tokenizers
 from kvindex.service.app import create_app
-from kvindex.service.routing import Routing
+from kvindex.service.lookups import Routing
 from kvindex.subscriber import InstanceSpec
 from kvindex.wire.publisher import Publisher
 

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_core import BASE, build, event_plan, feed, prompt_of
 
-from kvindex.index import COMPILED, PureFleetIndex, parse_lookup_body
+from kvindex.index import COMPILED, ReferenceIndex, parse_lookup_body
 from kvindex.runtime import Fleet
 from kvindex.runtime.fleet import StatusReader
 from kvindex.security.http import HttpGuard
@@ -347,7 +347,7 @@ def test_other_bodies_are_left_to_the_route(body: bytes) -> None:
 
 def test_the_pure_index_answers_lookup_json() -> None:
     """Fleet.lookup_json over the pure index encodes the reference answer."""
-    fleet = fleet_over(PureFleetIndex(), {})
+    fleet = fleet_over(ReferenceIndex(), {})
     try:
         got, hit = fleet.lookup_json([1, 2, 3, 4])
         assert not hit

@@ -22,7 +22,7 @@ import test_core
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvindex.index import PureFleetIndex
+from kvindex.index import ReferenceIndex
 from kvindex.subscriber import SourceKey
 from kvindex.wire import AllBlocksCleared, BatchDecoder, BlockHash, BlockRemoved, BlockStored
 from kvindex.wire.publisher import encode_batch
@@ -40,7 +40,7 @@ def test_sliced_core_equals_reference(plan: list[tuple[Any, ...]], hashes: int) 
     """The differential streams (every event shape) through a core applying `hashes`
     hashes per slice: chains cut at every block, each later part hung from the last."""
     stream = test_core.build(plan)
-    pure, fast = PureFleetIndex(), compiled.CompiledIndex(seed=7)
+    pure, fast = ReferenceIndex(), compiled.CompiledIndex(seed=7)
     fast._core.set_slice(hashes)
     decoder = BatchDecoder()
     for seq, (src, kind, what) in enumerate(stream):
@@ -99,7 +99,7 @@ def huge_batches() -> list[tuple[SourceKey, list[Any]]]:
 def test_huge_events_sliced_equal_reference() -> None:
     """Events of thousands of blocks, across the default slice's boundaries, leave the
     compiled core exactly as the reference (which never slices)."""
-    pure, fast = PureFleetIndex(), compiled.CompiledIndex(seed=3)
+    pure, fast = ReferenceIndex(), compiled.CompiledIndex(seed=3)
     decoder = BatchDecoder()
     batches = []
     for seq, (src, events) in enumerate(huge_batches()):

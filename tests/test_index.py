@@ -283,7 +283,7 @@ def test_churn_keeps_memory_bounded(seed: int) -> None:
 def test_a_publisher_holds_at_most_max_pools_pools() -> None:
     """A hostile publisher naming ever new KV cache groups: the first MAX_POOLS (group,
     medium) pools are held, stores to others are counted but not held, nothing raises."""
-    from kvindex.index.fleet import MAX_POOLS
+    from kvindex.index.reference import MAX_POOLS
 
     index, a = FleetIndex(), SourceKey("a")
     events = [BlockStored([g], None, [g, 1, 2, 3], BS, group_idx=g) for g in range(MAX_POOLS + 8)]
@@ -301,7 +301,7 @@ def test_block_sizes_past_max_root_sizes_are_held_without_a_place() -> None:
     """Chains of more distinct block sizes than MAX_ROOT_SIZES at once: the later sizes'
     blocks are held, counted unplaced, and found by hash, not by tokens, until a size
     goes."""
-    from kvindex.index.fleet import MAX_ROOT_SIZES
+    from kvindex.index.reference import MAX_ROOT_SIZES
 
     index, a = FleetIndex(), SourceKey("a")
     sizes = range(1, MAX_ROOT_SIZES + 3)

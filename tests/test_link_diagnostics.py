@@ -28,7 +28,7 @@ from kvindex.subscriber import (
     Subscriber,
     Unreachable,
 )
-from kvindex.subscriber.link import LinkWatch
+from kvindex.subscriber.linkwatch import LinkWatch
 from kvindex.wire.publisher import Publisher
 
 pytestmark = pytest.mark.timeout(60)

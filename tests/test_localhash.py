@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvindex.index import PureFleetIndex
+from kvindex.index import ReferenceIndex
 from kvindex.index.localhash import (
     as_signed,
     as_unsigned,
@@ -81,7 +81,7 @@ B = A[: 2 * BS] + list(range(9000, 9000 + 3 * BS))
 @pytest.fixture(params=["pure", "compiled"])
 def index(request: pytest.FixtureRequest) -> Any:
     if request.param == "pure":
-        ix: Any = PureFleetIndex()
+        ix: Any = ReferenceIndex()
     else:
         compiled = pytest.importorskip("kvindex.index.compiled")
         ix = compiled.CompiledIndex(local_hashes=True)
@@ -141,7 +141,7 @@ def test_query_by_hash_over_http_json_and_msgpack() -> None:
     from kvindex.index import FleetIndex
     from kvindex.runtime import Fleet
     from kvindex.service.app import create_app
-    from kvindex.service.routing import Routing
+    from kvindex.service.lookups import Routing
     from kvindex.subscriber import InstanceSpec
     from kvindex.wire.publisher import Publisher
 

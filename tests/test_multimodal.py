@@ -16,11 +16,11 @@ import httpx
 import pytest
 from httpfixture import serve_app
 
-from kvindex.index import FleetIndex, PureFleetIndex
+from kvindex.index import FleetIndex, ReferenceIndex
 from kvindex.index.multimodal import MMFeature, PromptKeys, mm_extra_keys
 from kvindex.runtime import Fleet
 from kvindex.service.app import create_app
-from kvindex.service.routing import Routing
+from kvindex.service.lookups import Routing
 from kvindex.subscriber import InstanceSpec, SourceKey
 from kvindex.wire import BlockStored, EventBatch
 from kvindex.wire.publisher import Publisher
@@ -80,7 +80,7 @@ def prompt(image: int = 40) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["pure", "default"])
 def test_lookups_with_keys_match_the_image_s_blocks(kind: str) -> None:
-    index = PureFleetIndex() if kind == "pure" else FleetIndex()
+    index = ReferenceIndex() if kind == "pure" else FleetIndex()
     tokens = prompt()  # 96 tokens: 6 blocks; the image in blocks 2-4
     a = [MMFeature("img-A", 32, 40)]
     index.apply(SourceKey("plain"), EventBatch(0.0, [vllm_event(tokens, a)], None))
@@ -111,7 +111,7 @@ def test_pure_and_compiled_agree_over_block_sizes() -> None:
     compiled = pytest.importorskip("kvindex.index.compiled")
     tokens = prompt(56)
     a = [MMFeature("img-A", 32, 56)]
-    pure, fast = PureFleetIndex(), compiled.CompiledIndex(seed=3)
+    pure, fast = ReferenceIndex(), compiled.CompiledIndex(seed=3)
     for size in (16, 32):
         blocks = len(tokens) // size
         extra = [

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_core import SOURCES, build, event_plan, payload_of
 
 from kvindex.analysis.track import Tracker
-from kvindex.index import FleetIndex, PureFleetIndex
+from kvindex.index import FleetIndex, ReferenceIndex
 from kvindex.recording import BatchRec, NoticeRec
 from kvindex.recording.reader import records
 from kvindex.store.mirror import Mirror
@@ -34,7 +34,7 @@ class Consumers:
     """The four consumers, fed alike."""
 
     def __init__(self) -> None:
-        self.pure, self.fast = PureFleetIndex(), FleetIndex()
+        self.pure, self.fast = ReferenceIndex(), FleetIndex()
         self.mirror, self.tracker = Mirror(), Tracker()
         self.decoder = BatchDecoder()
         self.seq = 0

@@ -23,7 +23,7 @@ from kvindex.index import compiled_index
 from kvindex.runtime import Fleet
 from kvindex.runtime.tokenize import Chat, LocalTokenizer, Tokenizers
 from kvindex.service.app import create_app
-from kvindex.service.routing import Routing
+from kvindex.service.lookups import Routing
 from kvindex.subscriber import InstanceSpec
 from kvindex.wire import BlockStored
 from kvindex.wire.publisher import Publisher

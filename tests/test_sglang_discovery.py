@@ -25,7 +25,7 @@ from sglang_fake import FakeSGLang, load_stat
 from kvindex.runtime import Fleet
 from kvindex.service.app import create_app
 from kvindex.subscriber import InstanceSpec, SpecError
-from kvindex.subscriber.discovery import (
+from kvindex.subscriber.server_info import (
     DiscoveryError,
     Failure,
     KvEventsDescriptor,

@@ -23,8 +23,8 @@ from sglang_fake import FakeSGLang, load_stat
 from kvindex.runtime import Fleet
 from kvindex.service.app import create_app
 from kvindex.subscriber import InstanceSpec, SourceKey
-from kvindex.subscriber.load import LoadFollower
-from kvindex.wire.load import LoadStat, LoadStatError, decode_load
+from kvindex.subscriber.engine_load import LoadFollower
+from kvindex.wire.engine_load import LoadStat, LoadStatError, decode_load
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -224,7 +224,7 @@ def test_sglang_own_load_stat_is_followed(sglang_python: str) -> None:
 def test_routing_score_weighs_the_load_stream() -> None:
     """Two SGLang engines holding the same prefix: /v1/route sends the prompt to the one
     whose load stream says it is idle, then to the other once the loads swap."""
-    from kvindex.service.routing import install_routing  # noqa: F401 (the app installs it)
+    from kvindex.service.peers import install_peers  # noqa: F401 (the app installs it)
     from kvindex.wire import BlockStored
 
     with FakeSGLang() as busy, FakeSGLang() as idle:

@@ -31,7 +31,7 @@ import redis
 from netutil import wait_until
 from test_store_crash import Serve, Workload, assert_same, caught_up, persisted
 
-from kvindex.store.redis.keys import cp_key, log_key
+from kvindex.store.redis.layout import cp_key, log_key
 from kvindex.subscriber import SourceKey
 from kvindex.wire import BlockStored
 from kvindex.wire.publisher import Publisher, encode_batch

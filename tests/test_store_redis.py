@@ -34,7 +34,7 @@ from kvindex.store.mirror import Mirror
 from kvindex.store.redis import RedisStore, current_rows
 from kvindex.store.redis.append import Appender
 from kvindex.store.redis.compact import Compactor
-from kvindex.store.redis.keys import (
+from kvindex.store.redis.layout import (
     CTL,
     INSTANCES,
     REGISTER,

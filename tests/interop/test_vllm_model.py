@@ -45,7 +45,7 @@ from kvindex.index.multimodal import MMFeature, mm_extra_keys
 from kvindex.runtime import Fleet as Runtime
 from kvindex.runtime.tokenize import Tokenizers
 from kvindex.service.app import create_app
-from kvindex.service.routing import Routing
+from kvindex.service.lookups import Routing
 from kvindex.subscriber import InstanceSpec, Lost, ReplayPolicy, SourceKey, Subscriber
 
 DRIVER = Path(__file__).with_name("vllm_model_driver.py")

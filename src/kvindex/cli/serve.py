@@ -41,7 +41,10 @@ from kvindex.subscriber import CapacityError, InstanceSpec, Notice
 if TYPE_CHECKING:
     import uvicorn
 
+    from kvindex.cli.httpopts import HttpOptions
     from kvindex.index import FleetIndex
+    from kvindex.runtime import Fleet
+    from kvindex.service.lookups import Routing
     from kvindex.store import LoadResult, Store
 
 __all__ = ["DEFAULT_HTTP", "DEFAULT_STORE", "Settings", "add_parser", "parse_http", "run"]
@@ -202,29 +205,45 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     http = http_options(args, settings.http_options, bind_host=host)
     warn_if_exposed(host, http)
     logging.basicConfig(level=logging.WARNING, format="kvindex serve: %(levelname)s %(message)s")
-    # Imported here: `kvindex --help` and the other commands don't need the web stack.
-    import uvicorn
-    import zmq
-
-    from kvindex.runtime import Fleet
-    from kvindex.runtime.discovery import DEFAULT_INTERVAL
-    from kvindex.runtime.routing import DEFAULT_TTL, Predictions, Weights
-    from kvindex.service.app import create_app
-    from kvindex.service.fastpath import lookup_protocol
-    from kvindex.service.routing import Routing
-
     # Ingest threads and the HTTP loop share the GIL: a lookup waiting for it would wait up
     # to a whole switch interval (5 ms by default) behind an ingest thread's Python work.
     sys.setswitchinterval(float(os.environ.get("KVINDEX_SWITCH_INTERVAL", "0.0005")))
     configured = check_discovered(settings.instances)
     store, index, loaded = _open_store(settings.store, settings.local_hashes)
-    try:
+    with contextlib.ExitStack() as on_failure:
+        on_failure.callback(store.close)
         sock = listen(host, port)
-    except UsageError:
+        on_failure.callback(sock.close)
+        instances = _with_runtime_instances(configured, loaded.instances)
+        fleet = _start_fleet(settings, instances, store, index, loaded)
+        on_failure.callback(fleet.close)
+        routing = _routing(fleet, settings)
+        on_failure.pop_all()  # from here on, serving owns them
+    store.start()
+    server = _server(fleet, routing, store, http, stop)
+    try:
+        run_async(_serve(server, sock, _summary(len(instances), store.url, loaded)))
+    finally:
         store.close()
-        raise
-    instances = _with_runtime_instances(configured, loaded.instances)
+    return 0
+
+
+def _start_fleet(
+    settings: Settings,
+    instances: list[InstanceSpec],
+    store: Store,
+    index: FleetIndex,
+    loaded: LoadResult,
+) -> Fleet:
+    """The fleet that follows `instances` from the store's checkpoints, its items handed to
+    the store (a usage error when its sockets can't be had)."""
+    import zmq
+
+    from kvindex.runtime import Fleet
+    from kvindex.runtime.discovery import DEFAULT_INTERVAL
+
     shared = store.shared()  # Redis: other replicas too
+    interval = settings.discovery_interval
     try:
         fleet = Fleet(
             instances,
@@ -235,17 +254,11 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
             membership=shared.membership if shared else None,
             ingest_workers=settings.ingest_workers,
             sub_hwm=settings.sub_hwm,
-            discovery_interval=(
-                DEFAULT_INTERVAL
-                if settings.discovery_interval is None
-                else settings.discovery_interval
-            ),
+            discovery_interval=DEFAULT_INTERVAL if interval is None else interval,
         )
-    except (zmq.ZMQError, CapacityError) as exc:
-        sock.close()
-        store.close()
-        if isinstance(exc, CapacityError):  # it says what, the limit and how to raise it
-            raise UsageError(str(exc)) from None
+    except CapacityError as exc:  # it says what, the limit and how to raise it
+        raise UsageError(str(exc)) from None
+    except zmq.ZMQError as exc:
         raise UsageError(f"can't follow the instances: {exc}") from None
     fleet.on_item.append(store.record)
     fleet.on_read.append(store.flush)
@@ -254,19 +267,30 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     fleet.add_link_hook(_warn_link)  # can't follow a publisher; its replay refused
     if shared is not None:
         shared.share(fleet.specs.values())
-    try:
-        routing = Routing.of(
-            fleet,
-            _tokenizers(fleet, settings.tokenizers),
-            weights=Weights.of(settings.weights),
-            predictions=Predictions(settings.prediction_ttl or DEFAULT_TTL),
-        )
-    except UsageError:
-        fleet.close()
-        sock.close()
-        store.close()
-        raise
-    store.start()
+    return fleet
+
+
+def _routing(fleet: Fleet, settings: Settings) -> Routing:
+    from kvindex.runtime.routing import DEFAULT_TTL, Predictions, Weights
+    from kvindex.service.lookups import Routing
+
+    return Routing.of(
+        fleet,
+        _tokenizers(fleet, settings.tokenizers),
+        weights=Weights.of(settings.weights),
+        predictions=Predictions(settings.prediction_ttl or DEFAULT_TTL),
+    )
+
+
+def _server(
+    fleet: Fleet, routing: Routing, store: Store, http: HttpOptions, stop: Stop
+) -> uvicorn.Server:
+    """The HTTP app on uvicorn, plain lookups answered in its protocol."""
+    import uvicorn
+
+    from kvindex.service.app import create_app
+    from kvindex.service.fastpath import lookup_protocol
+
     app = create_app(
         fleet,
         guard=http.guard,
@@ -284,18 +308,19 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,
     )
-    server = make_server(config, stop, _end_streams(app))
-    summary = f"{len(instances)} instance(s), store {store.url}"
+    return make_server(config, stop, _end_streams(app))
+
+
+def _summary(instances: int, store_url: str, loaded: LoadResult) -> str:
+    """The start line's tail: what is followed, where state is kept, what the warm start
+    brought back."""
+    summary = f"{instances} instance(s), store {store_url}"
     if loaded.blocks_restored or loaded.log_batches_replayed:
         summary += (
             f", warm start: {loaded.blocks_restored} blocks + "
             f"{loaded.log_batches_replayed} logged batches in {loaded.seconds:.2f} s"
         )
-    try:
-        run_async(_serve(server, sock, summary))
-    finally:
-        store.close()
-    return 0
+    return summary
 
 
 def _tokenizers(fleet: Any, options: list[str]) -> Any:
@@ -318,7 +343,7 @@ def check_discovered(specs: list[InstanceSpec]) -> list[InstanceSpec]:
     from concurrent.futures import ThreadPoolExecutor
 
     from kvindex.runtime.discovery import first_read
-    from kvindex.subscriber.discovery import DiscoveryError
+    from kvindex.subscriber.server_info import DiscoveryError
 
     def read(spec: InstanceSpec) -> InstanceSpec:
         try:

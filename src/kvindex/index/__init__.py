@@ -1,7 +1,7 @@
 """`kvindex.index`: the exact state of a fleet's prefix caches, and token-prefix lookups.
 
 `FleetIndex` is the compiled index (`kvindex.index.compiled`, C) when it was built and
-`KVINDEX_PURE` is not set, else the pure-Python reference (`kvindex.index.fleet`). Both
+`KVINDEX_PURE` is not set, else the pure-Python reference (`kvindex.index.reference`). Both
 give identical state and answers (tests/test_core.py holds them to it).
 """
 
@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kvindex.index.base import LookupRow
-from kvindex.index.fleet import FleetIndex as PureFleetIndex
+from kvindex.index.reference import ReferenceIndex
 from kvindex.index.stats import CacheStats, RateWindow
 
 if TYPE_CHECKING:
@@ -22,14 +22,14 @@ __all__ = [
     "CacheStats",
     "FleetIndex",
     "LookupRow",
-    "PureFleetIndex",
     "RateWindow",
+    "ReferenceIndex",
     "compiled_index",
     "parse_lookup_body",
 ]
 
 
-def _compiled() -> type[PureFleetIndex] | None:
+def _compiled() -> type[ReferenceIndex] | None:
     if os.environ.get("KVINDEX_PURE", "") not in ("", "0"):
         return None
     try:
@@ -40,12 +40,12 @@ def _compiled() -> type[PureFleetIndex] | None:
 
 
 if TYPE_CHECKING:
-    FleetIndex = PureFleetIndex
+    FleetIndex = ReferenceIndex
     COMPILED: bool
 else:
     _chosen = _compiled()
     COMPILED = _chosen is not None
-    FleetIndex = _chosen or PureFleetIndex
+    FleetIndex = _chosen or ReferenceIndex
 
 
 def compiled_index(index: Any) -> CompiledIndex | None:

@@ -1,6 +1,6 @@
 """What both index implementations share: publishers and their bits, and answers' shape.
 
-`kvindex.index.fleet.FleetIndex` (pure Python, the reference) and
+`kvindex.index.reference.ReferenceIndex` (pure Python, the reference) and
 `kvindex.index.compiled.CompiledIndex` (the C core) keep a fleet's state differently; both
 number publishers with bits the same way, answer `lookup` with the same rows, and count
 the same stats, through this base.

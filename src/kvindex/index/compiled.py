@@ -26,11 +26,11 @@ from typing import Any
 
 from kvindex.index._core import Core, parse_lookup
 from kvindex.index.base import AnswerSlot, IndexBase, LookupRow, PayloadResult
-from kvindex.index.fleet import Namespace, event_tokens, is_keyed, is_plain
 from kvindex.index.keys import chain_keys_bytes
 from kvindex.index.localhash import LocalHashesOff
 from kvindex.index.multimodal import MMFeature, MMKey, PromptKeys
 from kvindex.index.namespaces import PLAIN, chain_keys
+from kvindex.index.reference import Namespace, event_tokens, is_keyed, is_plain
 from kvindex.index.reuse import Reuse
 from kvindex.index.stats import CacheStats
 from kvindex.subscriber.messages import SourceKey
@@ -195,7 +195,7 @@ class CompiledIndex(IndexBase[_Pub]):
         return parts
 
     def walk_tree(self) -> Iterator[tuple[Namespace, int, bytes, int]]:
-        """As `FleetIndex.walk_tree`; a node's key is its tokens as uint32 bytes where the
+        """As `ReferenceIndex.walk_tree`; a node's key is its tokens as uint32 bytes where the
         core kept them (nodes two publishers or more hold: the shared prefixes), else
         empty (the core keys the tree by digests)."""
         for lora, salt, size, depth, _digest, tokens, holders in self._core.walk_tree():
@@ -210,7 +210,7 @@ class CompiledIndex(IndexBase[_Pub]):
         mm_features: Sequence[MMFeature | Mapping[str, Any]] | None = None,
         extra_keys: Sequence[Sequence[MMKey] | None] | None = None,
     ) -> list[LookupRow]:
-        """As `FleetIndex.lookup` (the rows are made in C: a big fleet's answer costs no
+        """As `ReferenceIndex.lookup` (the rows are made in C: a big fleet's answer costs no
         Python work per instance)."""
         if mm_features is None and extra_keys is None:  # the plain path, as short as it was
             return self._core.lookup(
@@ -265,7 +265,7 @@ class CompiledIndex(IndexBase[_Pub]):
         lora_name: str | None = None,
         block_size: int | None = None,
     ) -> list[LookupRow]:
-        """As `FleetIndex.lookup_local_hashes` (LocalHashesOff unless made with
+        """As `ReferenceIndex.lookup_local_hashes` (LocalHashesOff unless made with
         `local_hashes=True`)."""
         if not self.local_hashes:
             raise LocalHashesOff("the compiled index keeps no local hashes (local_hashes=True)")
@@ -279,7 +279,7 @@ class CompiledIndex(IndexBase[_Pub]):
         )
 
     def lookup_hashes(self, block_hashes: Sequence[BlockHash]) -> list[LookupRow]:
-        """As `FleetIndex.lookup_hashes`."""
+        """As `ReferenceIndex.lookup_hashes`."""
         found = self._core.lookup_hashes(block_hashes)
         return self._rows({bit: Reuse(blocks, 0, by_tier, {}) for bit, blocks, by_tier in found})
 

@@ -1,6 +1,6 @@
 """Prefix sharing across a fleet: which instances hold the same blocks, and which prefixes.
 
-Read-only analyses of a `FleetIndex`'s prefix tree (one walk, `FleetIndex.walk_tree`):
+Read-only analyses of an index's prefix tree (one walk, `walk_tree`):
 
 - the overlap matrix: for instances i and j, how many blocks both hold now, counted as
   prefix-tree nodes (the same tokens under the same parents, in the same LoRA namespace),
@@ -18,9 +18,9 @@ import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvindex.index.fleet import FleetIndex, Namespace, key_tokens
 from kvindex.index.keys import block_size_of
 from kvindex.index.namespaces import lora_label, salt_digest
+from kvindex.index.reference import Namespace, ReferenceIndex, key_tokens
 
 __all__ = ["SharedPrefix", "Sharing", "sharing"]
 
@@ -128,7 +128,7 @@ def _bits(mask: int) -> list[int]:
 
 
 def sharing(
-    index: FleetIndex,
+    index: ReferenceIndex,
     *,
     instances: list[str] | None = None,
     top: int = 10,

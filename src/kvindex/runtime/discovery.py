@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvindex.subscriber import InstanceSpec
-from kvindex.subscriber.discovery import (
+from kvindex.subscriber.server_info import (
     DiscoveryError,
     KvEventsDescriptor,
     fetch_descriptor,

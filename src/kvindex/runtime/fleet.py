@@ -55,7 +55,7 @@ from kvindex.subscriber import (
     Unreachable,
     need_of_instances,
 )
-from kvindex.subscriber.load import LoadFollower
+from kvindex.subscriber.engine_load import LoadFollower
 from kvindex.wire import BlockHash
 
 __all__ = [

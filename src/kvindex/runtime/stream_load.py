@@ -1,4 +1,4 @@
-"""The engines' own load streams (SGLang's `LoadStat`, `kvindex.subscriber.load`) as a
+"""The engines' own load streams (SGLang's `LoadStat`, `kvindex.subscriber.engine_load`) as a
 `LoadSource` for the routing score: pushed once a second or on change, so fresher than a
 `/metrics` scrape, and tried before it."""
 

@@ -40,9 +40,10 @@ from kvindex.security.http import HttpGuard
 from kvindex.service.dashboard import install_dashboard
 from kvindex.service.docs import install_docs
 from kvindex.service.fastpath import LookupAnswerer, LookupFastPath
+from kvindex.service.lookups import Routing, decode_any_lookup, install_route, lookup_answer
 from kvindex.service.metrics import ServiceMetrics
 from kvindex.service.middleware import BodyLimit, CompleteAllow, LookupPriority
-from kvindex.service.routing import Routing, decode_any_lookup, install_routing, lookup_answer
+from kvindex.service.peers import install_peers
 from kvindex.service.schema import (
     MAX_LOOKUP_ITEMS,
     AddInstanceByFields,
@@ -69,7 +70,7 @@ from kvindex.service.schema import (
     spec_of,
 )
 from kvindex.subscriber import CapacityError, InstanceSpec, SpecError
-from kvindex.subscriber.discovery import DiscoveryError
+from kvindex.subscriber.server_info import DiscoveryError
 from kvindex.wire import parse_hash, render_hash
 
 __all__ = ["MAX_BODY_BYTES", "MAX_LOOKUP_ITEMS", "create_app"]
@@ -127,7 +128,7 @@ def create_app(
     the server's loop and stops it (closing the sockets) at shutdown. `guard` sets bearer
     tokens, the lookup size limit and the request body deadline; `store_health` says how
     the state store is doing (for /healthz, /v1/stats and /metrics); `routing` the
-    tokenizers, routing weights and predictions (kvindex.service.routing)."""
+    tokenizers, routing weights and predictions (kvindex.service.lookups)."""
     guard = guard or HttpGuard()
     routing = routing or Routing.of(fleet)
 
@@ -164,7 +165,8 @@ def create_app(
         body=[LookupRequest, PromptLookupRequest, ChatLookupRequest],
         errors=[400, 404, 409, 413, 422, 502, 503],
     )
-    install_routing(app, routing, metrics, route_doc)  # /v1/route, the peers' API
+    install_route(app, routing, metrics, route_doc)
+    install_peers(app, routing, metrics)
     install_dashboard(app, fleet, routing.scraper)  # GET /, its assets, /v1/dashboard/*
     install_docs(app)  # GET /docs and its assets
     _document(app, guard)

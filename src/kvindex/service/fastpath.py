@@ -38,7 +38,7 @@ from kvindex.service.metrics import ServiceMetrics
 from kvindex.service.schema import BadBody, HashLookupRequest, decode_body, encode
 from kvindex.wire import parse_hash
 
-__all__ = ["LookupAnswerer", "LookupFastPath", "lookup_protocol"]
+__all__ = ["LookupAnswerer", "LookupFastPath", "LookupProtocol", "lookup_protocol"]
 
 PATH = "/v1/lookup"
 HASHES_PATH = "/v1/lookup/hashes"
@@ -156,95 +156,105 @@ def lookup_protocol(
 ) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol (`uvicorn.Config(http=...)`) with plain lookups
     answered in it (see the module docstring)."""
+    parts = {"answerer": answerer, "guard": guard, "max_body_bytes": max_body_bytes}
+    return type("ServiceLookupProtocol", (LookupProtocol,), parts)
 
-    class LookupProtocol(HttpToolsProtocol):
-        def on_headers_complete(self) -> None:
-            if not self._takes_lookup():
-                super().on_headers_complete()
-                return
-            cycle = _Collecting(_RAW_PATHS[self.url])
-            cycle.deadline = self.loop.call_later(guard.request_timeout, self._too_slow, cycle)
-            self.scope["method"] = "POST"
-            self.cycle = cycle  # type: ignore[assignment]
 
-        def _takes_lookup(self) -> bool:
-            """A plain lookup: nothing of it the ASGI stack would answer otherwise."""
-            parser = self.parser
-            path = _RAW_PATHS.get(self.url)
-            if path is None or parser.get_method() != b"POST":
-                return False
-            if parser.get_http_version() != "1.1" or not parser.should_keep_alive():
-                return False
-            if self.expect_100_continue or self.root_path or self.limit_concurrency is not None:
-                return False
-            previous = self.cycle
-            if previous is not None and not previous.response_complete:
-                return False  # pipelined behind an answer in progress: uvicorn queues it
-            return _length_within(self.headers, max_body_bytes) and guard.admits(path, self.headers)
+class LookupProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with plain lookups answered in it; `lookup_protocol`
+    makes one for a service (its answerer, guard and body limit as class attributes)."""
 
-        def on_body(self, body: bytes) -> None:
-            cycle = self.cycle
-            if not isinstance(cycle, _Collecting):
-                super().on_body(body)
-            elif not cycle.response_complete:  # bounded by the Content-Length checked
-                cycle.body += body
+    answerer: LookupAnswerer
+    guard: HttpGuard
+    max_body_bytes: int
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            cycle = self.cycle
-            if isinstance(cycle, _Collecting) and cycle.deadline is not None:
-                cycle.deadline.cancel()
-            super().connection_lost(exc)
-
-        def on_message_complete(self) -> None:
-            cycle = self.cycle
-            if not isinstance(cycle, _Collecting):
-                super().on_message_complete()
-                return
-            if cycle.response_complete:
-                return
-            if cycle.deadline is not None:
-                cycle.deadline.cancel()
-            body = bytes(cycle.body)
-            answer = answerer.answer(cycle.path, body)
-            if answer is None:  # the route decides, as if uvicorn had read it itself
-                self._to_the_app(body)
-                return
-            self._respond(cycle, 200, answer, close=False)
-
-        def _to_the_app(self, body: bytes) -> None:
-            self.cycle = None  # type: ignore[assignment]
+    def on_headers_complete(self) -> None:
+        if not self._takes_lookup():
             super().on_headers_complete()
+            return
+        cycle = _Collecting(_RAW_PATHS[self.url])
+        cycle.deadline = self.loop.call_later(self.guard.request_timeout, self._too_slow, cycle)
+        self.scope["method"] = "POST"
+        self.cycle = cycle  # type: ignore[assignment]
+
+    def _takes_lookup(self) -> bool:
+        """A plain lookup: nothing of it the ASGI stack would answer otherwise."""
+        parser = self.parser
+        path = _RAW_PATHS.get(self.url)
+        if path is None or parser.get_method() != b"POST":
+            return False
+        if parser.get_http_version() != "1.1" or not parser.should_keep_alive():
+            return False
+        if self.expect_100_continue or self.root_path or self.limit_concurrency is not None:
+            return False
+        previous = self.cycle
+        if previous is not None and not previous.response_complete:
+            return False  # pipelined behind an answer in progress: uvicorn queues it
+        return _length_within(self.headers, self.max_body_bytes) and self.guard.admits(
+            path, self.headers
+        )
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if not isinstance(cycle, _Collecting):
             super().on_body(body)
+        elif not cycle.response_complete:  # bounded by the Content-Length checked
+            cycle.body += body
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        if isinstance(cycle, _Collecting) and cycle.deadline is not None:
+            cycle.deadline.cancel()
+        super().connection_lost(exc)
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if not isinstance(cycle, _Collecting):
             super().on_message_complete()
+            return
+        if cycle.response_complete:
+            return
+        if cycle.deadline is not None:
+            cycle.deadline.cancel()
+        body = bytes(cycle.body)
+        answer = self.answerer.answer(cycle.path, body)
+        if answer is None:  # the route decides, as if uvicorn had read it itself
+            self._to_the_app(body)
+            return
+        self._respond(cycle, 200, answer, close=False)
 
-        def _too_slow(self, cycle: _Collecting) -> None:
-            """The body did not arrive in time: 408, as the ASGI stack's deadline says it,
-            and the connection closed (the rest of the body would read as a request)."""
-            current: object = self.cycle
-            if current is cycle and not cycle.response_complete:
-                if self.transport.is_closing():
-                    return
-                message = f"request body not received in {guard.request_timeout} s"
-                body = b'{"error":"' + message.encode() + b'"}'
-                self._respond(cycle, 408, body, close=True)
+    def _to_the_app(self, body: bytes) -> None:
+        self.cycle = None  # type: ignore[assignment]
+        super().on_headers_complete()
+        super().on_body(body)
+        super().on_message_complete()
 
-        def _respond(self, cycle: _Collecting, status: int, body: bytes, close: bool) -> None:
-            head = [STATUS_LINE[status]]
-            for name, value in self.server_state.default_headers:
-                head += [name, b": ", value, b"\r\n"]
-            head += [_JSON, b"content-length: ", str(len(body)).encode(), b"\r\n"]
-            close = close or not cycle.keep_alive  # a graceful shutdown is under way
-            if close:
-                head.append(b"connection: close\r\n")
-            head += [b"\r\n", body]
-            self.transport.write(b"".join(head))  # one write: one segment, one wakeup
-            cycle.response_complete = True
-            if close:
-                self.transport.close()
+    def _too_slow(self, cycle: _Collecting) -> None:
+        """The body did not arrive in time: 408, as the ASGI stack's deadline says it,
+        and the connection closed (the rest of the body would read as a request)."""
+        current: object = self.cycle
+        if current is cycle and not cycle.response_complete:
+            if self.transport.is_closing():
                 return
-            self.on_response_complete()
+            message = f"request body not received in {self.guard.request_timeout} s"
+            body = b'{"error":"' + message.encode() + b'"}'
+            self._respond(cycle, 408, body, close=True)
 
-    return LookupProtocol
+    def _respond(self, cycle: _Collecting, status: int, body: bytes, close: bool) -> None:
+        head = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [_JSON, b"content-length: ", str(len(body)).encode(), b"\r\n"]
+        close = close or not cycle.keep_alive  # a graceful shutdown is under way
+        if close:
+            head.append(b"connection: close\r\n")
+        head += [b"\r\n", body]
+        self.transport.write(b"".join(head))  # one write: one segment, one wakeup
+        cycle.response_complete = True
+        if close:
+            self.transport.close()
+            return
+        self.on_response_complete()
 
 
 def _length_within(headers: list[tuple[bytes, bytes]], limit: int) -> bool:

@@ -35,8 +35,8 @@ import zmq
 from kvindex.sim.engine import Engine
 from kvindex.sim.simulation import Reference, SimBatch, SimConfig, SimItem, Simulation
 from kvindex.subscriber import InstanceSpec
+from kvindex.wire.engine_load import LOAD_TOPIC, LoadStat, encode_load
 from kvindex.wire.frames import encode_seq
-from kvindex.wire.load import LOAD_TOPIC, LoadStat, encode_load
 from kvindex.wire.publisher import Publisher
 
 __all__ = ["PortsBusy", "SimulatedPublishers", "free_port_run"]

@@ -24,9 +24,9 @@ from typing import Any, TypeAlias
 
 import msgspec
 
-from kvindex.index.fleet import event_tokens, is_keyed, is_plain
 from kvindex.index.keys import flat_pairs
 from kvindex.index.namespaces import chain_keys, lora_key
+from kvindex.index.reference import event_tokens, is_keyed, is_plain
 from kvindex.subscriber.messages import SourceKey
 from kvindex.wire import (
     AllBlocksCleared,

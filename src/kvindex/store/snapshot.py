@@ -9,7 +9,7 @@ per-record work is putting each chain after the one holding its parent, so the p
 is rebuilt (a chain whose parent is not held anywhere is loaded as it comes).
 
 A record also keeps `keys` (its parent and hashes, for that ordering and to rebuild a
-mirror) and, for SQL users, the blocks as JSON (see sqlite/schema.py's `cache_blocks` view).
+mirror) and, for SQL users, the blocks as JSON (see sqlite/tables.py's `cache_blocks` view).
 
 Writing: a changed run is rewritten whole. A run some of whose blocks left is cut to the
 blocks it still holds: cut into several runs if they are no longer contiguous (each keeps

@@ -7,7 +7,7 @@ descriptors for as long as it is followed:
   a mailbox (an eventfd), plus the TCP connection: 4 descriptors;
 - with a replay endpoint, a DEALER while a replay runs (every rank may replay at once,
   after a fleet-wide reconnect): 1 socket, 2 descriptors (mailbox, connection);
-- with a load stream (SGLang's, `kvindex.subscriber.load`), its SUB: 1 socket, 2
+- with a load stream (SGLang's, `kvindex.subscriber.engine_load`), its SUB: 1 socket, 2
   descriptors (mailbox, connection).
 
 A ZMQ context refuses sockets past its MAX_SOCKETS (1,023 by default: ~250 publishers with

@@ -24,7 +24,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvindex.security.curve import client_setup
 from kvindex.subscriber.capacity import SocketBudget, budget_of, need_of, subscriber_context
-from kvindex.subscriber.link import LINK_EVENTS, LinkWatch
+from kvindex.subscriber.linkwatch import LINK_EVENTS, LinkWatch
 from kvindex.subscriber.messages import (
     Connection,
     DecodeFailed,

@@ -17,7 +17,7 @@ rank), and `rank=R` says which rank the main endpoint is (0 by default).
 An SGLang engine can also be named by its URL, `NAME=sglang+http://HOST:PORT` (or
 `https`), with `api_key_env=VAR` or `api_key_file=PATH` when its API wants a key (never
 the key itself: a command line is visible to every user of the machine): its publishers
-are read from its `/server_info` (`kvindex.subscriber.discovery`). Until then the spec has
+are read from its `/server_info` (`kvindex.subscriber.server_info`). Until then the spec has
 no endpoint and no ranks (`pending`); `resolved` fills them in, and `render` keeps giving
 the URL, so a persisted spec is discovered again after a restart.
 """

@@ -80,19 +80,7 @@ class BigramBlockStored(BlockStored, omit_defaults=True):
 
     def wire(self) -> _WireBigramBlockStored:
         """This page as SGLang sends it (`token_ids` the pairs): what encoders write."""
-        return _WireBigramBlockStored(
-            block_hashes=self.block_hashes,
-            parent_block_hash=self.parent_block_hash,
-            token_ids=self.token_pairs,
-            block_size=self.block_size,
-            lora_id=self.lora_id,
-            medium=self.medium,
-            lora_name=self.lora_name,
-            extra_keys=self.extra_keys,
-            group_idx=self.group_idx,
-            session_id=self.session_id,
-            cache_salt=self.cache_salt,
-        )
+        return _WireBigramBlockStored(token_ids=self.token_pairs, **_bigram_fields(self))
 
 
 class BlockRemoved(
@@ -176,19 +164,16 @@ class _WireBigramBlockStored(
     cache_salt: str | None = None
 
     def event(self) -> BigramBlockStored:
-        return BigramBlockStored(
-            block_hashes=self.block_hashes,
-            parent_block_hash=self.parent_block_hash,
-            block_size=self.block_size,
-            lora_id=self.lora_id,
-            medium=self.medium,
-            lora_name=self.lora_name,
-            extra_keys=self.extra_keys,
-            group_idx=self.group_idx,
-            session_id=self.session_id,
-            cache_salt=self.cache_salt,
-            token_pairs=self.token_ids,
-        )
+        return BigramBlockStored(token_pairs=self.token_ids, **_bigram_fields(self))
+
+
+# What a bigram page carries besides its tokens, the same in both forms (the wire's and
+# the index's): `token_ids` is the one field whose meaning differs between them.
+_BIGRAM_FIELDS = tuple(f for f in _WireBigramBlockStored.__struct_fields__ if f != "token_ids")
+
+
+def _bigram_fields(page: BigramBlockStored | _WireBigramBlockStored) -> dict[str, Any]:
+    return {name: getattr(page, name) for name in _BIGRAM_FIELDS}
 
 
 MapEvent = BlockStored | BlockRemoved | AllBlocksCleared

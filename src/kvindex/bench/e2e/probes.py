@@ -228,7 +228,7 @@ def redis_next_seqs(url: str, names: Sequence[str]) -> Callable[[], dict[str, in
     """A reader of each publisher's next seq as Redis holds it (its checkpoint hash)."""
     import redis
 
-    from kvindex.store.redis.keys import cp_key
+    from kvindex.store.redis.layout import cp_key
     from kvindex.subscriber.messages import SourceKey
 
     client = redis.Redis.from_url(url)

@@ -9,17 +9,17 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from kvindex.bench.common import BLOCK, percentile
+from kvindex.bench.e2e.child import paced_steps, say
 from kvindex.bench.e2e.probes import Client, connect, request
 from kvindex.bench.e2e.streams import MARKER_BASE, Item, marker_payload, read_items
 
-__all__ = ["FRESH_PAUSE", "child_main", "paced_steps", "say"]
+__all__ = ["FRESH_PAUSE", "child_main"]
 
 FRESH_PAUSE = 0.001  # seconds between two freshness polls
 
@@ -41,11 +41,6 @@ def child_main(argv: list[str]) -> None:
         routes_main(args[0], Path(args[1]), int(args[2]), float(args[3]))
     else:
         raise SystemExit(f"unknown bench child {role!r}")
-
-
-def say(message: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
 
 
 # -- the publishers ---------------------------------------------------------------------------
@@ -256,18 +251,6 @@ def _matched(api: str, answer: Any) -> dict[str, int]:
         scores = answer["scores"]
         return {w: max(ranks.values()) // BLOCK for w, ranks in scores.items() if ranks}
     return {row["name"]: row["matched_blocks"] for row in answer["instances"]}
-
-
-def paced_steps(count: int, interval: float) -> Iterator[int]:
-    """0 .. count-1, one every `interval` seconds (at once after a step that ran late)."""
-    clock = time.perf_counter
-    next_at = clock()
-    for i in range(count):
-        pause = next_at - clock()
-        if pause > 0:
-            time.sleep(pause)
-        next_at = max(next_at + interval, clock())
-        yield i
 
 
 def lookups_main(

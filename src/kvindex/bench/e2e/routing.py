@@ -34,9 +34,9 @@ from typing import Any
 import msgspec
 
 from kvindex.bench.common import median
+from kvindex.bench.e2e.child import paced_steps, say
 from kvindex.bench.e2e.probes import wait_applied, wait_live
 from kvindex.bench.e2e.procs import bench_child, child, publishers, serve
-from kvindex.bench.e2e.programs import paced_steps, say
 from kvindex.bench.e2e.runs import attempt, summarize_ms
 from kvindex.bench.e2e.streams import Filled, filled, write_items
 from kvindex.bench.plan import EndToEnd

@@ -1,4 +1,4 @@
-/* The index model of kvindex/index/fleet.py in C: nodes, holders, pools, placement.
+/* The index model of kvindex/index/reference.py in C: nodes, holders, pools, placement.
  *
  * Each function here has a twin of the same name in fleet.py (`src_hold` is `_hold`,
  * `insert_chain` is `_insert_chain`, ...); the differential tests hold the two to the same

@@ -1,4 +1,4 @@
-/* The compiled index: the same model as kvindex/index/fleet.py (read its docstring first),
+/* The compiled index: the same model as kvindex/index/reference.py (read its docstring first),
  * in compact C memory.
  *
  * - A block hash is a `hkey`: a 64-bit value and a kind (a non-negative int, a negative

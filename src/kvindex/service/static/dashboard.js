@@ -506,7 +506,12 @@
     buildCharts();
     renderSharing();
   });
-  window.matchMedia("(prefers-color-scheme: light)").addEventListener("change", () => {
+  window.matchMedia("(prefers-color-scheme: light)").addEventListener("change", (e) => {
+    let saved = null;
+    try {
+      saved = localStorage.getItem("kvindex-theme");
+    } catch (err) {}
+    if (!saved) document.documentElement.dataset.theme = e.matches ? "light" : "dark";
     buildCharts();
     renderSharing();
   });

@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from kvindex.store.redis.keys import APPEND, INSTANCES, cp_key, log_key
+from kvindex.store.redis.layout import APPEND, INSTANCES, cp_key, log_key
 from kvindex.subscriber import (
     Delivery,
     InstanceSpec,

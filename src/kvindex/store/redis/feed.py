@@ -30,7 +30,7 @@ import zmq
 
 from kvindex.runtime import MembershipChange
 from kvindex.store.protocol import StatusReport
-from kvindex.store.redis.keys import ZERO, Cursor, IngestPolicy, StreamId, parse_id, tag, unpack
+from kvindex.store.redis.layout import ZERO, Cursor, IngestPolicy, StreamId, parse_id, tag, unpack
 from kvindex.store.redis.load import snapshot_batches
 from kvindex.subscriber import (
     Checkpoint,

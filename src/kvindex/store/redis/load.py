@@ -21,7 +21,7 @@ import redis
 from kvindex.index import FleetIndex
 from kvindex.store.base import StoreError
 from kvindex.store.mirror import Mirror
-from kvindex.store.redis.keys import (
+from kvindex.store.redis.layout import (
     CTL,
     INSTANCES,
     ZERO,

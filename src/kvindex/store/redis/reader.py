@@ -24,7 +24,7 @@ from typing import Any, cast
 import redis
 
 from kvindex.store.mirror import Mirror
-from kvindex.store.redis.keys import (
+from kvindex.store.redis.layout import (
     CTL,
     STATUS,
     ZERO,

@@ -45,7 +45,7 @@ from kvindex.store.protocol import (
     SaveInstance,
 )
 from kvindex.store.redis.feed import SharedSubscriber
-from kvindex.store.redis.keys import Cursor, RedisConfig, render_id, tag
+from kvindex.store.redis.layout import Cursor, RedisConfig, render_id, tag
 from kvindex.store.redis.load import (
     advance,
     load_source,

@@ -48,7 +48,7 @@ from kvindex.store.protocol import (
 )
 from kvindex.store.redis.append import Appender
 from kvindex.store.redis.compact import Compactor
-from kvindex.store.redis.keys import (
+from kvindex.store.redis.layout import (
     CTL,
     INSTANCES,
     REGISTER,

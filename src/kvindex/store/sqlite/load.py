@@ -15,7 +15,7 @@ from kvindex.store.base import LoadResult
 from kvindex.store.mirror import Mirror
 from kvindex.store.rows import BlockRow, events_from_rows
 from kvindex.store.snapshot import IndexTarget, LogTarget, Stored, load_runs, mirror_rows, replay
-from kvindex.store.sqlite.schema import (
+from kvindex.store.sqlite.tables import (
     KIND_BATCH,
     KIND_REMOVE,
     KIND_RESTART,

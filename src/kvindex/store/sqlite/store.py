@@ -23,7 +23,7 @@ from kvindex.store.base import LoadResult, SharedStore
 from kvindex.store.link import WorkerCommand, WorkerLink, WorkerStore
 from kvindex.store.sqlite.load import load_database
 from kvindex.store.sqlite.owner import OwnerLock
-from kvindex.store.sqlite.schema import connect, read_failure
+from kvindex.store.sqlite.tables import connect, read_failure
 from kvindex.store.sqlite.writer import WriterOptions
 
 __all__ = ["SQLiteStore"]

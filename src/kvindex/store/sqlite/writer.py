@@ -62,7 +62,7 @@ from kvindex.store.protocol import (
 from kvindex.store.snapshot import load_runs, plan_changes
 from kvindex.store.sqlite.load import apply_entry
 from kvindex.store.sqlite.owner import lock_path, still_owner
-from kvindex.store.sqlite.schema import (
+from kvindex.store.sqlite.tables import (
     KIND_BATCH,
     KIND_REMOVE,
     KIND_RESTART,

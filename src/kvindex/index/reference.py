@@ -86,9 +86,9 @@ from kvindex.wire.pools import DEFAULT_POOL, PoolCopies, PoolKey, pool_of
 from kvindex.wire.tiers import TIER_GPU, TIERS, tier_of
 
 __all__ = [
-    "FleetIndex",
     "LookupRow",
     "Namespace",
+    "ReferenceIndex",
     "block_keys",
     "event_tokens",
     "is_keyed",
@@ -110,7 +110,7 @@ class _Node(msgspec.Struct, gc=False, eq=False):
 
     Not tracked by the cyclic garbage collector: millions of nodes would make every full
     collection walk the whole tree. The parent <-> children cycle is broken by hand when a
-    node is pruned, and for the whole tree when the index goes away (`FleetIndex.__del__`).
+    node is pruned, and for the whole tree when the index goes away (`ReferenceIndex.__del__`).
     """
 
     parent: _Node | None
@@ -174,7 +174,7 @@ class _Source:
         self.flag = 1 << self.bit
 
 
-class FleetIndex(IndexBase[_Source]):
+class ReferenceIndex(IndexBase[_Source]):
     """Exact per-publisher block state and token-prefix lookups for a whole fleet."""
 
     def __init__(self, rate_window: float = 60.0, local_hashes: bool = False) -> None:

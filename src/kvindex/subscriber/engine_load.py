@@ -1,4 +1,4 @@
-"""Following SGLang's load stream (`kvindex.wire.load`): the newest `LoadStat` per DP rank.
+"""Following SGLang's load stream (`kvindex.wire.engine_load`): the newest `LoadStat` per DP rank.
 
 A gauge needs none of what the KV-event links do (no seq checking, no replay, no
 backlog): the newest reading per rank wins, so each SUB socket keeps a small high-water
@@ -24,7 +24,7 @@ import zmq
 from kvindex.subscriber.capacity import SocketBudget, budget_of, need_of_load, subscriber_context
 from kvindex.subscriber.messages import SourceKey
 from kvindex.subscriber.spec import InstanceSpec
-from kvindex.wire.load import LoadStat, LoadStatError, decode_load
+from kvindex.wire.engine_load import LoadStat, LoadStatError, decode_load
 
 __all__ = ["LoadFollower", "LoadReading", "LoadState"]
 

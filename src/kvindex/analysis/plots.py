@@ -122,6 +122,13 @@ def _thousands(x: float, _: object) -> str:
     return f"{x:g}"
 
 
+def _counts_from_zero(*axes: Axes) -> None:
+    """A y axis of counts: from 0, in thousands and millions."""
+    for ax in axes:
+        ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_formatter(FuncFormatter(_thousands))
+
+
 # -- figures ------------------------------------------------------------------------------
 
 
@@ -147,8 +154,7 @@ def occupancy(report: Report) -> bytes | None:
                 n += 1
         _titled(ax, "Blocks held over time", n)
         ax.set(xlabel=f"time ({label})", ylabel="blocks held")
-        ax.set_ylim(bottom=0)
-        ax.yaxis.set_major_formatter(FuncFormatter(_thousands))
+        _counts_from_zero(ax)
         return _png(fig)
 
 
@@ -169,9 +175,7 @@ def rates(report: Report) -> bytes | None:
         _titled(top, f"Store and remove rates (blocks/s, {r.bin_seconds:g} s bins)", len(r.stored))
         top.set_ylabel("stored")
         bottom.set(ylabel="removed", xlabel=f"time ({label})")
-        for ax in (top, bottom):
-            ax.set_ylim(bottom=0)
-            ax.yaxis.set_major_formatter(FuncFormatter(_thousands))
+        _counts_from_zero(top, bottom)
         return _png(fig)
 
 
@@ -330,8 +334,7 @@ def duplication(report: Report) -> bytes | None:
         )
         _titled(ax, "Cross-instance duplication (GPU)", 2)
         ax.set(xlabel=f"time ({label})", ylabel="blocks")
-        ax.set_ylim(bottom=0)
-        ax.yaxis.set_major_formatter(FuncFormatter(_thousands))
+        _counts_from_zero(ax)
         return _png(fig)
 
 

@@ -435,16 +435,7 @@ class ReferenceIndex(IndexBase[_Source]):
             data = array("I", tokens).tobytes() if len(tokens) % unit == 0 else None
         except (OverflowError, TypeError):
             data = None
-        parent_hash = event.parent_block_hash
-        start: _Node | None
-        if data is None:
-            start = None
-        elif parent_hash is None:
-            start = self._root_of((lora_key(event), keys.salt, tree))
-        else:
-            start = pool.get(parent_hash)
-            if start is None or start is _LOOSE or self._size_of(start) != tree:
-                start = self._placed_elsewhere(src, parent_hash, tree, None)
+        start = None if data is None else self._units_start(src, event, keys, pool, tree)
         if start is None or data is None:
             self._store_elsewhere_placed(src, pool, info, pool_key, hashes, tree)
             return
@@ -487,6 +478,20 @@ class ReferenceIndex(IndexBase[_Source]):
                 self._store_elsewhere_placed(src, pool, info, pool_key, [h], tree)
                 continue
             self._put(src, pool, info, pool_key, h, node)
+
+    def _units_start(
+        self, src: _Source, event: BlockStored, keys: ChainKeys, pool: Pool, tree: int
+    ) -> _Node | None:
+        """The node a chain of units hangs from in the `tree`-token tree: the root, or its
+        parent's node (where the publisher holds the parent at that tree size); None when
+        the parent has no place there."""
+        parent_hash = event.parent_block_hash
+        if parent_hash is None:
+            return self._root_of((lora_key(event), keys.salt, tree))
+        start = pool.get(parent_hash)
+        if start is None or start is _LOOSE or self._size_of(start) != tree:
+            start = self._placed_elsewhere(src, parent_hash, tree, None)
+        return start
 
     def _unit_positions(
         self,

@@ -39,27 +39,28 @@ __all__ = [
 ]
 
 
-class AppliedBatch(msgspec.Struct, tag="b", array_like=True, gc=False):
-    """A batch the index applied, as the publisher sent it (`payload`: raw msgpack)."""
+class _PublisherMessage(msgspec.Struct, array_like=True, gc=False):
+    """What every message about one publisher starts with: its instance and DP rank
+    (array-like, so these are the first two items on the wire)."""
 
     instance: str
     rank: int
+
+
+class AppliedBatch(_PublisherMessage, tag="b"):
+    """A batch the index applied, as the publisher sent it (`payload`: raw msgpack)."""
+
     seq: int
     payload: bytes
 
 
-class RestartMark(msgspec.Struct, tag="r", array_like=True, gc=False):
+class RestartMark(_PublisherMessage, tag="r"):
     """The publisher restarted: what the store holds of it goes."""
 
-    instance: str
-    rank: int
 
-
-class LostMark(msgspec.Struct, tag="l", array_like=True, gc=False):
+class LostMark(_PublisherMessage, tag="l"):
     """Seqs `first..last` of the publisher could not be had (counted, never applied)."""
 
-    instance: str
-    rank: int
     first: int
     last: int
 

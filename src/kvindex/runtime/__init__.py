@@ -14,6 +14,7 @@ from kvindex.runtime.fleet import (
     MembershipFeed,
     UnknownInstance,
 )
+from kvindex.runtime.ingest import WorkerUnavailable
 from kvindex.runtime.views import (
     RECOVERY_COUNTERS,
     STATUS_ORDER,
@@ -43,5 +44,6 @@ __all__ = [
     "RankView",
     "StoreHealth",
     "UnknownInstance",
+    "WorkerUnavailable",
     "worst_status",
 ]

@@ -171,6 +171,14 @@ class Fleet:
         self.index = index if index is not None else FleetIndex(rate_window=rate_window)
         self._guard = IndexGuard(self.index)
         self._membership = membership
+        self._init_hooks()
+        subscribers = self._subscribers(subscriber, policy, resume, ingest_workers, sub_hwm)
+        self._workers = [self._worker(i, sub, idle_wait) for i, sub in enumerate(subscribers)]
+        self._init_members(discovery_interval)
+        self._init_answer_caches()
+        self._add_first(list(instances))
+
+    def _init_hooks(self) -> None:
         self.on_item: list[ItemHook] = []
         self.on_read: list[Callable[[], None]] = []  # after each read's items are applied
         self.on_remove: list[RemoveHook] = []
@@ -179,48 +187,69 @@ class Fleet:
         self.hook_errors = 0
         # Kept for the HTTP layer's lookup priority; ingest no longer shares its loop.
         self.urgent = 0
-        if subscriber is not None:
-            subscribers = [subscriber]
-        else:
-            count = ingest_workers if ingest_workers is not None else default_workers()
-            hwm = DEFAULT_SUB_HWM if sub_hwm is None else sub_hwm
-            subscribers = [
-                Subscriber(policy=policy, resume=resume, decode=False, rcvhwm=hwm)
-                for _ in range(max(1, count))
-            ]
-        self._workers = [
-            IngestWorker(
-                f"kvindex-ingest-{i}",
-                sub,
-                self.index,
-                self._guard,
-                self._on_item,
-                after_read=self._follow_membership if membership is not None else None,
-                after_apply=self._after_apply,
-                idle_wait=idle_wait,
-            )
-            for i, sub in enumerate(subscribers)
+
+    @staticmethod
+    def _subscribers(
+        shared: Subscriber | None,
+        policy: ReplayPolicy | None,
+        resume: Mapping[SourceKey, Checkpoint] | None,
+        ingest_workers: int | None,
+        sub_hwm: int | None,
+    ) -> list[Subscriber]:
+        """One per ingest worker; a shared store's own Subscriber alone."""
+        if shared is not None:
+            return [shared]
+        count = ingest_workers if ingest_workers is not None else default_workers()
+        hwm = DEFAULT_SUB_HWM if sub_hwm is None else sub_hwm
+        return [
+            Subscriber(policy=policy, resume=resume, decode=False, rcvhwm=hwm)
+            for _ in range(max(1, count))
         ]
+
+    def _worker(self, i: int, sub: Subscriber, idle_wait: float) -> IngestWorker:
+        return IngestWorker(
+            f"kvindex-ingest-{i}",
+            sub,
+            self.index,
+            self._guard,
+            self._on_item,
+            after_read=self._follow_membership if self._membership is not None else None,
+            after_apply=self._after_apply,
+            idle_wait=idle_wait,
+        )
+
+    def _init_members(self, discovery_interval: float) -> None:
+        """The instances followed. They change on the owning worker's thread (an add or a
+        remove is one step there) while views read them on the event loop: `_members`
+        keeps the two apart (held briefly, never while waiting for another thread), and a
+        name being added or removed is in `_changing` meanwhile (a second change of it is
+        refused at once)."""
         self._specs: dict[str, InstanceSpec] = {}
         self._ranks: dict[str, list[SourceKey]] = {}
         self._owner: dict[str, IngestWorker] = {}
-        self._counts: dict[str, _Counts] = {}  # per instance, valid until it changes
+        self._changing: set[str] = set()
+        self._members = threading.RLock()
+        # Per instance, valid until it changes: `_on_item` drops them and bumps the
+        # instance's epoch, so counts computed across a change are not kept.
+        self._counts: dict[str, _Counts] = {}
+        self._counts_epoch: dict[str, int] = {}
+        self._counts_lock = threading.Lock()
         # Engines named by their URL (SGLang): their publishers read from /server_info, and
         # read again when they restart or their link goes down (see runtime/discovery.py).
-        # An instance's publishers change on a worker thread while views read them on the
-        # event loop: `_members` keeps the two apart (held briefly, never while waiting).
         self.discovery = Discovery(self._rediscovered, interval=discovery_interval)
         self.load = LoadFollower()  # SGLang's load streams, on a thread of their own
-        self._members = threading.RLock()
         self.add_link_hook(self._link_trouble)
+
+    def _init_answer_caches(self) -> None:
         # What lookup_json derives from the instances, each kept until what it comes from
         # moves: (index layout, specs version, slots) and (changes, slots, statuses).
         self._specs_version = 0
         self._slots: tuple[object, int, list[AnswerSlot]] | None = None
         self._statuses: tuple[int, object, list[bytes]] | None = None
         self._status_readers: tuple[object, list[StatusReader]] | None = None
-        specs = list(instances)
-        # All or none: a fleet that does not fit is refused before its first socket.
+
+    def _add_first(self, specs: list[InstanceSpec]) -> None:
+        """All or none: a fleet that does not fit is refused before its first socket."""
         what = f"instance {specs[0].name!r}" if len(specs) == 1 else f"{len(specs)} instances"
         self.subscriber.budget.check(need_of_instances(specs), what)
         for spec in specs:
@@ -262,57 +291,80 @@ class Fleet:
             self._call_hook(hook, name)
 
     def _add(self, spec: InstanceSpec) -> None:
-        if self.has_instance(spec.name):
-            raise DuplicateInstance(f"instance {spec.name!r} already exists")
-        worker = self._owner.get(spec.name) or min(
-            self._workers, key=lambda w: len(w.subscriber.sources())
-        )
-        # Whole or not at all: what it needs (KV-event and load sockets) is checked first;
-        # the load stream's sockets are reserved (CapacityError: nothing opened yet), then
-        # the KV-event ones on the worker's own thread: its sockets are made there. Items
-        # the start makes (a replay from 0 for a late join) are applied there too.
-        self.subscriber.budget.check(need_of_instances([spec]), f"instance {spec.name!r}")
-        self.load.follow(spec)
+        """One step on the owning worker's thread: sockets opened, then the instance
+        published to the views (under `_members`), then its first items applied."""
+        name = spec.name
+        with self._members:
+            if name in self._specs or name in self._changing:
+                raise DuplicateInstance(f"instance {name!r} already exists")
+            worker = min(self._workers, key=lambda w: len(w.subscriber.sources()))
+            self._changing.add(name)
         try:
-            worker.call(lambda: self._start_following(worker, spec))
-        except BaseException:
-            self.load.forget(spec.name)
-            raise
-        self._specs[spec.name] = spec
-        self._specs_version += 1
-        self._ranks[spec.name] = [source.source for source in spec.sources()]
-        self._owner[spec.name] = worker
-        self._counts.pop(spec.name, None)
-        if spec.discover is not None:
-            self.discovery.track(spec)
+            # Whole or not at all: what it needs (KV-event and load sockets) is checked
+            # first; the load stream's sockets are reserved (CapacityError: nothing opened
+            # yet), then the KV-event ones on the worker's own thread: its sockets are
+            # made there.
+            self.subscriber.budget.check(need_of_instances([spec]), f"instance {name!r}")
+            self.load.follow(spec)
+            try:
+                worker.call(lambda: self._start_following(worker, spec))
+            except BaseException:
+                self.load.forget(name)
+                raise
+        finally:
+            with self._members:
+                self._changing.discard(name)
 
     def _start_following(self, worker: IngestWorker, spec: InstanceSpec) -> None:
-        for item in worker.subscriber.add_instance(spec):
+        with self._members:
+            items = worker.subscriber.add_instance(spec)
+            self._publish(worker, spec)
+        if spec.discover is not None:
+            self.discovery.track(spec)
+        for item in items:  # a replay from 0 for a late join, applied here
             worker.apply(item)
 
-    def _remove(self, name: str) -> None:
-        if not self.has_instance(name):
-            raise UnknownInstance(name)
-        self.discovery.forget(name)
-        self.load.forget(name)
-        worker = self._owner.pop(name)
-        worker.call(lambda: self._stop_following(worker, name))
-        del self._specs[name], self._ranks[name]
+    def _publish(self, worker: IngestWorker, spec: InstanceSpec) -> None:
+        """What the views read of an instance (under `_members`)."""
+        self._specs[spec.name] = spec
+        self._ranks[spec.name] = [source.source for source in spec.sources()]
+        self._owner[spec.name] = worker
         self._specs_version += 1
-        self._counts.pop(name, None)
+        self._drop_counts(spec.name)
+
+    def _remove(self, name: str) -> None:
+        """One step on the owning worker's thread. If the worker does not run it
+        (WorkerUnavailable), the instance stays as it was, whole."""
+        with self._members:
+            worker = self._owner.get(name)
+            if worker is None or name in self._changing:
+                raise UnknownInstance(name)
+            self._changing.add(name)
+        try:
+            worker.call(lambda: self._stop_following(worker, name))
+        finally:
+            with self._members:
+                self._changing.discard(name)
 
     def _stop_following(self, worker: IngestWorker, name: str) -> None:
-        worker.subscriber.remove_instance(name)
+        with self._members:
+            del self._specs[name], self._ranks[name], self._owner[name]
+            self._specs_version += 1
+            worker.subscriber.remove_instance(name)
+            worker.lag = {k: v for k, v in worker.lag.items() if k.instance != name}
+        self.discovery.forget(name)
+        self.load.forget(name)
         with self._guard():
             self.index.remove_instance(name)
-        worker.lag = {k: v for k, v in worker.lag.items() if k.instance != name}
+        self._drop_counts(name)
 
     def _rediscovered(self, spec: InstanceSpec) -> None:
         """An engine named by its URL publishes elsewhere now (or was found at last): follow
         its new publishers in the old ones' place. From the discovery thread."""
-        worker = self._owner.get(spec.name)
-        if worker is None or self._specs.get(spec.name) == spec:
-            return
+        with self._members:
+            worker = self._owner.get(spec.name)
+            if worker is None or self._specs.get(spec.name) == spec:
+                return
         worker.call(lambda: self._swap(worker, spec))
 
     def _swap(self, worker: IngestWorker, spec: InstanceSpec) -> None:
@@ -325,8 +377,8 @@ class Fleet:
         name = spec.name
         with self._members:
             old = self._specs.get(name)
-            if old is None:
-                return  # removed meanwhile
+            if old is None or self._owner.get(name) is not worker:
+                return  # removed meanwhile (and maybe added again, elsewhere)
             before = self._ranks.get(name, [])
             if name in worker.subscriber.instances:
                 items, closed = worker.subscriber.change_instance(spec)
@@ -340,10 +392,7 @@ class Fleet:
                 else:
                     self.index.remove_instance(name)
             worker.lag = {k: v for k, v in worker.lag.items() if k not in closed}
-            self._specs[name] = spec
-            self._specs_version += 1
-            self._ranks[name] = [source.source for source in spec.sources()]
-            self._counts.pop(name, None)
+            self._publish(worker, spec)
             self._follow_load(old, spec)
         if kept:
             why = "the engine no longer publishes there (/server_info changed)"
@@ -405,7 +454,14 @@ class Fleet:
             return worst_status(worker.subscriber.status(source) for source in ranks)
 
     def instance_views(self) -> list[InstanceView]:
-        return [self.instance_view(name) for name in sorted(self._specs)]
+        """Every instance followed now (one removed while this runs is left out)."""
+        views = []
+        for name in sorted(self._specs):
+            try:
+                views.append(self.instance_view(name))
+            except UnknownInstance:
+                continue
+        return views
 
     def instance_view(self, name: str) -> InstanceView:
         with self._members:
@@ -480,12 +536,21 @@ class Fleet:
     def _counts_of(self, name: str) -> _Counts:
         # Distinct counts need a union over ranks and groups: O(blocks). They are kept until
         # the instance changes, so an idle fleet is scraped and listed for free.
-        counts = self._counts.get(name)
+        with self._counts_lock:
+            counts = self._counts.get(name)
+            epoch = self._counts_epoch.get(name, 0)
         if counts is None:
             with self._guard():
                 counts = _Counts(self.index.cache_stats(name), self.index.blocks_by_medium(name))
-            self._counts[name] = counts
+            with self._counts_lock:  # kept only if nothing changed it meanwhile
+                if self._counts_epoch.get(name, 0) == epoch:
+                    self._counts[name] = counts
         return counts
+
+    def _drop_counts(self, name: str) -> None:
+        with self._counts_lock:
+            self._counts.pop(name, None)
+            self._counts_epoch[name] = self._counts_epoch.get(name, 0) + 1
 
     def summary(self, views: list[InstanceView] | None = None) -> FleetSummary:
         """Totals over the fleet (from `views` when the caller has them already)."""
@@ -522,7 +587,9 @@ class Fleet:
         """The models the instances serve (`model=` in their specs), each with its
         instances by name."""
         out: dict[str, list[str]] = {}
-        for name, spec in sorted(self._specs.items()):
+        with self._members:
+            specs = sorted(self._specs.items())
+        for name, spec in specs:
             if spec.model is not None:
                 out.setdefault(spec.model, []).append(name)
         return out
@@ -590,8 +657,9 @@ class Fleet:
         C body reader gives them so)."""
         core = compiled_index(self.index)
         if core is not None:
-            slots = self._answer_slots()
-            statuses = self._statuses_json(slots)
+            with self._members:  # slots and statuses of one membership
+                slots = self._answer_slots()
+                statuses = self._statuses_json(slots)
             return core.lookup_json(token_ids, lora_name, cache_salt, slots, statuses)
         if isinstance(token_ids, bytes):
             token_ids = array("I", token_ids).tolist()
@@ -651,11 +719,12 @@ class Fleet:
         is never a `down` instance (its engine is unreachable). With `model`, only that
         model's instances."""
         found = {row.instance: row for row in rows}
-        out = [
-            self._match(spec, found.get(name), by_tokens)
-            for name, spec in self._specs.items()
-            if model is None or spec.model == model
-        ]
+        with self._members:  # the instances and their statuses of one membership
+            out = [
+                self._match(spec, found.get(name), by_tokens)
+                for name, spec in self._specs.items()
+                if model is None or spec.model == model
+            ]
         out.sort(key=lambda r: (-r.matched_blocks, r.name))
         best = next((r.name for r in out if r.matched_blocks > 0 and r.status != Status.DOWN), None)
         return LookupAnswer(best, out)
@@ -735,7 +804,7 @@ class Fleet:
         """After the index applied an item (on an ingest thread): the views' cached counts
         go, and the hooks see it, one at a time."""
         if isinstance(item, Delivery | DecodeFailed | Restarted):
-            self._counts.pop(item.source.instance, None)
+            self._drop_counts(item.source.instance)
         if isinstance(item, Restarted) or (isinstance(item, Connection) and not item.connected):
             self.discovery.reread(item.instance, item.describe())
         for hook in self.on_item:

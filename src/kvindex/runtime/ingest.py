@@ -36,13 +36,18 @@ from kvindex.subscriber import (
 )
 from kvindex.wire import WireError
 
-__all__ = ["IndexGuard", "IngestCounters", "IngestWorker", "default_workers"]
+__all__ = ["IndexGuard", "IngestCounters", "IngestWorker", "WorkerUnavailable", "default_workers"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 COMMAND_TIMEOUT = 30.0  # an add or remove waits this long for its worker
+
+
+class WorkerUnavailable(RuntimeError):
+    """The ingest worker that owns an instance did not run a command: it stopped, or it
+    did not get to it within COMMAND_TIMEOUT (then the command never runs)."""
 
 
 def default_workers() -> int:
@@ -144,7 +149,9 @@ class IngestWorker:
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the thread; it closes its sockets on the way out."""
+        """Stop the thread; it closes its sockets on the way out. The wake pipe is closed
+        only once no thread polls it (a thread still running keeps it: a closed fd number
+        could be reused by another file meanwhile)."""
         self._stopping = True
         self._wake()
         thread = self._thread
@@ -152,6 +159,7 @@ class IngestWorker:
             thread.join(timeout)
             if thread.is_alive():
                 log.warning("ingest worker %s did not stop within %.0f s", self.name, timeout)
+                return
         else:
             self.subscriber.close()
         for fd in (self._wake_r, self._wake_w):
@@ -174,18 +182,27 @@ class IngestWorker:
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on this worker's thread (now, if it is not running or this is it) and
-        return its result or raise its exception."""
+        return its result or raise its exception. Raises WorkerUnavailable if the thread
+        stopped, or did not start `fn` within `COMMAND_TIMEOUT` (`fn` never runs then; one
+        that started is waited for)."""
         if self._thread is None or threading.current_thread() is self._thread:
             try:
                 return fn()
             finally:
                 self.changes += 1
         if not self.running:
-            raise RuntimeError(f"ingest worker {self.name} is not running")
+            raise WorkerUnavailable(f"ingest worker {self.name} is not running")
         future: Future[T] = Future()
         self._commands.append((fn, future))
         self._wake()
-        return future.result(COMMAND_TIMEOUT)
+        try:
+            return future.result(COMMAND_TIMEOUT)
+        except TimeoutError:
+            if future.cancel():
+                raise WorkerUnavailable(
+                    f"ingest worker {self.name} did not answer within {COMMAND_TIMEOUT:.0f} s"
+                ) from None
+            return future.result()  # it runs now: its end is near
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):  # a full pipe is awake already
@@ -210,7 +227,7 @@ class IngestWorker:
         while self._commands:
             _, future = self._commands.popleft()
             if future.set_running_or_notify_cancel():
-                future.set_exception(RuntimeError(f"ingest worker {self.name} stopped"))
+                future.set_exception(WorkerUnavailable(f"ingest worker {self.name} stopped"))
 
     # -- reading and applying ---------------------------------------------------------------
 
@@ -239,6 +256,9 @@ class IngestWorker:
         return True
 
     def apply(self, item: Item) -> None:
+        source = getattr(item, "source", None)
+        if source is not None and not self.subscriber.follows(source.instance):
+            return  # read before its instance was removed (by `after_read`, or a command)
         self.counters.items += 1
         try:
             item = self._apply_to_index(item)

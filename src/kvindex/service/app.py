@@ -33,6 +33,7 @@ from kvindex.runtime import (
     LookupAnswer,
     StoreHealth,
     UnknownInstance,
+    WorkerUnavailable,
 )
 from kvindex.runtime.discovery import first_read
 from kvindex.runtime.routing import RouteAnswer
@@ -339,7 +340,7 @@ def _add_instance_routes(app: FastAPI, fleet: Fleet) -> None:
         InstanceAnswer,
         status=201,
         body=[AddInstanceBySpec, AddInstanceByFields],
-        errors=[400, 409, 413, 422],
+        errors=[400, 409, 413, 422, 503],
     )
 
     @app.post("/v1/instances", status_code=201, **add_doc)
@@ -363,19 +364,30 @@ def _add_instance_routes(app: FastAPI, fleet: Fleet) -> None:
             return _error(422, str(exc))
         except (SpecError, zmq.ZMQError) as exc:
             return _error(400, str(exc))
-        return _json(instance_answer(fleet.instance_view(spec.name)), 201)
+        except WorkerUnavailable as exc:  # its ingest worker did not answer in time
+            log.warning("POST /v1/instances: %s", exc)
+            return _error(503, str(exc))
+        try:
+            view = fleet.instance_view(spec.name)
+        except UnknownInstance:  # removed again meanwhile
+            return _error(404, f"instance {spec.name!r} was removed meanwhile")
+        return _json(instance_answer(view), 201)
 
     @app.delete(
         "/v1/instances/{name}",
         status_code=204,
-        **operation_doc(None, status=204, errors=[404, 422]),
+        **operation_doc(None, status=204, errors=[404, 422, 503]),
     )
     async def remove_instance(name: str) -> Response:
-        """Stop following an instance and forget what it holds."""
+        """Stop following an instance and forget what it holds (503: its ingest worker
+        did not answer in time; the instance is then followed as before)."""
         try:
             fleet.remove_instance(name)
         except UnknownInstance:
             return _error(404, f"unknown instance {name!r}")
+        except WorkerUnavailable as exc:
+            log.warning("DELETE /v1/instances/%s: %s", name, exc)
+            return _error(503, str(exc))
         return Response(status_code=204)
 
     @app.get("/v1/instances/{name}/blocks", **operation_doc(BlocksAnswer, errors=[404, 422]))

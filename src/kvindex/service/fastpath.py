@@ -26,6 +26,7 @@ around it is saved.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from starlette.exceptions import HTTPException
@@ -45,6 +46,8 @@ HASHES_PATH = "/v1/lookup/hashes"
 PATHS = {PATH, HASHES_PATH}
 _RAW_PATHS = {path.encode(): path for path in PATHS}
 _JSON = b"content-type: application/json\r\n"
+
+log = logging.getLogger(__name__)
 
 
 class LookupAnswerer:
@@ -217,7 +220,12 @@ class LookupProtocol(HttpToolsProtocol):
         if cycle.deadline is not None:
             cycle.deadline.cancel()
         body = bytes(cycle.body)
-        answer = self.answerer.answer(cycle.path, body)
+        try:
+            answer = self.answerer.answer(cycle.path, body)
+        except Exception:  # httptools would make it a 400 "Invalid HTTP request"
+            log.exception("%s failed", cycle.path)
+            self._respond(cycle, 500, b'{"error":"internal error"}', close=False)
+            return
         if answer is None:  # the route decides, as if uvicorn had read it itself
             self._to_the_app(body)
             return

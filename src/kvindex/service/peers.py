@@ -24,7 +24,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from kvindex.index.localhash import LocalHashesOff
-from kvindex.runtime import DuplicateInstance, Fleet, InstanceMatch, LookupAnswer, UnknownInstance
+from kvindex.runtime import (
+    DuplicateInstance,
+    Fleet,
+    InstanceMatch,
+    LookupAnswer,
+    UnknownInstance,
+    WorkerUnavailable,
+)
 from kvindex.service.lookups import Routing
 from kvindex.service.metrics import ServiceMetrics
 from kvindex.service.schema import (
@@ -181,6 +188,8 @@ def _register(fleet: Fleet, body: RegisterRequest, packed: bool) -> Response:
         return _peer_error(400, str(exc), packed)
     except CapacityError as exc:
         return _peer_error(409, str(exc), packed)
+    except WorkerUnavailable as exc:
+        return _peer_error(503, str(exc), packed)
     return _peer_answer(PeerStatus("ok"), 201, packed)
 
 
@@ -227,8 +236,12 @@ def _workers(fleet: Fleet, model_name: str | None, routing_group: str | None) ->
                 "listeners": {},
             },
         )
+        try:
+            instance_status = fleet.status(name)
+        except UnknownInstance:  # removed while this was listed
+            continue
         for source in spec.sources():
-            status = _listener_status(fleet.status(name))
+            status = _listener_status(instance_status)
             key = str(source.source.rank if rank is None else rank)
             entry["endpoints"][key] = source.endpoint
             entry["listeners"][key] = {"endpoint": source.endpoint, "status": status}
@@ -243,7 +256,7 @@ def _add_membership_routes(app: FastAPI, fleet: Fleet) -> None:
         status_code=201,
         tags=_PEER_TAGS,
         **operation_doc(
-            PeerStatus, status=201, body=[RegisterRequest], errors=[400, 409, 413, 422]
+            PeerStatus, status=201, body=[RegisterRequest], errors=[400, 409, 413, 422, 503]
         ),
     )
     async def register(request: Request) -> Response:
@@ -255,13 +268,17 @@ def _add_membership_routes(app: FastAPI, fleet: Fleet) -> None:
     @app.post(
         "/unregister",
         tags=_PEER_TAGS,
-        **operation_doc(PeerStatus, body=[UnregisterRequest], errors=[400, 404, 413, 422]),
+        **operation_doc(PeerStatus, body=[UnregisterRequest], errors=[400, 404, 413, 422, 503]),
     )
     async def unregister(request: Request) -> Response:
         """Stop following a worker (every rank and group of the model, or the one named)."""
         body: UnregisterRequest
         body, packed = await _peer_body(request, UnregisterRequest)
-        if not _unregistered(fleet, body):
+        try:
+            gone = _unregistered(fleet, body)
+        except WorkerUnavailable as exc:
+            return _peer_error(503, str(exc), packed)
+        if not gone:
             return _peer_error(404, f"instance {body.instance_id} not found", packed)
         return _peer_answer(PeerStatus("ok"), 200, packed)
 

@@ -272,6 +272,10 @@ class Subscriber:
     def instances(self) -> dict[str, InstanceSpec]:
         return dict(self._instances)
 
+    def follows(self, name: str) -> bool:
+        """Whether the instance of that name is followed (cheap: per item read)."""
+        return name in self._instances
+
     def sources(self) -> list[SourceKey]:
         return list(self._sources)
 

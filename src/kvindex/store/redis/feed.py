@@ -131,6 +131,9 @@ class SharedSubscriber(Subscriber):
             return
         self._remote = {k: v for k, v in self._remote.items() if k.instance != name}
 
+    def follows(self, name: str) -> bool:
+        return name in self._remote_specs or super().follows(name)
+
     def sources(self) -> list[SourceKey]:
         return [*super().sources(), *self._remote]
 

@@ -15,7 +15,9 @@
 
 #include <malloc.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 extern size_t kv_alloc_bytes, kv_alloc_blocks; /* core.c */
 
@@ -62,6 +64,36 @@ static inline void kv_free(void *p) {
         (free)(p);
     }
 }
+
+/* Room for `need` items of `item` bytes in `*(T **)arrp`, whose capacity is `*cap`: the one
+ * growth helper for scratch arrays. Doubles from 64; counted in 64 bits, so a count near
+ * 2^32 can neither wrap the sum (no room made, then writes past the end) nor double the
+ * capacity to 0 forever. 0: room made (or there was); -1: out of memory (the array stays
+ * as it was); -2: more than 2^32-1 items (too big to be a batch). */
+static inline int kv_grow(void *arrp, uint32_t *cap, uint64_t need, size_t item) {
+    if (need <= *cap)
+        return 0;
+    if (need > UINT32_MAX)
+        return -2;
+    uint64_t c = *cap ? *cap : 64;
+    while (c < need)
+        c *= 2;
+    if (c > UINT32_MAX)
+        c = UINT32_MAX;
+    if (c > SIZE_MAX / item)
+        return -2;
+    void *arr;
+    memcpy(&arr, arrp, sizeof arr);
+    void *p = kv_realloc(arr, (size_t)c * item);
+    if (p == NULL)
+        return -1;
+    memcpy(arrp, &p, sizeof p);
+    *cap = (uint32_t)c;
+    return 0;
+}
+
+/* kv_grow for an array `arr` (any T *) of capacity `cap` (a uint32_t lvalue). */
+#define KV_GROW(arr, cap, need) kv_grow(&(arr), &(cap), (uint64_t)(need), sizeof(*(arr)))
 
 #define malloc(n) kv_malloc(n)
 #define calloc(count, n) kv_calloc(count, n)

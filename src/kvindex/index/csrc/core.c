@@ -1413,13 +1413,8 @@ static int resolve(core_t *c, scratch_t *sc, const op_t *op, uint32_t from, uint
     r->medium = medium_of(c, op->medium);
     if (op->medium.p != NULL && r->medium == 0)
         return -1;
-    if (sc->hk_cap < n) {
-        hkey *hk = realloc(sc->hk, n * sizeof(hkey));
-        if (hk == NULL)
-            return -1;
-        sc->hk = hk;
-        sc->hk_cap = n;
-    }
+    if (KV_GROW(sc->hk, sc->hk_cap, n) != 0)
+        return -1;
     r->hashes = sc->hk;
     const phash *hashes = &sc->hashes[op->hashes_off + from];
     if (op->type == OP_REMOVED) {

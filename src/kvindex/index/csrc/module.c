@@ -1,17 +1,28 @@
 /* kvindex.index._core: the compiled index's Python face (kvindex/index/compiled.py wraps it).
  *
- * The GIL and the lock: `apply_payload` parses with the GIL released and no lock (parsing
- * reads nothing shared but the digest seed), then applies under the write lock, still
- * without the GIL, so HTTP lookups run on the other core meanwhile. Questions (lookups,
- * counts, walks) take the read lock and keep the GIL: they are short, and giving the GIL
- * away mid-request would let an ingest thread keep it for a whole switch interval. No code
- * holds the GIL while it waits for or holds the write lock (every writer: WRITE_LOCKED),
- * so the two never wait on each other in a circle. Readers never see half a batch of up
- * to APPLY_SLICE hashes: it is applied under one write lock; a bigger one is applied in
- * slices (apply_sliced), so no reader waits long behind it.
+ * One way into the core: every entry point parses its arguments (with the GIL, touching
+ * nothing of the core), fills a small context, and hands a body to `core_run`, the one
+ * place that pairs the index's rwlock with the GIL; it builds the Python result from the
+ * context afterwards when it can. tests/test_core_bodies.py checks that no entry point
+ * takes the lock or gives the GIL away by itself. The modes:
+ *  - RUN_READ: the read lock, GIL kept. Questions whose answer is Python objects made
+ *    from the core (lookups, pools, walks): they are short, and giving the GIL away
+ *    mid-request would let an ingest thread keep it for a whole switch interval.
+ *  - RUN_READ_NOGIL: the read lock without the GIL (distinct: a long count in C only).
+ *  - RUN_WRITE_NOGIL: the write lock, waited for and held without the GIL.
+ *  - RUN_NOGIL: no lock, no GIL: `apply_payload` parses (reading nothing shared but the
+ *    digest seed), then applies slice by slice, each under the write lock (core_locked),
+ *    so HTTP lookups run on the other core meanwhile and no reader waits long behind a
+ *    big batch. Readers never see half a slice of up to APPLY_SLICE hashes.
+ * No code holds the GIL while it waits for or holds the write lock, so the two never
+ * wait on each other in a circle. Bodies run without the GIL touch nothing `Py*`: they
+ * return a status, and the entry point raises once the GIL is back. Everything that
+ * reads the core (the name table included: a writer may be interning and rehashing it)
+ * runs inside a body, so under the lock by construction.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <pthread.h>
 
 #include "answer.h"
@@ -139,30 +150,99 @@ static void Core_dealloc(CoreObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Run `body` (C only: no Python object) under the write lock, waited for and held without
- * the GIL, as apply_payload does. A lookup holds the read lock while it builds its rows,
- * with the GIL, and may give the GIL away meanwhile (its empty-rows callback is Python,
- * and any allocation may run a garbage collection's finalizers): a writer waiting for the
- * lock with the GIL held would wait for it forever, and the lookup for the GIL. Nor may
- * a writer take the GIL back while it holds the lock: readers wait for it with the GIL. */
-#define WRITE_LOCKED(self, body)                                                           \
-    do {                                                                                   \
-        Py_BEGIN_ALLOW_THREADS                                                             \
-        pthread_rwlock_wrlock(&(self)->lock);                                              \
-        body;                                                                              \
-        pthread_rwlock_unlock(&(self)->lock);                                              \
-        Py_END_ALLOW_THREADS                                                               \
-    } while (0)
+/* -- one way in -------------------------------------------------------------------- */
 
-#define READY(self)                                                                        \
-    do {                                                                                   \
-        if (!(self)->ready) {                                                              \
-            PyErr_SetString(PyExc_RuntimeError, "Core is not initialised");               \
-            return NULL;                                                                   \
-        }                                                                                  \
-    } while (0)
+typedef enum {
+    RUN_READ,        /* read lock, GIL kept: bodies may build Python objects */
+    RUN_READ_NOGIL,  /* read lock, GIL released: C-only bodies */
+    RUN_WRITE_NOGIL, /* write lock, GIL released: C-only bodies */
+    RUN_NOGIL,       /* no lock, GIL released: bodies that lock slice by slice (core_locked) */
+} run_mode;
+
+/* A body: C run by core_run under the mode's lock. Its int comes back from core_run. */
+typedef int (*core_body)(CoreObject *self, void *ctx);
+
+/* What core_run returns when the lock could not be taken (never a body's status). */
+#define RUN_LOCK_FAILED INT_MIN
+
+/* `body` under the read or write lock, the caller's GIL state unchanged. The lock's
+ * return code is checked here, the one place that takes it: a read body that reached a
+ * writer of the same core (a Python callback) gets EDEADLK rather than a hang where
+ * glibc can tell. */
+static int core_locked(CoreObject *self, int write, core_body body, void *ctx) {
+    int err = write ? pthread_rwlock_wrlock(&self->lock) : pthread_rwlock_rdlock(&self->lock);
+    if (err != 0)
+        return RUN_LOCK_FAILED;
+    int res = body(self, ctx);
+    pthread_rwlock_unlock(&self->lock);
+    return res;
+}
+
+/* Run `body` in `mode` (see the top of this file): the lock taken and released, the GIL
+ * given away and taken back, here only. Called with the GIL. Returns the body's status,
+ * or RUN_LOCK_FAILED with a RuntimeError set. */
+static int core_run(CoreObject *self, run_mode mode, core_body body, void *ctx) {
+    int res;
+    if (mode == RUN_READ) {
+        res = core_locked(self, 0, body, ctx);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        res = mode == RUN_NOGIL ? body(self, ctx)
+                                : core_locked(self, mode == RUN_WRITE_NOGIL, body, ctx);
+        Py_END_ALLOW_THREADS
+    }
+    if (res == RUN_LOCK_FAILED && !PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "the index's lock could not be taken (a callback "
+                                            "reached the index it was called from?)");
+    return res;
+}
+
+/* The entry guard of every method: an initialised Core and `lo`..`hi` positional
+ * arguments (METH_FASTCALL). 1: go on; 0: an error is set. */
+static int core_entry(CoreObject *self, const char *name, Py_ssize_t nargs, Py_ssize_t lo,
+                      Py_ssize_t hi) {
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "Core is not initialised");
+        return 0;
+    }
+    if (nargs < lo || nargs > hi) {
+        if (lo == hi)
+            PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, lo, nargs);
+        else
+            PyErr_Format(PyExc_TypeError, "%s() takes %zd to %zd arguments (%zd given)", name, lo,
+                         hi, nargs);
+        return 0;
+    }
+    return 1;
+}
+
+/* core_entry for METH_O and METH_NOARGS methods (their arity is CPython's to check). */
+static int core_ready(CoreObject *self) { return core_entry(self, "", 0, 0, 0); }
+
+/* Ints only, for every number an entry point reads: converting anything else would run
+ * its `__index__`, Python that could change the lists being read (issue 27 point 4). */
+static int int_arg(PyObject *obj, const char *what) {
+    if (PyLong_Check(obj))
+        return 1;
+    PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", what, Py_TYPE(obj)->tp_name);
+    return 0;
+}
+
+/* A flag: a bool or an int (PyObject_IsTrue of anything else would run its __bool__). */
+static int flag_arg(PyObject *obj, uint8_t *flag) {
+    if (!int_arg(obj, "a flag"))
+        return 0;
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow); /* an int: no Python runs */
+    if (v == -1 && PyErr_Occurred())
+        return 0;
+    *flag = v != 0 || overflow != 0;
+    return 1;
+}
 
 static int bit_arg(PyObject *obj, uint32_t *bit) {
+    if (!int_arg(obj, "a publisher bit"))
+        return 0;
     long v = PyLong_AsLong(obj);
     if (v == -1 && PyErr_Occurred())
         return 0;
@@ -176,66 +256,84 @@ static int bit_arg(PyObject *obj, uint32_t *bit) {
 
 /* -- ingest -------------------------------------------------------------------------- */
 
-/* Apply a parsed batch of publisher `bit`, a slice at a time, the write lock let go
- * between two: glibc's rwlock (reader-preferring) hands it to the readers waiting. Called
- * without the GIL. `counts`: stored, removed, clears. 1: applied; 0: out of memory. */
-static int apply_sliced(CoreObject *self, uint32_t bit, scratch_t *sc, int64_t counts[3]) {
-    apply_cursor cur = {0};
+/* A batch on its way into the core: apply_payload's and apply_ops' context. */
+typedef struct {
+    uint32_t bit;
+    scratch_t *sc;
+    apply_cursor cur;
+    const void *buf; /* apply_payload: the payload, parsed first */
+    size_t len;
+    int parsed; /* parse_batch's verdict */
+    int64_t counts[3]; /* stored, removed, clears */
+} apply_ctx;
+
+/* One slice, under the write lock: 0 more to do, 1 done, -1 out of memory. */
+static int apply_one_slice(CoreObject *self, void *ctx) {
+    apply_ctx *a = ctx;
+    /* Made at the first slice; gone at a later one: removed meanwhile (never by
+     * ingest, which removes on the thread applying), the rest applied to nothing. */
+    source_t *s = source_get(&self->core, a->bit, !a->cur.started);
+    if (s == NULL)
+        return a->cur.started ? 1 : -1;
+    return apply_slice(&self->core, s, a->sc, &a->cur, self->slice);
+}
+
+/* Apply a parsed batch a slice at a time, the write lock let go between two: glibc's
+ * rwlock (reader-preferring) hands it to the readers waiting. A RUN_NOGIL body. 1:
+ * applied; 0: out of memory. */
+static int apply_sliced(CoreObject *self, void *ctx) {
+    apply_ctx *a = ctx;
     int res;
-    do {
-        pthread_rwlock_wrlock(&self->lock);
-        /* Made at the first slice; gone at a later one: removed meanwhile (never by
-         * ingest, which removes on the thread applying), the rest applied to nothing. */
-        source_t *s = source_get(&self->core, bit, !cur.started);
-        res = s != NULL ? apply_slice(&self->core, s, sc, &cur, self->slice) : cur.started ? 1 : -1;
-        pthread_rwlock_unlock(&self->lock);
-    } while (res == 0);
-    counts[0] = cur.stored;
-    counts[1] = cur.removed;
-    counts[2] = cur.clears;
-    return res > 0;
+    do
+        res = core_locked(self, 1, apply_one_slice, a);
+    while (res == 0);
+    a->counts[0] = a->cur.stored;
+    a->counts[1] = a->cur.removed;
+    a->counts[2] = a->cur.clears;
+    return res == RUN_LOCK_FAILED ? res : res > 0;
+}
+
+/* Parse (no lock: reads only the digest seed), then apply. A RUN_NOGIL body. */
+static int parse_and_apply(CoreObject *self, void *ctx) {
+    apply_ctx *a = ctx;
+    a->parsed = parse_batch(&self->core, a->buf, a->len, a->sc);
+    return a->parsed == PARSE_OK ? apply_sliced(self, a) : 1;
 }
 
 /* apply_payload(bit, payload) -> (applied, ts, dp_rank, (stored, removed, clears))
 
    Parse and apply one batch of publisher `bit`. `applied` False: the fast path can't take
    it; nothing was applied (decode it with kvindex.wire and call apply_ops). */
-static PyObject *Core_apply_payload(CoreObject *self, PyObject *args) {
-    READY(self);
-    PyObject *bit_obj, *payload;
-    if (!PyArg_ParseTuple(args, "OO", &bit_obj, &payload))
-        return NULL;
-    uint32_t bit;
-    if (!bit_arg(bit_obj, &bit))
+static PyObject *Core_apply_payload(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    apply_ctx a = {0};
+    if (!core_entry(self, "apply_payload", nargs, 2, 2) || !bit_arg(args[0], &a.bit))
         return NULL;
     Py_buffer view;
-    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0)
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    scratch_t *sc = scratch_take(self);
-    if (sc == NULL) {
+    a.sc = scratch_take(self);
+    if (a.sc == NULL) {
         PyBuffer_Release(&view);
         return PyErr_NoMemory();
     }
-    int res, failed = 0;
-    int64_t counts[3] = {0, 0, 0};
-    Py_BEGIN_ALLOW_THREADS
-    res = parse_batch(&self->core, view.buf, (size_t)view.len, sc);
-    if (res == PARSE_OK)
-        failed = !apply_sliced(self, bit, sc, counts);
-    Py_END_ALLOW_THREADS
+    a.buf = view.buf;
+    a.len = (size_t)view.len;
+    int res = core_run(self, RUN_NOGIL, parse_and_apply, &a);
     PyBuffer_Release(&view);
-    double ts = sc->ts;
-    int has_rank = sc->has_rank;
-    long long dp_rank = sc->dp_rank;
-    scratch_give_back(self, sc);
-    if (res == PARSE_NOMEM || failed)
+    double ts = a.sc->ts;
+    int has_rank = a.sc->has_rank;
+    long long dp_rank = a.sc->dp_rank;
+    scratch_give_back(self, a.sc);
+    if (res == RUN_LOCK_FAILED)
+        return NULL;
+    if (a.parsed == PARSE_NOMEM || res == 0)
         return PyErr_NoMemory();
-    if (res != PARSE_OK)
+    if (a.parsed != PARSE_OK)
         return Py_BuildValue("(OOOO)", Py_False, Py_None, Py_None, Py_None);
-    PyObject *rank = has_rank ? PyLong_FromLongLong(dp_rank) : (Py_INCREF(Py_None), Py_None);
+    PyObject *rank = has_rank ? PyLong_FromLongLong(dp_rank) : Py_NewRef(Py_None);
     if (rank == NULL)
         return NULL;
-    return Py_BuildValue("(OdN(LLL))", Py_True, ts, rank, counts[0], counts[1], counts[2]);
+    return Py_BuildValue("(OdN(LLL))", Py_True, ts, rank, a.counts[0], a.counts[1], a.counts[2]);
 }
 
 /* A block hash from Python: an int in [-2^63, 2^64) or bytes (kept alive by the caller). */
@@ -306,6 +404,8 @@ static int opt_int(PyObject *obj, int64_t *v, uint8_t *present) {
         *present = 0;
         return 1;
     }
+    if (!int_arg(obj, "an op's number"))
+        return 0;
     int overflow;
     long long x = PyLong_AsLongLongAndOverflow(obj, &overflow);
     if (x == -1 && PyErr_Occurred())
@@ -351,7 +451,7 @@ static PyObject *group_object(int64_t group, uint8_t big) {
    token bytes when they all fit (kept for shared nodes). `bigram`: an EAGLE bigram
    cache's pages (their pairs flattened in keys and tokens; see keys.py). `own`: some
    block has own keys (fleet._unit_tree leaves such chains to the other rules). */
-static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
+static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t, PyObject *keep) {
     if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(t, 0))) {
         PyErr_SetString(PyExc_TypeError, "an op is a tuple starting with its kind");
         return 0;
@@ -359,15 +459,9 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
     const char *kind = PyUnicode_AsUTF8(PyTuple_GET_ITEM(t, 0));
     if (kind == NULL)
         return 0;
-    if (sc->nops == sc->ops_cap) {
-        uint32_t cap = sc->ops_cap ? sc->ops_cap * 2 : 64;
-        op_t *ops = realloc(sc->ops, cap * sizeof(op_t));
-        if (ops == NULL) {
-            PyErr_NoMemory();
-            return 0;
-        }
-        sc->ops = ops;
-        sc->ops_cap = cap;
+    if (KV_GROW(sc->ops, sc->ops_cap, (uint64_t)sc->nops + 1) != 0) {
+        PyErr_NoMemory();
+        return 0;
     }
     op_t *op = &sc->ops[sc->nops];
     memset(op, 0, sizeof *op);
@@ -382,31 +476,24 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
         PyErr_SetString(PyExc_ValueError, "malformed op");
         return 0;
     }
-    PyObject *hashes = PySequence_Fast(PyTuple_GET_ITEM(t, 1), "hashes must be a sequence");
-    if (hashes == NULL)
+    /* A tuple of its own, kept in `keep` until the batch is applied: bytes hashes are
+     * read by pointer without the GIL, and a list could change meanwhile. */
+    PyObject *hashes = PySequence_Tuple(PyTuple_GET_ITEM(t, 1));
+    if (hashes == NULL || PyList_Append(keep, hashes) < 0) {
+        Py_XDECREF(hashes);
         return 0;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
-    if (sc->nhashes + n > sc->hashes_cap) {
-        uint32_t cap = sc->hashes_cap ? sc->hashes_cap : 64;
-        while (cap < sc->nhashes + n)
-            cap *= 2;
-        phash *hs = realloc(sc->hashes, cap * sizeof(phash));
-        if (hs == NULL) {
-            Py_DECREF(hashes);
-            PyErr_NoMemory();
-            return 0;
-        }
-        sc->hashes = hs;
-        sc->hashes_cap = cap;
+    }
+    Py_DECREF(hashes); /* `keep` holds it */
+    Py_ssize_t n = PyTuple_GET_SIZE(hashes);
+    if (KV_GROW(sc->hashes, sc->hashes_cap, (uint64_t)sc->nhashes + (uint64_t)n) != 0) {
+        PyErr_NoMemory();
+        return 0;
     }
     op->hashes_off = sc->nhashes;
     op->nhashes = (uint32_t)n;
     for (Py_ssize_t i = 0; i < n; i++)
-        if (!hash_arg(PySequence_Fast_GET_ITEM(hashes, i), &sc->hashes[sc->nhashes + i])) {
-            Py_DECREF(hashes);
+        if (!hash_arg(PyTuple_GET_ITEM(hashes, i), &sc->hashes[sc->nhashes + i]))
             return 0;
-        }
-    Py_DECREF(hashes); /* the items stay alive: the caller's tuple holds them */
     sc->nhashes += (uint32_t)n;
     if (kind[0] == 'R') {
         op->type = OP_REMOVED;
@@ -423,27 +510,19 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
         if (!hash_arg(parent, &op->parent))
             return 0;
     }
-    PyObject *keys = PySequence_Fast(PyTuple_GET_ITEM(t, 3), "keys must be a sequence");
+    PyObject *keys = PySequence_Tuple(PyTuple_GET_ITEM(t, 3));
     if (keys == NULL)
         return 0;
-    Py_ssize_t nk = PySequence_Fast_GET_SIZE(keys);
-    if (sc->nkeys + nk > sc->keys_cap) {
-        uint32_t cap = sc->keys_cap ? sc->keys_cap : 64;
-        while (cap < sc->nkeys + nk)
-            cap *= 2;
-        uint64_t *ks = realloc(sc->keys, cap * sizeof(uint64_t));
-        if (ks == NULL) {
-            Py_DECREF(keys);
-            PyErr_NoMemory();
-            return 0;
-        }
-        sc->keys = ks;
-        sc->keys_cap = cap;
+    Py_ssize_t nk = PyTuple_GET_SIZE(keys);
+    if (KV_GROW(sc->keys, sc->keys_cap, (uint64_t)sc->nkeys + (uint64_t)nk) != 0) {
+        Py_DECREF(keys);
+        PyErr_NoMemory();
+        return 0;
     }
     op->keys_off = sc->nkeys;
     op->nkeys = (uint32_t)nk;
     for (Py_ssize_t i = 0; i < nk; i++) {
-        PyObject *k = PySequence_Fast_GET_ITEM(keys, i);
+        PyObject *k = PyTuple_GET_ITEM(keys, i);
         if (!PyBytes_Check(k)) {
             Py_DECREF(keys);
             PyErr_SetString(PyExc_TypeError, "a key is bytes");
@@ -452,8 +531,10 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
         sc->keys[sc->nkeys + i] = key_digest(&self->core, (const uint8_t *)PyBytes_AS_STRING(k),
                                              (size_t)PyBytes_GET_SIZE(k));
     }
-    Py_DECREF(keys);
+    Py_DECREF(keys); /* digested: nothing points into it */
     sc->nkeys += (uint32_t)nk;
+    if (!int_arg(PyTuple_GET_ITEM(t, 4), "an op's token count"))
+        return 0;
     op->ntokens = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(t, 4));
     if (PyErr_Occurred())
         return 0;
@@ -464,17 +545,9 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
             return 0;
         }
         uint32_t count = (uint32_t)(PyBytes_GET_SIZE(tokens) / 4);
-        if (sc->ntokens + count > sc->tokens_cap) {
-            uint32_t cap = sc->tokens_cap ? sc->tokens_cap : 64;
-            while (cap < sc->ntokens + count)
-                cap *= 2;
-            uint32_t *ts = realloc(sc->tokens, cap * sizeof(uint32_t));
-            if (ts == NULL) {
-                PyErr_NoMemory();
-                return 0;
-            }
-            sc->tokens = ts;
-            sc->tokens_cap = cap;
+        if (KV_GROW(sc->tokens, sc->tokens_cap, (uint64_t)sc->ntokens + count) != 0) {
+            PyErr_NoMemory();
+            return 0;
         }
         memcpy(sc->tokens + sc->ntokens, PyBytes_AS_STRING(tokens), (size_t)count * 4);
         op->tokens_off = sc->ntokens;
@@ -487,91 +560,96 @@ static int op_from_tuple(CoreObject *self, scratch_t *sc, PyObject *t) {
         return 0;
     if (!opt_str(PyTuple_GET_ITEM(t, 7), &op->lora) ||
         !opt_int(PyTuple_GET_ITEM(t, 8), &lora_id, &op->has_lora_id) ||
-        !opt_str(PyTuple_GET_ITEM(t, 9), &op->salt))
+        !opt_str(PyTuple_GET_ITEM(t, 9), &op->salt) || !flag_arg(PyTuple_GET_ITEM(t, 10), &op->keyed))
         return 0;
     op->lora_id = lora_id;
-    op->keyed = (uint8_t)PyObject_IsTrue(PyTuple_GET_ITEM(t, 10));
     if (!opt_str(PyTuple_GET_ITEM(t, 11), &op->medium) ||
         !opt_group(PyTuple_GET_ITEM(t, 12), &op->group, &op->has_group, &op->group_big) ||
         !opt_str(PyTuple_GET_ITEM(t, 13), &op->spec_kind) ||
         !opt_int(PyTuple_GET_ITEM(t, 14), &op->window, &op->has_window))
         return 0;
     op->has_spec = op->spec_kind.p != NULL;
+    if (!int_arg(PyTuple_GET_ITEM(t, 15), "an op's unrecognised count"))
+        return 0;
     op->unrecognised = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(t, 15));
-    if (PyErr_Occurred())
+    if (PyErr_Occurred() || !flag_arg(PyTuple_GET_ITEM(t, 16), &op->bigram) ||
+        !flag_arg(PyTuple_GET_ITEM(t, 17), &op->own))
         return 0;
-    int bigram = PyObject_IsTrue(PyTuple_GET_ITEM(t, 16));
-    if (bigram < 0)
-        return 0;
-    op->bigram = (uint8_t)bigram;
-    int own = PyObject_IsTrue(PyTuple_GET_ITEM(t, 17));
-    if (own < 0)
-        return 0;
-    op->own = (uint8_t)own;
     sc->nops++;
     return 1;
 }
 
 /* apply_ops(bit, ops): apply a batch the Python decoder made (as apply_payload does). */
-static PyObject *Core_apply_ops(CoreObject *self, PyObject *args) {
-    READY(self);
-    PyObject *bit_obj, *ops;
-    if (!PyArg_ParseTuple(args, "OO", &bit_obj, &ops))
+static PyObject *Core_apply_ops(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    apply_ctx a = {0};
+    if (!core_entry(self, "apply_ops", nargs, 2, 2) || !bit_arg(args[0], &a.bit))
         return NULL;
-    uint32_t bit;
-    if (!bit_arg(bit_obj, &bit))
+    /* The ops as a tuple of our own, and every op's hashes (kept in `keep`): the spans
+     * point into their objects, read without the GIL until the batch is applied. */
+    PyObject *ops = PySequence_Tuple(args[1]);
+    PyObject *keep = ops ? PyList_New(0) : NULL;
+    if (keep == NULL) {
+        Py_XDECREF(ops);
         return NULL;
-    PyObject *fast = PySequence_Fast(ops, "ops must be a sequence");
-    if (fast == NULL)
-        return NULL;
+    }
     scratch_t sc = {0};
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!op_from_tuple(self, &sc, PySequence_Fast_GET_ITEM(fast, i))) {
-            scratch_free(&sc);
-            Py_DECREF(fast);
-            return NULL;
-        }
-    /* The spans point into the tuples' objects: `fast` keeps them alive until here (the
-     * list is batch_ops' own: nothing else changes it while the GIL is away). */
-    int failed;
-    int64_t counts[3];
-    Py_BEGIN_ALLOW_THREADS /* see WRITE_LOCKED */
-    failed = !apply_sliced(self, bit, &sc, counts);
-    Py_END_ALLOW_THREADS
+    a.sc = &sc;
+    int ok = 1;
+    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(ops); i++)
+        ok = op_from_tuple(self, &sc, PyTuple_GET_ITEM(ops, i), keep);
+    int res = ok ? core_run(self, RUN_NOGIL, apply_sliced, &a) : 0;
     scratch_free(&sc);
-    Py_DECREF(fast);
-    if (failed)
+    Py_DECREF(keep);
+    Py_DECREF(ops);
+    if (!ok || res == RUN_LOCK_FAILED)
+        return NULL;
+    if (res == 0)
         return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
-/* clear(bit, restart): drop what the publisher holds (a restart also counts one). */
-static PyObject *Core_clear(CoreObject *self, PyObject *args) {
-    READY(self);
-    PyObject *bit_obj;
-    int restart;
-    if (!PyArg_ParseTuple(args, "Op", &bit_obj, &restart))
-        return NULL;
+/* A publisher's bit and a flag: clear's, remove's and keep_*'s context. */
+typedef struct {
     uint32_t bit;
-    if (!bit_arg(bit_obj, &bit))
+    uint8_t flag;
+    int res;
+} bit_ctx;
+
+static int clear_body(CoreObject *self, void *ctx) {
+    bit_ctx *x = ctx;
+    source_t *s = source_get(&self->core, x->bit, 0);
+    if (s != NULL) {
+        source_clear(&self->core, s);
+        s->stats.restarts += x->flag;
+    }
+    return 0;
+}
+
+/* clear(bit, restart): drop what the publisher holds (a restart also counts one). */
+static PyObject *Core_clear(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    bit_ctx x = {0};
+    if (!core_entry(self, "clear", nargs, 2, 2) || !bit_arg(args[0], &x.bit))
         return NULL;
-    WRITE_LOCKED(self, {
-        source_t *s = source_get(&self->core, bit, 0);
-        if (s != NULL) {
-            source_clear(&self->core, s);
-            s->stats.restarts += restart;
-        }
-    });
+    int restart = PyObject_IsTrue(args[1]);
+    if (restart < 0)
+        return NULL;
+    x.flag = (uint8_t)restart;
+    if (core_run(self, RUN_WRITE_NOGIL, clear_body, &x) == RUN_LOCK_FAILED)
+        return NULL;
     Py_RETURN_NONE;
 }
 
+static int remove_body(CoreObject *self, void *ctx) {
+    source_remove(&self->core, ((bit_ctx *)ctx)->bit);
+    return 0;
+}
+
 static PyObject *Core_remove(CoreObject *self, PyObject *bit_obj) {
-    READY(self);
-    uint32_t bit;
-    if (!bit_arg(bit_obj, &bit))
+    bit_ctx x = {0};
+    if (!core_ready(self) || !bit_arg(bit_obj, &x.bit))
         return NULL;
-    WRITE_LOCKED(self, source_remove(&self->core, bit));
+    if (core_run(self, RUN_WRITE_NOGIL, remove_body, &x) == RUN_LOCK_FAILED)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -716,18 +794,6 @@ static int tokens_arg(PyObject *obj, prompt_t *out) {
     }
     return 1;
 }
-
-static int lookup_names(CoreObject *self, PyObject *lora, PyObject *salt, uint32_t *lora_id,
-                        uint32_t *salt_id, int *unknown) {
-    span_t l, s;
-    if (!opt_str(lora, &l) || !opt_str(salt, &s))
-        return 0;
-    *lora_id = l.p ? find_name(&self->core, l.p, l.len) : 0;
-    *salt_id = s.p ? find_name(&self->core, s.p, s.len) : 0;
-    *unknown = (l.p && !*lora_id) || (s.p && !*salt_id);
-    return 1;
-}
-
 
 static PyObject *int_dict(const int64_t *keys, const uint8_t *big, const uint32_t *values,
                           uint32_t n) {
@@ -954,6 +1020,45 @@ static void walk_free(walked_t *w) {
     free(w->reuses);
 }
 
+/* A lookup's context: its arguments as C, what the walk found, and the result. */
+typedef struct {
+    span_t lora, salt; /* names: resolved in the body, under the lock (issue 23) */
+    prompt_t prompt;
+    own_keys own;
+    walked_t w;
+    /* lookup, lookup_local: the answer's shape, its empty rows' maker, the row type */
+    PyObject *layout, *empty_rows, *row_type, *rows;
+    /* lookup_local */
+    uint64_t *hashes;
+    uint32_t nhashes, want_size;
+    /* lookup_json */
+    slot_t *slots;
+    int32_t *ranks;
+    uint32_t nslots;
+    jbuf_t out;
+    int hit;
+} lookup_ctx;
+
+static void lookup_ctx_free(lookup_ctx *x) {
+    prompt_free(&x->prompt);
+    free(x->own.keys);
+    walk_free(&x->w);
+    free(x->hashes);
+    free(x->slots);
+    free(x->ranks);
+    jbuf_free(&x->out);
+}
+
+/* The lookup's LoRA name and salt as the core's name ids; `unknown`: one was given that
+ * no namespace has (nothing matches). Reads the name table: under the lock only. */
+static void lookup_names(const core_t *c, const lookup_ctx *x, uint32_t *lora_id,
+                         uint32_t *salt_id, int *unknown) {
+    *lora_id = x->lora.p ? find_name(c, x->lora.p, x->lora.len) : 0;
+    *salt_id = x->salt.p ? find_name(c, x->salt.p, x->salt.len) : 0;
+    *unknown = (x->lora.p && !*lora_id) || (x->salt.p && !*salt_id);
+}
+
+
 /* Marks in `several` (`words` words, cleared here) the publishers with several pools,
    whose answers need each size's walk path; 1 if there is any. Both lookups' set-up. */
 static int mark_several(const core_t *c, uint64_t *several, uint32_t words, uint32_t bits) {
@@ -1176,98 +1281,126 @@ static void walk_local(const core_t *c, const uint64_t *hashes, uint32_t n, uint
     free(found);
 }
 
+/* The answer's rows from the walk (a RUN_READ body's last step): the empty rows of the
+ * walk's default size, then make_rows. The rows need the pools (by_tier): built before
+ * the lock goes, with the GIL kept (ingest never needs the GIL while it holds the write
+ * lock). 0, or -1 with an error set. */
+static int lookup_rows(CoreObject *self, lookup_ctx *x) {
+    if (x->w.oom) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject *empty = PyObject_CallFunction(x->empty_rows, "I", x->w.default_size);
+    if (empty != NULL &&
+        (!PyList_Check(empty) || PyList_GET_SIZE(empty) != PyList_GET_SIZE(x->layout))) {
+        PyErr_SetString(PyExc_ValueError, "empty rows do not match the layout");
+        Py_CLEAR(empty);
+    }
+    if (empty != NULL)
+        x->rows = make_rows(self, x->layout, empty, x->row_type, x->w.answers, x->w.nbits);
+    Py_XDECREF(empty);
+    return x->rows != NULL ? 0 : -1;
+}
+
+static int lookup_local_body(CoreObject *self, void *ctx) {
+    lookup_ctx *x = ctx;
+    const core_t *c = &self->core;
+    if (!c->local_on) {
+        PyErr_SetString(PyExc_RuntimeError, "the core keeps no local hashes");
+        return -1;
+    }
+    uint32_t lora_id = x->lora.p ? find_name(c, x->lora.p, x->lora.len) : 0;
+    if (x->lora.p && !lora_id) /* an adapter no namespace has: nothing matches */
+        walk_local(c, x->hashes, 0, 0, 1, 0xFFFFFFFFu, &x->w);
+    else
+        walk_local(c, x->hashes, x->nhashes, lora_id, x->lora.p != NULL, x->want_size, &x->w);
+    return lookup_rows(self, x);
+}
+
 /* lookup_local(hashes, lora_name, block_size, layout, empty_rows, row_type) -> [row, ...]
 
    FleetIndex.lookup_local_hashes: `hashes` u64 or i64 ints (Dynamo's local block hashes),
    `lora_name` None or a name (only its namespaces), `block_size` None or a size. */
-static PyObject *Core_lookup_local(CoreObject *self, PyObject *args) {
-    READY(self);
-    PyObject *hashes_obj, *lora, *size_obj, *layout, *empty_rows, *row_type;
-    if (!PyArg_ParseTuple(args, "OOOO!OO", &hashes_obj, &lora, &size_obj, &PyList_Type, &layout,
-                          &empty_rows, &row_type))
+static PyObject *Core_lookup_local(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    lookup_ctx x = {0};
+    if (!core_entry(self, "lookup_local", nargs, 6, 6) || !opt_str(args[1], &x.lora))
         return NULL;
-    span_t l;
-    if (!opt_str(lora, &l))
+    if (!PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "layout must be a list");
         return NULL;
-    uint32_t want_size = 0;
-    if (size_obj != Py_None) {
-        unsigned long v = PyLong_AsUnsignedLong(size_obj);
+    }
+    x.layout = args[3], x.empty_rows = args[4], x.row_type = args[5];
+    if (args[2] != Py_None) {
+        if (!int_arg(args[2], "block_size"))
+            return NULL;
+        unsigned long v = PyLong_AsUnsignedLong(args[2]);
         if (PyErr_Occurred())
             return NULL;
         if (v == 0 || v >= (1UL << 31)) /* no tree has it: nothing matches */
             v = 0xFFFFFFFFUL;
-        want_size = (uint32_t)v;
+        x.want_size = (uint32_t)v;
     }
-    PyObject *fast = PySequence_Fast(hashes_obj, "hashes must be a sequence of ints");
+    PyObject *fast = PySequence_Fast(args[0], "hashes must be a sequence of ints");
     if (fast == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    uint64_t *hashes = malloc(((size_t)n + 1) * sizeof(uint64_t));
-    if (hashes == NULL) {
+    x.hashes = malloc(((size_t)n + 1) * sizeof(uint64_t));
+    if (x.hashes == NULL) {
         Py_DECREF(fast);
         return PyErr_NoMemory();
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
+    x.nhashes = (uint32_t)n;
+    for (Py_ssize_t i = 0; i < n && !PyErr_Occurred(); i++) {
         PyObject *o = PySequence_Fast_GET_ITEM(fast, i);
-        if (!PyLong_Check(o)) {
-            PyErr_SetString(PyExc_TypeError, "a local hash must be an int");
-            break;
-        }
         /* modulo 2^64, as localhash.as_unsigned: an i64 from the wire is its u64 */
-        hashes[i] = PyLong_AsUnsignedLongLongMask(o);
-        if (PyErr_Occurred())
-            break;
+        if (int_arg(o, "a local hash"))
+            x.hashes[i] = PyLong_AsUnsignedLongLongMask(o);
     }
     Py_DECREF(fast);
-    if (PyErr_Occurred()) {
-        free(hashes);
-        return NULL;
-    }
-    walked_t w;
-    PyObject *rows = NULL;
-    pthread_rwlock_rdlock(&self->lock);
-    uint32_t lora_id = l.p ? find_name(&self->core, l.p, l.len) : 0;
-    if (!self->core.local_on) {
-        PyErr_SetString(PyExc_RuntimeError, "the core keeps no local hashes");
-        memset(&w, 0, sizeof w);
-    } else if (l.p && !lora_id) { /* an adapter no namespace has: nothing matches */
-        walk_local(&self->core, hashes, 0, 0, 1, 0xFFFFFFFFu, &w);
-    } else {
-        walk_local(&self->core, hashes, (uint32_t)n, lora_id, l.p != NULL, want_size, &w);
-    }
-    if (PyErr_Occurred()) {
-        /* refused above */
-    } else if (w.oom) {
-        PyErr_NoMemory();
-    } else {
-        PyObject *empty = PyObject_CallFunction(empty_rows, "I", w.default_size);
-        if (empty != NULL && (!PyList_Check(empty) || PyList_GET_SIZE(empty) != PyList_GET_SIZE(layout))) {
-            PyErr_SetString(PyExc_ValueError, "empty rows do not match the layout");
-            Py_CLEAR(empty);
-        }
-        if (empty != NULL)
-            rows = make_rows(self, layout, empty, row_type, w.answers, w.nbits);
-        Py_XDECREF(empty);
-    }
-    pthread_rwlock_unlock(&self->lock);
-    walk_free(&w);
-    free(hashes);
-    return rows;
+    int res = PyErr_Occurred() ? -1 : core_run(self, RUN_READ, lookup_local_body, &x);
+    lookup_ctx_free(&x);
+    return res == 0 ? x.rows : NULL;
+}
+
+static int keep_local_body(CoreObject *self, void *ctx) {
+    return keep_local_hashes(&self->core, ((bit_ctx *)ctx)->flag);
 }
 
 /* keep_local_hashes(on): keep Dynamo's local block hashes (only before the first block). */
 static PyObject *Core_keep_local_hashes(CoreObject *self, PyObject *on) {
-    READY(self);
-    int flag = PyObject_IsTrue(on);
-    if (flag < 0)
+    bit_ctx x = {0};
+    if (!core_ready(self) || !flag_arg(on, &x.flag))
         return NULL;
-    int r;
-    WRITE_LOCKED(self, r = keep_local_hashes(&self->core, flag));
-    if (r < 0) {
+    int res = core_run(self, RUN_WRITE_NOGIL, keep_local_body, &x);
+    if (res == RUN_LOCK_FAILED)
+        return NULL;
+    if (res < 0) {
         PyErr_SetString(PyExc_ValueError, "local hashes are kept from the first block only");
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+/* The prompt-lookups' common arguments: token_ids, lora_name, cache_salt and the
+ * optional own keys (args[own_at] if given). 1, or 0 with an error set. */
+static int lookup_args(CoreObject *self, PyObject *const *args, Py_ssize_t nargs,
+                       Py_ssize_t own_at, lookup_ctx *x) {
+    return opt_str(args[1], &x->lora) && opt_str(args[2], &x->salt) &&
+           own_arg(self, nargs > own_at ? args[own_at] : NULL, &x->own) &&
+           tokens_arg(args[0], &x->prompt);
+}
+
+static void walk_body(const core_t *c, lookup_ctx *x) {
+    uint32_t lora_id, salt_id;
+    int unknown;
+    lookup_names(c, x, &lora_id, &salt_id, &unknown);
+    walk_prompt(c, &x->prompt, lora_id, salt_id, unknown, &x->own, &x->w);
+}
+
+static int lookup_body(CoreObject *self, void *ctx) {
+    lookup_ctx *x = ctx;
+    walk_body(&self->core, x);
+    return lookup_rows(self, x);
 }
 
 /* lookup(token_ids, lora_name, cache_salt, layout, empty_rows, row_type[, own]) -> [row, ...]
@@ -1276,56 +1409,25 @@ static PyObject *Core_keep_local_hashes(CoreObject *self, PyObject *on) {
    answer's shape (IndexBase._lay_out), `empty_rows(size)` the shared rows of instances
    matching nothing, `row_type` LookupRow. `token_ids`: ints, or bytes of uint32 in native
    order (parse_lookup's). `own`: the blocks keyed by the lookup's own keys (own_arg). */
-static PyObject *Core_lookup(CoreObject *self, PyObject *args) {
-    READY(self);
-    PyObject *tokens_obj, *lora, *salt, *layout, *empty_rows, *row_type, *own_obj = NULL;
-    if (!PyArg_ParseTuple(args, "OOOO!OO|O", &tokens_obj, &lora, &salt, &PyList_Type, &layout,
-                          &empty_rows, &row_type, &own_obj))
+static PyObject *Core_lookup(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    lookup_ctx x = {0};
+    if (!core_entry(self, "lookup", nargs, 6, 7))
         return NULL;
-    prompt_t prompt;
-    uint32_t lora_id, salt_id;
-    int unknown;
-    own_keys own;
-    if (!lookup_names(self, lora, salt, &lora_id, &salt_id, &unknown))
-        return NULL;
-    if (!own_arg(self, own_obj, &own))
-        return NULL;
-    if (!tokens_arg(tokens_obj, &prompt)) {
-        free(own.keys);
+    if (!PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "layout must be a list");
         return NULL;
     }
-    walked_t w;
-    PyObject *rows = NULL;
-    pthread_rwlock_rdlock(&self->lock);
-    walk_prompt(&self->core, &prompt, lora_id, salt_id, unknown, &own, &w);
-    if (w.oom) {
-        PyErr_NoMemory();
-    } else {
-        /* The rows need the pools (by_tier): built before the lock goes, with the GIL
-         * kept (ingest never needs the GIL while it holds the write lock). */
-        PyObject *empty = PyObject_CallFunction(empty_rows, "I", w.default_size);
-        if (empty != NULL && (!PyList_Check(empty) || PyList_GET_SIZE(empty) != PyList_GET_SIZE(layout))) {
-            PyErr_SetString(PyExc_ValueError, "empty rows do not match the layout");
-            Py_CLEAR(empty);
-        }
-        if (empty != NULL)
-            rows = make_rows(self, layout, empty, row_type, w.answers, w.nbits);
-        Py_XDECREF(empty);
-    }
-    pthread_rwlock_unlock(&self->lock);
-    prompt_free(&prompt);
-    walk_free(&w);
-    free(own.keys);
-    return rows;
+    x.layout = args[3], x.empty_rows = args[4], x.row_type = args[5];
+    int res = lookup_args(self, args, nargs, 6, &x) ? core_run(self, RUN_READ, lookup_body, &x) : -1;
+    lookup_ctx_free(&x);
+    return res == 0 ? x.rows : NULL;
 }
 
 /* The runtime's instances (a list of (name_json, [rank, bit, rank, bit, ...]) by name, see
  * CompiledIndex.lookup_json) and their statuses (a list of JSON strings as bytes) as
- * slot_t; the rank arrays go in `ranks`. 0 with an error set on a bad shape. */
-static int slots_arg(PyObject *slots_obj, PyObject *statuses, slot_t **slots_out,
-                     int32_t **ranks_out) {
-    *slots_out = NULL;
-    *ranks_out = NULL;
+ * slot_t; the rank arrays go in `ranks`. 0 with an error set on a bad shape. Ints only
+ * (int_arg): nothing of Python runs between the two passes, so the lists stay as sized. */
+static int slots_arg(PyObject *slots_obj, PyObject *statuses, lookup_ctx *x) {
     if (!PyList_Check(slots_obj) || !PyList_Check(statuses) ||
         PyList_GET_SIZE(slots_obj) != PyList_GET_SIZE(statuses)) {
         PyErr_SetString(PyExc_TypeError, "slots and statuses: two lists, as long");
@@ -1342,12 +1444,14 @@ static int slots_arg(PyObject *slots_obj, PyObject *statuses, slot_t **slots_out
         }
         total += PyList_GET_SIZE(PyTuple_GET_ITEM(slot, 1));
     }
-    slot_t *slots = *slots_out = calloc((size_t)n + 1, sizeof(slot_t));
-    int32_t *ranks = *ranks_out = malloc(((size_t)total + 1) * sizeof(int32_t));
+    slot_t *slots = x->slots = calloc((size_t)n + 1, sizeof(slot_t));
+    int32_t *ranks = x->ranks = malloc(((size_t)total + 1) * sizeof(int32_t));
     if (slots == NULL || ranks == NULL) {
         PyErr_NoMemory();
         return 0;
     }
+    x->nslots = (uint32_t)n;
+    Py_ssize_t left = total;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *slot = PyList_GET_ITEM(slots_obj, i), *pairs = PyTuple_GET_ITEM(slot, 1);
         PyObject *status = PyList_GET_ITEM(statuses, i);
@@ -1355,78 +1459,59 @@ static int slots_arg(PyObject *slots_obj, PyObject *statuses, slot_t **slots_out
             PyErr_SetString(PyExc_TypeError, "a status is its JSON string, as bytes");
             return 0;
         }
+        Py_ssize_t count = PyList_GET_SIZE(pairs);
+        if (count > left) { /* the lists changed since they were counted */
+            PyErr_SetString(PyExc_RuntimeError, "slots changed while read");
+            return 0;
+        }
+        left -= count;
         slots[i].name_json = PyBytes_AS_STRING(PyTuple_GET_ITEM(slot, 0));
         slots[i].name_len = (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(slot, 0));
         slots[i].status_json = PyBytes_AS_STRING(status);
         slots[i].status_len = (size_t)PyBytes_GET_SIZE(status);
         slots[i].down = slots[i].status_len == 6 && memcmp(slots[i].status_json, "\"down\"", 6) == 0;
-        slots[i].nranks = (uint32_t)(PyList_GET_SIZE(pairs) / 2);
+        slots[i].nranks = (uint32_t)(count / 2);
         slots[i].ranks = ranks;
-        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(pairs); k++) {
-            long v = PyLong_AsLong(PyList_GET_ITEM(pairs, k));
-            if (v == -1 && PyErr_Occurred())
+        for (Py_ssize_t k = 0; k < count; k++) {
+            PyObject *v = PyList_GET_ITEM(pairs, k);
+            if (!int_arg(v, "a rank or bit"))
                 return 0;
-            *ranks++ = (int32_t)v;
+            long r = PyLong_AsLong(v);
+            if (r == -1 && PyErr_Occurred())
+                return 0;
+            *ranks++ = (int32_t)r;
         }
     }
     return 1;
 }
 
+/* C only (answer_json): the GIL is kept all the same, as for every question (see the top
+ * of this file): given away for these ~30 us, it could take a busy ingest thread's whole
+ * switch interval to get back. */
+static int lookup_json_body(CoreObject *self, void *ctx) {
+    lookup_ctx *x = ctx;
+    walk_body(&self->core, x);
+    if (!x->w.oom)
+        x->hit = answer_json(&self->core, x->w.answers, x->w.nbits, x->slots, x->nslots, 1, &x->out);
+    return 0;
+}
+
 /* lookup_json(token_ids, lora_name, cache_salt, slots, statuses[, own]) -> (json bytes, hit)
 
    Core.lookup and the runtime's answer (Fleet.lookup encoded) in one go: see answer.h. */
-static PyObject *Core_lookup_json(CoreObject *self, PyObject *args) {
-    READY(self);
-    PyObject *tokens_obj, *lora, *salt, *slots_obj, *statuses, *own_obj = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOO|O", &tokens_obj, &lora, &salt, &slots_obj, &statuses,
-                          &own_obj))
-        return NULL;
-    prompt_t prompt;
-    uint32_t lora_id, salt_id;
-    int unknown;
-    slot_t *slots;
-    int32_t *ranks;
-    own_keys own;
-    if (!lookup_names(self, lora, salt, &lora_id, &salt_id, &unknown))
-        return NULL;
-    if (!slots_arg(slots_obj, statuses, &slots, &ranks)) {
-        free(slots);
-        free(ranks);
-        return NULL;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(slots_obj);
-    if (!own_arg(self, own_obj, &own)) {
-        free(slots);
-        free(ranks);
-        return NULL;
-    }
-    if (!tokens_arg(tokens_obj, &prompt)) {
-        free(slots);
-        free(ranks);
-        free(own.keys);
-        return NULL;
-    }
-    walked_t w;
-    jbuf_t out = {0};
-    int hit = 0;
-    /* The GIL is kept, as for every question (see the top of this file): given away for
-     * these ~30 us, it could take a busy ingest thread's whole switch interval to get back. */
-    pthread_rwlock_rdlock(&self->lock);
-    walk_prompt(&self->core, &prompt, lora_id, salt_id, unknown, &own, &w);
-    if (!w.oom)
-        hit = answer_json(&self->core, w.answers, w.nbits, slots, (uint32_t)n, 1, &out);
-    pthread_rwlock_unlock(&self->lock);
+static PyObject *Core_lookup_json(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    lookup_ctx x = {0};
     PyObject *result = NULL;
-    if (w.oom || out.oom)
-        PyErr_NoMemory();
-    else
-        result = Py_BuildValue("(y#O)", out.p, (Py_ssize_t)out.len, hit ? Py_True : Py_False);
-    jbuf_free(&out);
-    walk_free(&w);
-    prompt_free(&prompt);
-    free(slots);
-    free(ranks);
-    free(own.keys);
+    if (!core_entry(self, "lookup_json", nargs, 5, 6))
+        return NULL;
+    if (slots_arg(args[3], args[4], &x) && lookup_args(self, args, nargs, 5, &x) &&
+        core_run(self, RUN_READ, lookup_json_body, &x) == 0) {
+        if (x.w.oom || x.out.oom)
+            PyErr_NoMemory();
+        else
+            result = Py_BuildValue("(y#O)", x.out.p, (Py_ssize_t)x.out.len, x.hit ? Py_True : Py_False);
+    }
+    lookup_ctx_free(&x);
     return result;
 }
 
@@ -1463,46 +1548,36 @@ static PyObject *parse_lookup(PyObject *module, PyObject *args) {
     return result;
 }
 
-/* lookup_hashes(hashes) -> [(bit, blocks, by_tier), ...]: per publisher, the run of these
-   hashes its GPU pools hold from the first, then the run its lower tiers hold. */
-static PyObject *Core_lookup_hashes(CoreObject *self, PyObject *hashes_obj) {
-    READY(self);
-    PyObject *fast = PySequence_Fast(hashes_obj, "hashes must be a sequence");
-    if (fast == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    phash *ph = malloc(((size_t)n + 1) * sizeof(phash));
-    hkey *hk = malloc(((size_t)n + 1) * sizeof(hkey));
-    uint8_t *known = malloc((size_t)n + 1);
-    if (!ph || !hk || !known) {
-        free(ph), free(hk), free(known);
-        Py_DECREF(fast);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!query_hash_arg(PySequence_Fast_GET_ITEM(fast, i), &ph[i], &known[i])) {
-            free(ph), free(hk), free(known);
-            Py_DECREF(fast);
-            return NULL;
-        }
-    core_t *c = &self->core;
-    PyObject *rows = PyList_New(0);
-    pthread_rwlock_rdlock(&self->lock);
+/* lookup_hashes' context: the hashes asked about, then the rows. */
+typedef struct {
+    phash *ph;
+    hkey *hk;
+    uint8_t *known;
+    Py_ssize_t n;
+    PyObject *rows;
+} hashes_ctx;
+
+/* Per publisher: the run of the hashes its GPU pools hold from the first, then the run
+ * its lower tiers hold. A RUN_READ body (it builds the rows). */
+static int lookup_hashes_body(CoreObject *self, void *ctx) {
+    hashes_ctx *x = ctx;
+    const core_t *c = &self->core;
+    Py_ssize_t n = x->n;
+    uint8_t *known = x->known;
+    hkey *hk = x->hk;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!known[i])
             continue;
-        if (ph[i].kind == HK_BYTES) {
-            uint32_t id = find_bytes(c, ph[i].p, ph[i].len);
+        if (x->ph[i].kind == HK_BYTES) {
+            uint32_t id = find_bytes(c, x->ph[i].p, x->ph[i].len);
             hk[i] = (hkey){id, HK_BYTES};
             known[i] = id != 0;
         } else {
-            hk[i] = (hkey){ph[i].v, ph[i].kind};
-            known[i] = 1;
+            hk[i] = (hkey){x->ph[i].v, x->ph[i].kind};
         }
     }
-    uint32_t bits = c->max_bit;
-    for (uint32_t b = 0; rows && b < bits; b++) {
-        source_t *s = c->sources[b];
+    for (uint32_t b = 0; x->rows && b < c->max_bit; b++) {
+        const source_t *s = c->sources[b];
         if (s == NULL)
             continue;
         uint32_t by_tier[TIER_COUNT] = {0};
@@ -1531,14 +1606,40 @@ static PyObject *Core_lookup_hashes(CoreObject *self, PyObject *hashes_obj) {
             continue;
         PyObject *tiers = tier_dict(by_tier);
         PyObject *row = tiers ? Py_BuildValue("(InN)", b, d, tiers) : NULL;
-        if (row == NULL || PyList_Append(rows, row) < 0)
-            Py_CLEAR(rows);
+        if (row == NULL || PyList_Append(x->rows, row) < 0)
+            Py_CLEAR(x->rows);
         Py_XDECREF(row);
     }
-    pthread_rwlock_unlock(&self->lock);
-    free(ph), free(hk), free(known);
-    Py_DECREF(fast);
-    return rows;
+    return x->rows != NULL ? 0 : -1;
+}
+
+/* lookup_hashes(hashes) -> [(bit, blocks, by_tier), ...]: see lookup_hashes_body. */
+static PyObject *Core_lookup_hashes(CoreObject *self, PyObject *hashes_obj) {
+    if (!core_ready(self))
+        return NULL;
+    /* A tuple of our own: bytes hashes are read by pointer (the GIL is kept, but a
+     * row's allocation may run a collection, and a finalizer could change a list). */
+    PyObject *hashes = PySequence_Tuple(hashes_obj);
+    if (hashes == NULL)
+        return NULL;
+    hashes_ctx x = {0};
+    x.n = PyTuple_GET_SIZE(hashes);
+    x.ph = malloc(((size_t)x.n + 1) * sizeof(phash));
+    x.hk = malloc(((size_t)x.n + 1) * sizeof(hkey));
+    x.known = malloc((size_t)x.n + 1);
+    x.rows = x.ph && x.hk && x.known ? PyList_New(0) : NULL;
+    int ok = x.rows != NULL;
+    if (!ok && !PyErr_Occurred())
+        PyErr_NoMemory();
+    for (Py_ssize_t i = 0; ok && i < x.n; i++)
+        ok = query_hash_arg(PyTuple_GET_ITEM(hashes, i), &x.ph[i], &x.known[i]);
+    if (ok && core_run(self, RUN_READ, lookup_hashes_body, &x) != 0)
+        ok = 0;
+    free(x.ph), free(x.hk), free(x.known);
+    Py_DECREF(hashes);
+    if (!ok)
+        Py_CLEAR(x.rows);
+    return x.rows;
 }
 
 static PyObject *hash_object(const core_t *c, uint64_t v, uint32_t kind) {
@@ -1558,97 +1659,131 @@ static PyObject *blob_object(const interner *t, uint32_t sid) {
 
 static PyObject *str_object(const core_t *c, uint32_t sid) { return blob_object(&c->strings, sid); }
 
+/* A question about one publisher (pools, pool_keys, pool_hashes, hashes, count, stats):
+ * its bit and arguments, and the answer. */
+typedef struct {
+    uint32_t bit;
+    uint32_t index; /* pool_hashes: the pool */
+    span_t medium;  /* hashes, count */
+    int64_t group;  /* count */
+    uint8_t big, known;
+    phash ph;
+    unsigned long copies;
+    source_stats stats;
+    PyObject *out;
+} pub_ctx;
+
+/* (group, medium) of a pool, as Python: new reference, or NULL with an error set. */
+static PyObject *pool_key(const core_t *c, const pool_t *p) {
+    PyObject *medium = str_object(c, p->medium);
+    PyObject *group = medium ? group_object(p->group, p->group_big) : NULL;
+    PyObject *key = group ? PyTuple_Pack(2, group, medium) : NULL;
+    Py_XDECREF(medium);
+    Py_XDECREF(group);
+    return key;
+}
+
+/* A pool's {hash: copies}: new reference, or NULL with an error set. */
+static PyObject *pool_copies(const core_t *c, const source_t *s, const pool_t *p) {
+    PyObject *d = PyDict_New();
+    PMAP_FOREACH(&p->blocks, e) {
+        if (d == NULL)
+            break;
+        uint32_t kind = pmap_b(e);
+        const map_entry *x =
+            s->extra.count ? map_find(&s->extra, e->a, kind | ((uint32_t)p->index << 8)) : NULL;
+        PyObject *k = hash_object(c, e->a, kind);
+        PyObject *v = PyLong_FromUnsignedLong(1 + (x ? x->value : 0));
+        if (!k || !v || PyDict_SetItem(d, k, v) < 0)
+            Py_CLEAR(d);
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+    }
+    return d;
+}
+
+/* Append `item` (a new reference, or NULL with an error set) to `*out`; the list is
+ * cleared on any failure. The item's reference is given up either way. */
+static void append_or_clear(PyObject **out, PyObject *item) {
+    if (*out != NULL && (item == NULL || PyList_Append(*out, item) < 0))
+        Py_CLEAR(*out);
+    Py_XDECREF(item);
+}
+
+static int pools_body(CoreObject *self, void *ctx) {
+    pub_ctx *x = ctx;
+    const core_t *c = &self->core;
+    const source_t *s = source_get(&self->core, x->bit, 0);
+    for (uint32_t i = 0; x->out && s && i < s->npools; i++) {
+        const pool_t *p = &s->pools[i];
+        PyObject *key = pool_key(c, p), *d = key ? pool_copies(c, s, p) : NULL;
+        PyObject *row = d ? PyTuple_Pack(3, PyTuple_GET_ITEM(key, 0), PyTuple_GET_ITEM(key, 1), d)
+                          : NULL;
+        Py_XDECREF(key);
+        Py_XDECREF(d);
+        append_or_clear(&x->out, row);
+    }
+    return x->out != NULL ? 0 : -1;
+}
+
+static int pool_keys_body(CoreObject *self, void *ctx) {
+    pub_ctx *x = ctx;
+    const source_t *s = source_get(&self->core, x->bit, 0);
+    for (uint32_t i = 0; x->out && s && i < s->npools; i++)
+        append_or_clear(&x->out, pool_key(&self->core, &s->pools[i]));
+    return x->out != NULL ? 0 : -1;
+}
+
+static int pool_hashes_body(CoreObject *self, void *ctx) {
+    pub_ctx *x = ctx;
+    const source_t *s = source_get(&self->core, x->bit, 0);
+    if (s == NULL || x->index >= s->npools)
+        return 0;
+    PMAP_FOREACH(&s->pools[x->index].blocks, e) {
+        append_or_clear(&x->out, hash_object(&self->core, e->a, pmap_b(e)));
+        if (x->out == NULL)
+            return -1;
+    }
+    return 0;
+}
+
+/* A question about publisher `bit` whose answer is a list: `body` under the read lock. */
+static PyObject *pub_list(CoreObject *self, pub_ctx *x, core_body body) {
+    x->out = PyList_New(0);
+    if (x->out == NULL)
+        return NULL;
+    if (core_run(self, RUN_READ, body, x) != 0)
+        Py_CLEAR(x->out);
+    return x->out;
+}
+
 /* pools(bit) -> [(group, medium, {hash: copies}), ...] */
 static PyObject *Core_pools(CoreObject *self, PyObject *bit_obj) {
-    READY(self);
-    uint32_t bit;
-    if (!bit_arg(bit_obj, &bit))
+    pub_ctx x = {0};
+    if (!core_ready(self) || !bit_arg(bit_obj, &x.bit))
         return NULL;
-    core_t *c = &self->core;
-    PyObject *out = PyList_New(0);
-    pthread_rwlock_rdlock(&self->lock);
-    source_t *s = source_get(c, bit, 0);
-    for (uint32_t i = 0; out && s && i < s->npools; i++) {
-        pool_t *p = &s->pools[i];
-        PyObject *d = PyDict_New();
-        PMAP_FOREACH(&p->blocks, e) {
-            if (d == NULL)
-                break;
-            uint32_t kind = pmap_b(e);
-            map_entry *x = s->extra.count ? map_find(&s->extra, e->a, kind | ((uint32_t)p->index << 8)) : NULL;
-            PyObject *k = hash_object(c, e->a, kind);
-            PyObject *v = PyLong_FromUnsignedLong(1 + (x ? x->value : 0));
-            if (!k || !v || PyDict_SetItem(d, k, v) < 0)
-                Py_CLEAR(d);
-            Py_XDECREF(k);
-            Py_XDECREF(v);
-        }
-        PyObject *medium = d ? str_object(c, p->medium) : NULL;
-        PyObject *group = medium ? group_object(p->group, p->group_big) : NULL;
-        PyObject *row = group ? Py_BuildValue("(NNN)", group, medium, d) : NULL;
-        if (row == NULL) {
-            Py_XDECREF(d);
-            Py_CLEAR(out);
-            break;
-        }
-        if (PyList_Append(out, row) < 0)
-            Py_CLEAR(out);
-        Py_DECREF(row);
-    }
-    pthread_rwlock_unlock(&self->lock);
-    return out;
+    return pub_list(self, &x, pools_body);
 }
 
 /* pool_keys(bit) -> [(group, medium), ...] in the order the pools came. */
 static PyObject *Core_pool_keys(CoreObject *self, PyObject *bit_obj) {
-    READY(self);
-    uint32_t bit;
-    if (!bit_arg(bit_obj, &bit))
+    pub_ctx x = {0};
+    if (!core_ready(self) || !bit_arg(bit_obj, &x.bit))
         return NULL;
-    core_t *c = &self->core;
-    PyObject *out = PyList_New(0);
-    pthread_rwlock_rdlock(&self->lock);
-    source_t *s = source_get(c, bit, 0);
-    for (uint32_t i = 0; out && s && i < s->npools; i++) {
-        PyObject *medium = str_object(c, s->pools[i].medium);
-        PyObject *group =
-            medium ? group_object(s->pools[i].group, s->pools[i].group_big) : NULL;
-        PyObject *row = group ? Py_BuildValue("(NN)", group, medium) : NULL;
-        if (row == NULL || PyList_Append(out, row) < 0)
-            Py_CLEAR(out);
-        Py_XDECREF(row);
-    }
-    pthread_rwlock_unlock(&self->lock);
-    return out;
+    return pub_list(self, &x, pool_keys_body);
 }
 
 /* pool_hashes(bit, index) -> [hash, ...] of one pool. */
-static PyObject *Core_pool_hashes(CoreObject *self, PyObject *args) {
-    READY(self);
-    PyObject *bit_obj;
-    unsigned int index;
-    if (!PyArg_ParseTuple(args, "OI", &bit_obj, &index))
+static PyObject *Core_pool_hashes(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    pub_ctx x = {0};
+    if (!core_entry(self, "pool_hashes", nargs, 2, 2) || !bit_arg(args[0], &x.bit) ||
+        !int_arg(args[1], "a pool index"))
         return NULL;
-    uint32_t bit;
-    if (!bit_arg(bit_obj, &bit))
+    unsigned long index = PyLong_AsUnsignedLong(args[1]);
+    if (PyErr_Occurred())
         return NULL;
-    core_t *c = &self->core;
-    PyObject *out = PyList_New(0);
-    pthread_rwlock_rdlock(&self->lock);
-    source_t *s = source_get(c, bit, 0);
-    if (out && s && index < s->npools) {
-        PMAP_FOREACH(&s->pools[index].blocks, e) {
-            PyObject *k = hash_object(c, e->a, pmap_b(e));
-            if (k == NULL || PyList_Append(out, k) < 0) {
-                Py_XDECREF(k);
-                Py_CLEAR(out);
-                break;
-            }
-            Py_DECREF(k);
-        }
-    }
-    pthread_rwlock_unlock(&self->lock);
-    return out;
+    x.index = index > UINT32_MAX ? UINT32_MAX : (uint32_t)index;
+    return pub_list(self, &x, pool_hashes_body);
 }
 
 /* distinct(bits) -> (blocks, {medium: blocks}): distinct hashes the publishers `bits`
@@ -1706,66 +1841,75 @@ static uint64_t distinct_pass(const core_t *c, const uint32_t *bits, Py_ssize_t 
     return most;
 }
 
-static PyObject *Core_distinct(CoreObject *self, PyObject *bits_obj) {
-    READY(self);
-    PyObject *fast = PySequence_Fast(bits_obj, "bits must be a sequence");
-    if (fast == NULL)
-        return NULL;
-    Py_ssize_t nbits = PySequence_Fast_GET_SIZE(fast);
-    uint32_t *bits = malloc(((size_t)nbits + 1) * sizeof(uint32_t));
-    medium_count *media = calloc((size_t)nbits * MAX_POOLS + 1, sizeof(medium_count));
-    int ok = bits != NULL && media != NULL;
-    for (Py_ssize_t i = 0; ok && i < nbits; i++)
-        ok = bit_arg(PySequence_Fast_GET_ITEM(fast, i), &bits[i]);
-    Py_DECREF(fast);
-    if (!ok) {
-        free(bits);
-        free(media);
-        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
-    }
-    core_t *c = &self->core;
+typedef struct {
+    const uint32_t *bits;
+    Py_ssize_t nbits;
+    medium_count *media;
+    uint32_t nmedia;
     map_t all;
-    map_init(&all);
-    uint32_t nmedia = 0;
-    uint32_t filled; /* pools holding something: one (most instances) needs no union */
     uint64_t most;
-    Py_BEGIN_ALLOW_THREADS /* a reader without the GIL: it waits for no writer holding it */
-    pthread_rwlock_rdlock(&self->lock);
-    filled = 0;
-    most = distinct_pass(c, bits, nbits, media, &nmedia, NULL, &ok, &filled);
-    if (ok && filled > 1) {
+    int ok;
+} distinct_ctx;
+
+/* A RUN_READ_NOGIL body: C only. */
+static int distinct_body(CoreObject *self, void *ctx) {
+    distinct_ctx *x = ctx;
+    const core_t *c = &self->core;
+    uint32_t filled = 0; /* pools holding something: one (most instances) needs no union */
+    x->most = distinct_pass(c, x->bits, x->nbits, x->media, &x->nmedia, NULL, &x->ok, &filled);
+    if (x->ok && filled > 1) {
         /* Sized first: a pool's entries come in the order of their hash, and put into a
          * table smaller than the pool's they would pile up in one run (quadratic). */
-        ok = most * 5 / 4 + 8 <= UINT32_MAX && map_grow(&all, (uint32_t)(most * 5 / 4 + 8)) == 0;
-        for (uint32_t m = 0; ok && m < nmedia; m++)
-            ok = map_grow(&media[m].seen, (uint32_t)(media[m].most * 5 / 4 + 8)) == 0;
-        if (ok)
-            distinct_pass(c, bits, nbits, media, &nmedia, &all, &ok, &filled);
-        for (uint32_t m = 0; m < nmedia; m++)
-            media[m].most = media[m].seen.count;
-        most = all.count;
+        x->ok = x->most * 5 / 4 + 8 <= UINT32_MAX &&
+                map_grow(&x->all, (uint32_t)(x->most * 5 / 4 + 8)) == 0;
+        for (uint32_t m = 0; x->ok && m < x->nmedia; m++)
+            x->ok = map_grow(&x->media[m].seen, (uint32_t)(x->media[m].most * 5 / 4 + 8)) == 0;
+        if (x->ok)
+            distinct_pass(c, x->bits, x->nbits, x->media, &x->nmedia, &x->all, &x->ok, &filled);
+        for (uint32_t m = 0; m < x->nmedia; m++)
+            x->media[m].most = x->media[m].seen.count;
+        x->most = x->all.count;
     }
-    pthread_rwlock_unlock(&self->lock);
-    Py_END_ALLOW_THREADS
-    PyObject *by_medium = ok ? PyDict_New() : NULL;
-    for (uint32_t m = 0; m < nmedia; m++) {
+    return 0;
+}
+
+static PyObject *Core_distinct(CoreObject *self, PyObject *bits_obj) {
+    if (!core_ready(self))
+        return NULL;
+    PyObject *fast = PySequence_Tuple(bits_obj);
+    if (fast == NULL)
+        return NULL;
+    distinct_ctx x = {0};
+    x.nbits = PyTuple_GET_SIZE(fast);
+    uint32_t *bits = malloc(((size_t)x.nbits + 1) * sizeof(uint32_t));
+    x.media = calloc((size_t)x.nbits * MAX_POOLS + 1, sizeof(medium_count));
+    x.bits = bits;
+    x.ok = bits != NULL && x.media != NULL;
+    for (Py_ssize_t i = 0; x.ok && i < x.nbits; i++)
+        x.ok = bit_arg(PyTuple_GET_ITEM(fast, i), &bits[i]);
+    Py_DECREF(fast);
+    map_init(&x.all);
+    if (x.ok && core_run(self, RUN_READ_NOGIL, distinct_body, &x) == RUN_LOCK_FAILED)
+        x.ok = -1;
+    PyObject *by_medium = x.ok == 1 ? PyDict_New() : NULL;
+    for (uint32_t m = 0; m < x.nmedia; m++) {
         if (by_medium != NULL) {
-            PyObject *name = PyUnicode_DecodeUTF8(media[m].name, media[m].len, "replace");
-            PyObject *count = PyLong_FromUnsignedLongLong(media[m].most);
+            PyObject *name = PyUnicode_DecodeUTF8(x.media[m].name, x.media[m].len, "replace");
+            PyObject *count = PyLong_FromUnsignedLongLong(x.media[m].most);
             if (name == NULL || count == NULL || PyDict_SetItem(by_medium, name, count) < 0)
                 Py_CLEAR(by_medium);
             Py_XDECREF(name);
             Py_XDECREF(count);
         }
-        map_free(&media[m].seen);
-        free(media[m].name);
+        map_free(&x.media[m].seen);
+        free(x.media[m].name);
     }
-    map_free(&all);
-    free(media);
+    map_free(&x.all);
+    free(x.media);
     free(bits);
     if (by_medium == NULL)
         return PyErr_Occurred() ? NULL : PyErr_NoMemory();
-    return Py_BuildValue("(KN)", (unsigned long long)most, by_medium);
+    return Py_BuildValue("(KN)", (unsigned long long)x.most, by_medium);
 }
 
 static int medium_matches(const core_t *c, uint32_t medium, span_t wanted) {
@@ -1783,144 +1927,155 @@ static int medium_matches(const core_t *c, uint32_t medium, span_t wanted) {
     return 1;
 }
 
-/* hashes(bit, medium|None) -> [hash, ...]: every pool entry (a hash held in two pools comes
-   twice: the caller makes the set), of pools of that medium or tier, or all. */
-static PyObject *Core_hashes(CoreObject *self, PyObject *args) {
-    READY(self);
-    PyObject *bit_obj, *medium_obj;
-    if (!PyArg_ParseTuple(args, "OO", &bit_obj, &medium_obj))
-        return NULL;
-    uint32_t bit;
-    span_t medium;
-    if (!bit_arg(bit_obj, &bit) || !opt_str(medium_obj, &medium))
-        return NULL;
-    core_t *c = &self->core;
-    PyObject *out = PyList_New(0);
-    pthread_rwlock_rdlock(&self->lock);
-    source_t *s = source_get(c, bit, 0);
-    for (uint32_t i = 0; out && s && i < s->npools; i++) {
-        pool_t *p = &s->pools[i];
-        if (medium.p != NULL && !medium_matches(c, p->medium, medium))
+static int hashes_body(CoreObject *self, void *ctx) {
+    pub_ctx *x = ctx;
+    const core_t *c = &self->core;
+    const source_t *s = source_get(&self->core, x->bit, 0);
+    for (uint32_t i = 0; x->out && s && i < s->npools; i++) {
+        const pool_t *p = &s->pools[i];
+        if (x->medium.p != NULL && !medium_matches(c, p->medium, x->medium))
             continue;
         PMAP_FOREACH(&p->blocks, e) {
-            PyObject *k = hash_object(c, e->a, pmap_b(e));
-            if (k == NULL || PyList_Append(out, k) < 0) {
-                Py_XDECREF(k);
-                Py_CLEAR(out);
+            append_or_clear(&x->out, hash_object(c, e->a, pmap_b(e)));
+            if (x->out == NULL)
                 break;
-            }
-            Py_DECREF(k);
         }
     }
-    pthread_rwlock_unlock(&self->lock);
-    return out;
+    return x->out != NULL ? 0 : -1;
+}
+
+/* hashes(bit, medium|None) -> [hash, ...]: every pool entry (a hash held in two pools comes
+   twice: the caller makes the set), of pools of that medium or tier, or all. */
+static PyObject *Core_hashes(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    pub_ctx x = {0};
+    if (!core_entry(self, "hashes", nargs, 2, 2) || !bit_arg(args[0], &x.bit) ||
+        !opt_str(args[1], &x.medium))
+        return NULL;
+    return pub_list(self, &x, hashes_body);
+}
+
+static int count_body(CoreObject *self, void *ctx) {
+    pub_ctx *x = ctx;
+    const core_t *c = &self->core;
+    const source_t *s = source_get(&self->core, x->bit, 0);
+    uint32_t mid = x->medium.p ? find_str(c, x->medium.p, x->medium.len) : 0;
+    hkey h = {x->ph.v, x->ph.kind};
+    if (x->ph.kind == HK_BYTES)
+        h.v = find_bytes(c, x->ph.p, x->ph.len);
+    for (uint32_t i = 0; s && mid && (x->ph.kind != HK_BYTES || h.v) && i < s->npools; i++) {
+        const pool_t *p = &s->pools[i];
+        if (p->group != x->group || p->group_big != x->big || p->medium != mid)
+            continue;
+        if (pmap_find(&p->blocks, h.v, h.kind) != NULL) {
+            const map_entry *e = map_find(&s->extra, h.v, h.kind | ((uint32_t)p->index << 8));
+            x->copies = 1 + (e ? e->value : 0);
+        }
+    }
+    return 0;
 }
 
 /* count(bit, group, medium, hash) -> copies held in that pool (0 if none). */
-static PyObject *Core_count(CoreObject *self, PyObject *args) {
-    READY(self);
-    PyObject *bit_obj, *group_obj, *medium_obj, *hash_obj;
-    if (!PyArg_ParseTuple(args, "OOOO", &bit_obj, &group_obj, &medium_obj, &hash_obj))
+static PyObject *Core_count(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    pub_ctx x = {0};
+    uint8_t has_group;
+    if (!core_entry(self, "count", nargs, 4, 4))
         return NULL;
-    int64_t group;
-    uint8_t has_group, big;
-    if (!PyLong_Check(group_obj)) {
+    if (!PyLong_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "group: an int");
         return NULL;
     }
-    if (!opt_group(group_obj, &group, &has_group, &big))
+    if (!opt_group(args[1], &x.group, &has_group, &x.big) || !bit_arg(args[0], &x.bit) ||
+        !opt_str(args[2], &x.medium) || !query_hash_arg(args[3], &x.ph, &x.known))
         return NULL;
-    uint32_t bit;
-    span_t medium;
-    phash ph;
-    uint8_t known;
-    if (!bit_arg(bit_obj, &bit) || !opt_str(medium_obj, &medium) ||
-        !query_hash_arg(hash_obj, &ph, &known))
-        return NULL;
-    if (!known)
+    if (!x.known)
         return PyLong_FromLong(0);
-    core_t *c = &self->core;
-    unsigned long copies = 0;
-    pthread_rwlock_rdlock(&self->lock);
-    source_t *s = source_get(c, bit, 0);
-    uint32_t mid = medium.p ? find_str(c, medium.p, medium.len) : 0;
-    hkey h = {ph.v, ph.kind};
-    if (ph.kind == HK_BYTES)
-        h.v = find_bytes(c, ph.p, ph.len);
-    for (uint32_t i = 0; s && mid && (ph.kind != HK_BYTES || h.v) && i < s->npools; i++) {
-        pool_t *p = &s->pools[i];
-        if (p->group != group || p->group_big != big || p->medium != mid)
-            continue;
-        if (pmap_find(&p->blocks, h.v, h.kind) != NULL) {
-            map_entry *x = map_find(&s->extra, h.v, h.kind | ((uint32_t)p->index << 8));
-            copies = 1 + (x ? x->value : 0);
-        }
-    }
-    pthread_rwlock_unlock(&self->lock);
-    return PyLong_FromUnsignedLong(copies);
+    if (core_run(self, RUN_READ, count_body, &x) != 0)
+        return NULL;
+    return PyLong_FromUnsignedLong(x.copies);
+}
+
+static int stats_body(CoreObject *self, void *ctx) {
+    pub_ctx *x = ctx;
+    const source_t *s = source_get(&self->core, x->bit, 0);
+    if (s != NULL)
+        x->stats = s->stats;
+    return 0;
 }
 
 /* stats(bit) -> (stored, removed, clears, batches, restarts, unplaced, unrecognised_keys,
    namespace_kept, namespace_moved) */
 static PyObject *Core_stats(CoreObject *self, PyObject *bit_obj) {
-    READY(self);
-    uint32_t bit;
-    if (!bit_arg(bit_obj, &bit))
+    pub_ctx x = {0};
+    if (!core_ready(self) || !bit_arg(bit_obj, &x.bit) ||
+        core_run(self, RUN_READ, stats_body, &x) != 0)
         return NULL;
-    source_stats st = {0};
-    pthread_rwlock_rdlock(&self->lock);
-    source_t *s = source_get(&self->core, bit, 0);
-    if (s != NULL)
-        st = s->stats;
-    pthread_rwlock_unlock(&self->lock);
-    return Py_BuildValue("(LLLLLLLLL)", st.stored, st.removed, st.clears, st.batches, st.restarts,
-                         st.unplaced, st.unrecognised_keys, st.namespace_kept, st.namespace_moved);
+    const source_stats *st = &x.stats;
+    return Py_BuildValue("(LLLLLLLLL)", st->stored, st->removed, st->clears, st->batches,
+                         st->restarts, st->unplaced, st->unrecognised_keys, st->namespace_kept,
+                         st->namespace_moved);
+}
+
+/* The whole core's figures: entries, tree_nodes, memory, tree_sizes. */
+typedef struct {
+    unsigned long long entries, nodes;
+    unsigned long long pools, side, node_bytes, children, sets, tokens, local;
+    uint32_t sizes[16], nsizes;
+} core_figures;
+
+static int entries_body(CoreObject *self, void *ctx) {
+    core_figures *f = ctx;
+    for (uint32_t b = 0; b < self->core.max_bit; b++) {
+        const source_t *s = self->core.sources[b];
+        for (uint32_t i = 0; s && i < s->npools; i++)
+            f->entries += s->pools[i].blocks.count;
+    }
+    f->nodes = self->core.live_nodes - self->core.nns; /* roots aside */
+    f->nsizes = self->core.nsizes;
+    memcpy(f->sizes, self->core.sizes, f->nsizes * sizeof(uint32_t));
+    return 0;
 }
 
 static PyObject *Core_entries(CoreObject *self, PyObject *Py_UNUSED(unused)) {
-    READY(self);
-    unsigned long long total = 0;
-    pthread_rwlock_rdlock(&self->lock);
-    for (uint32_t b = 0; b < self->core.max_bit; b++) {
-        source_t *s = self->core.sources[b];
-        for (uint32_t i = 0; s && i < s->npools; i++)
-            total += s->pools[i].blocks.count;
-    }
-    pthread_rwlock_unlock(&self->lock);
-    return PyLong_FromUnsignedLongLong(total);
+    core_figures f = {0};
+    if (!core_ready(self) || core_run(self, RUN_READ, entries_body, &f) != 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(f.entries);
 }
 
 static PyObject *Core_tree_nodes(CoreObject *self, PyObject *Py_UNUSED(unused)) {
-    READY(self);
-    pthread_rwlock_rdlock(&self->lock);
-    unsigned long n = self->core.live_nodes - self->core.nns; /* roots aside */
-    pthread_rwlock_unlock(&self->lock);
-    return PyLong_FromUnsignedLong(n);
+    core_figures f = {0};
+    if (!core_ready(self) || core_run(self, RUN_READ, entries_body, &f) != 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(f.nodes);
+}
+
+static int memory_body(CoreObject *self, void *ctx) {
+    core_figures *f = ctx;
+    const core_t *c = &self->core;
+    for (uint32_t b = 0; b < c->max_bit; b++) {
+        const source_t *s = c->sources[b];
+        if (s == NULL)
+            continue;
+        f->side += sizeof(source_t) + map_bytes(&s->extra) + map_bytes(&s->refs) + map_bytes(&s->where);
+        for (uint32_t i = 0; i < s->npools; i++)
+            f->pools += pmap_bytes(&s->pools[i].blocks);
+    }
+    f->node_bytes = (unsigned long long)c->nodes_cap * sizeof(node_t);
+    f->children = pmap_bytes(&c->children);
+    f->sets = (unsigned long long)c->sets_cap * c->set_words * 8;
+    f->tokens = map_bytes(&c->tokens) + (unsigned long long)c->tokens.count * 68;
+    f->local = c->local_on ? map_bytes(&c->local) + (unsigned long long)c->nodes_cap * 12 : 0;
+    return 0;
 }
 
 /* memory() -> {part: bytes} of the structures (not malloc's own overhead). */
 static PyObject *Core_memory(CoreObject *self, PyObject *Py_UNUSED(unused)) {
-    READY(self);
-    core_t *c = &self->core;
-    unsigned long long pools = 0, side = 0;
-    pthread_rwlock_rdlock(&self->lock);
-    for (uint32_t b = 0; b < c->max_bit; b++) {
-        source_t *s = c->sources[b];
-        if (s == NULL)
-            continue;
-        side += sizeof(source_t) + map_bytes(&s->extra) + map_bytes(&s->refs) + map_bytes(&s->where);
-        for (uint32_t i = 0; i < s->npools; i++)
-            pools += pmap_bytes(&s->pools[i].blocks);
-    }
-    unsigned long long nodes = (unsigned long long)c->nodes_cap * sizeof(node_t);
-    unsigned long long children = pmap_bytes(&c->children);
-    unsigned long long sets = (unsigned long long)c->sets_cap * c->set_words * 8;
-    unsigned long long tokens = map_bytes(&c->tokens) + (unsigned long long)c->tokens.count * 68;
-    unsigned long long local = c->local_on ? map_bytes(&c->local) + (unsigned long long)c->nodes_cap * 12 : 0;
-    pthread_rwlock_unlock(&self->lock);
-    return Py_BuildValue("{sKsKsKsKsKsKsK}", "nodes", nodes, "children", children, "pools", pools,
-                         "holder_sets", sets, "shared_tokens", tokens, "publishers", side,
-                         "local_hashes", local);
+    core_figures f = {0};
+    if (!core_ready(self) || core_run(self, RUN_READ, memory_body, &f) != 0)
+        return NULL;
+    return Py_BuildValue("{sKsKsKsKsKsKsK}", "nodes", f.node_bytes, "children", f.children,
+                         "pools", f.pools, "holder_sets", f.sets, "shared_tokens", f.tokens,
+                         "publishers", f.side, "local_hashes", f.local);
 }
 
 static PyObject *one_bit(uint32_t bit) {
@@ -1931,102 +2086,150 @@ static PyObject *one_bit(uint32_t bit) {
     return out;
 }
 
-/* walk_tree() -> [(lora, salt, size, depth, digest, tokens|None, holders), ...]: every node,
-   depth first, parents before children (fleet.py's walk_tree; siblings in no set order).
-   Tokens are there for nodes two publishers hold, unless keep_tokens(False) (core.h).
-   `lora` is the name, or the int lora_id; `holders` the publishers' bits as an int. */
-static PyObject *Core_walk_tree(CoreObject *self, PyObject *Py_UNUSED(unused)) {
-    READY(self);
-    core_t *c = &self->core;
-    PyObject *out = PyList_New(0);
-    if (out == NULL)
-        return NULL;
-    pthread_rwlock_rdlock(&self->lock);
-    /* Children lists from the one children table: first child and next sibling. */
-    uint32_t *first = calloc(c->nnodes + 1, sizeof(uint32_t));
-    uint32_t *next = calloc(c->nnodes + 1, sizeof(uint32_t));
-    uint32_t *stack = malloc((c->nnodes + 1) * sizeof(uint32_t) * 2);
-    if (!first || !next || !stack) {
-        pthread_rwlock_unlock(&self->lock);
-        free(first), free(next), free(stack);
-        Py_DECREF(out);
-        return PyErr_NoMemory();
+/* A namespace's LoRA (None, its name, or its int lora_id) and salt (None or a name):
+ * new references in *lora and *salt, 0 with an error set (both NULL then). */
+static int ns_names(const core_t *c, namespace_t ns, PyObject **lora, PyObject **salt) {
+    if (ns.lora == 0) {
+        *lora = Py_NewRef(Py_None);
+    } else if (c->names.items[ns.lora].len && c->names.items[ns.lora].data[0] == 0xff) {
+        /* "\xff" + the lora_id's digits (see resolve): the int again */
+        char digits[32] = {0};
+        const blob_t *b = &c->names.items[ns.lora];
+        memcpy(digits, b->data + 1, b->len - 1 < sizeof digits - 1 ? b->len - 1 : sizeof digits - 1);
+        *lora = PyLong_FromString(digits, NULL, 10);
+    } else {
+        *lora = blob_object(&c->names, ns.lora);
     }
+    *salt = ns.salt ? blob_object(&c->names, ns.salt) : Py_NewRef(Py_None);
+    if (*lora != NULL && *salt != NULL)
+        return 1;
+    Py_CLEAR(*lora);
+    Py_CLEAR(*salt);
+    return 0;
+}
+
+/* One node's row of walk_tree: new reference, or NULL with an error set. */
+static PyObject *node_row(const core_t *c, uint32_t n, PyObject *lora, PyObject *salt,
+                          uint32_t size, uint32_t depth) {
+    const node_t *node = &c->nodes[n];
+    PyObject *holders;
+    if (node->holders & HOLD_SET)
+        holders = _PyLong_FromByteArray((const unsigned char *)set_words_of(c, node->holders),
+                                        c->set_words * 8, 1, 0);
+    else if (node->holders)
+        holders = one_bit(node->holders - 1);
+    else
+        holders = PyLong_FromLong(0);
+    const uint32_t *toks = node_tokens(c, n);
+    PyObject *tokens = toks ? PyBytes_FromStringAndSize((const char *)(toks + 1), toks[0] * 4)
+                            : Py_NewRef(Py_None);
+    PyObject *row = NULL;
+    if (holders && tokens)
+        row = Py_BuildValue("(OOIIKOO)", lora, salt, size, depth,
+                            (unsigned long long)(((uint64_t)node->key_hi << 32) | node->key_lo),
+                            tokens, holders);
+    Py_XDECREF(holders);
+    Py_XDECREF(tokens);
+    return row;
+}
+
+typedef struct {
+    uint32_t *first, *next, *stack; /* children lists: first child, next sibling; the walk */
+    PyObject *out;
+} walk_ctx;
+
+/* A RUN_READ body: every namespace's nodes, depth first, into x->out. */
+static int walk_tree_body(CoreObject *self, void *ctx) {
+    walk_ctx *x = ctx;
+    const core_t *c = &self->core;
+    x->first = calloc(c->nnodes + 1, sizeof(uint32_t));
+    x->next = calloc(c->nnodes + 1, sizeof(uint32_t));
+    x->stack = malloc((c->nnodes + 1) * sizeof(uint32_t) * 2);
+    if (!x->first || !x->next || !x->stack) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint32_t *first = x->first, *next = x->next, *stack = x->stack;
     PMAP_FOREACH(&c->children, e) {
         uint32_t child = pmap_value(e), parent = c->nodes[child].parent;
         next[child] = first[parent];
         first[parent] = child;
     }
-    for (uint32_t k = 0; out && k < c->nns; k++) {
+    for (uint32_t k = 0; k < c->nns; k++) {
         namespace_t ns = c->ns[k];
         PyObject *lora, *salt;
-        if (ns.lora == 0) {
-            lora = Py_None, Py_INCREF(lora);
-        } else if (c->names.items[ns.lora].len && c->names.items[ns.lora].data[0] == 0xff) {
-            /* "\xff" + the lora_id's digits (see resolve): the int again */
-            char digits[32] = {0};
-            const blob_t *b = &c->names.items[ns.lora];
-            memcpy(digits, b->data + 1, b->len - 1 < sizeof digits - 1 ? b->len - 1 : sizeof digits - 1);
-            lora = PyLong_FromString(digits, NULL, 10);
-        } else {
-            lora = blob_object(&c->names, ns.lora);
-        }
-        salt = ns.salt ? blob_object(&c->names, ns.salt) : (Py_INCREF(Py_None), Py_None);
+        if (!ns_names(c, ns, &lora, &salt))
+            return -1;
         uint32_t top = 0;
         for (uint32_t ch = first[ns.root]; ch; ch = next[ch]) {
             stack[top++] = ch;
             stack[top++] = 1;
         }
-        while (top && out && lora && salt) {
+        while (top && x->out) {
             uint32_t depth = stack[--top];
             uint32_t n = stack[--top];
-            node_t *node = &c->nodes[n];
             if (is_partial(c, n))
                 continue; /* a partial-block entry: not a block of this tree's size */
-            PyObject *holders;
-            if (node->holders & HOLD_SET)
-                holders = _PyLong_FromByteArray((const unsigned char *)set_words_of(c, node->holders),
-                                                c->set_words * 8, 1, 0);
-            else if (node->holders)
-                holders = one_bit(node->holders - 1);
-            else
-                holders = PyLong_FromLong(0);
-            const uint32_t *toks = node_tokens(c, n);
-            PyObject *tokens = toks ? PyBytes_FromStringAndSize((const char *)(toks + 1), toks[0] * 4)
-                                    : (Py_INCREF(Py_None), Py_None);
-            PyObject *row = (holders && tokens)
-                                ? Py_BuildValue("(OOIIKNN)", lora, salt, ns.size, depth,
-                                                (unsigned long long)(((uint64_t)node->key_hi << 32) | node->key_lo),
-                                                tokens, holders)
-                                : NULL;
-            if (row == NULL || PyList_Append(out, row) < 0)
-                Py_CLEAR(out);
-            Py_XDECREF(row);
+            append_or_clear(&x->out, node_row(c, n, lora, salt, ns.size, depth));
             for (uint32_t ch = first[n]; ch; ch = next[ch]) {
                 stack[top++] = ch;
                 stack[top++] = depth + 1;
             }
         }
-        Py_XDECREF(lora);
-        Py_XDECREF(salt);
+        Py_DECREF(lora);
+        Py_DECREF(salt);
+        if (x->out == NULL)
+            return -1;
     }
-    pthread_rwlock_unlock(&self->lock);
-    free(first), free(next), free(stack);
-    return out;
+    return 0;
+}
+
+/* walk_tree() -> [(lora, salt, size, depth, digest, tokens|None, holders), ...]: every node,
+   depth first, parents before children (fleet.py's walk_tree; siblings in no set order).
+   Tokens are there for nodes two publishers hold, unless keep_tokens(False) (core.h).
+   `lora` is the name, or the int lora_id; `holders` the publishers' bits as an int. */
+static PyObject *Core_walk_tree(CoreObject *self, PyObject *Py_UNUSED(unused)) {
+    walk_ctx x = {0};
+    if (!core_ready(self) || (x.out = PyList_New(0)) == NULL)
+        return NULL;
+    if (core_run(self, RUN_READ, walk_tree_body, &x) != 0)
+        Py_CLEAR(x.out);
+    free(x.first), free(x.next), free(x.stack);
+    return x.out;
+}
+
+/* keep_tokens(on), set_slice(n): a setting, under the write lock. */
+typedef struct {
+    uint8_t keep;
+    uint32_t slice;
+} setting_ctx;
+
+static int keep_tokens_body(CoreObject *self, void *ctx) {
+    self->core.keep_tokens = ((setting_ctx *)ctx)->keep;
+    return 0;
 }
 
 static PyObject *Core_keep_tokens(CoreObject *self, PyObject *on) {
-    READY(self);
-    int keep = PyObject_IsTrue(on);
-    if (keep < 0)
+    setting_ctx x = {0};
+    int keep;
+    if (!core_ready(self) || (keep = PyObject_IsTrue(on)) < 0)
         return NULL;
-    WRITE_LOCKED(self, self->core.keep_tokens = (uint8_t)keep);
+    x.keep = (uint8_t)keep;
+    if (core_run(self, RUN_WRITE_NOGIL, keep_tokens_body, &x) == RUN_LOCK_FAILED)
+        return NULL;
     Py_RETURN_NONE;
+}
+
+static int set_slice_body(CoreObject *self, void *ctx) {
+    self->slice = ((setting_ctx *)ctx)->slice;
+    return 0;
 }
 
 /* set_slice(n): apply batches n hashes at a time (tests: small streams cross slices). */
 static PyObject *Core_set_slice(CoreObject *self, PyObject *n_obj) {
-    READY(self);
+    setting_ctx x = {0};
+    if (!core_ready(self) || !int_arg(n_obj, "a slice"))
+        return NULL;
     unsigned long n = PyLong_AsUnsignedLong(n_obj);
     if (PyErr_Occurred())
         return NULL;
@@ -2034,21 +2237,20 @@ static PyObject *Core_set_slice(CoreObject *self, PyObject *n_obj) {
         PyErr_SetString(PyExc_ValueError, "a slice is 1 to 2**32-1 hashes");
         return NULL;
     }
-    WRITE_LOCKED(self, self->slice = (uint32_t)n);
+    x.slice = (uint32_t)n;
+    if (core_run(self, RUN_WRITE_NOGIL, set_slice_body, &x) == RUN_LOCK_FAILED)
+        return NULL;
     Py_RETURN_NONE;
 }
 
 /* tree_sizes() -> [size, ...]: the tree sizes with a namespace now (what a lookup walks). */
 static PyObject *Core_tree_sizes(CoreObject *self, PyObject *Py_UNUSED(unused)) {
-    READY(self);
-    uint32_t sizes[16], n;
-    pthread_rwlock_rdlock(&self->lock);
-    n = self->core.nsizes;
-    memcpy(sizes, self->core.sizes, n * sizeof(uint32_t));
-    pthread_rwlock_unlock(&self->lock);
-    PyObject *out = PyList_New(n);
-    for (uint32_t i = 0; out && i < n; i++) {
-        PyObject *v = PyLong_FromUnsignedLong(sizes[i]);
+    core_figures f = {0};
+    if (!core_ready(self) || core_run(self, RUN_READ, entries_body, &f) != 0)
+        return NULL;
+    PyObject *out = PyList_New(f.nsizes);
+    for (uint32_t i = 0; out && i < f.nsizes; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(f.sizes[i]);
         if (v == NULL)
             Py_CLEAR(out);
         else
@@ -2057,8 +2259,10 @@ static PyObject *Core_tree_sizes(CoreObject *self, PyObject *Py_UNUSED(unused)) 
     return out;
 }
 
+/* key_digest(data) -> the core's digest of a tree key (reads only the seed: no lock). */
 static PyObject *Core_key_digest(CoreObject *self, PyObject *data) {
-    READY(self);
+    if (!core_ready(self))
+        return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0)
         return NULL;
@@ -2067,33 +2271,45 @@ static PyObject *Core_key_digest(CoreObject *self, PyObject *data) {
     return PyLong_FromUnsignedLongLong(d);
 }
 
-static PyObject *Core_tier_of(CoreObject *self, PyObject *medium) {
-    READY(self);
-    Py_ssize_t n;
-    const char *s = PyUnicode_AsUTF8AndSize(medium, &n);
-    if (s == NULL)
-        return NULL;
+typedef struct {
+    span_t medium;
     uint8_t tier;
-    WRITE_LOCKED(self, {
-        uint32_t id = intern_str(&self->core, (const uint8_t *)s, (uint32_t)n);
-        tier = id ? core_tier_of(&self->core, id) : TIER_EXTERNAL;
-    });
-    return PyUnicode_FromString(TIER_NAMES[tier]);
+} tier_ctx;
+
+static int tier_of_body(CoreObject *self, void *ctx) {
+    tier_ctx *x = ctx;
+    uint32_t id = intern_str(&self->core, x->medium.p, x->medium.len);
+    x->tier = id ? core_tier_of(&self->core, id) : TIER_EXTERNAL;
+    return 0;
+}
+
+static PyObject *Core_tier_of(CoreObject *self, PyObject *medium) {
+    tier_ctx x = {0};
+    if (!core_ready(self))
+        return NULL;
+    if (!PyUnicode_Check(medium)) {
+        PyErr_SetString(PyExc_TypeError, "a medium is a str");
+        return NULL;
+    }
+    if (!opt_str(medium, &x.medium) ||
+        core_run(self, RUN_WRITE_NOGIL, tier_of_body, &x) == RUN_LOCK_FAILED)
+        return NULL;
+    return PyUnicode_FromString(TIER_NAMES[x.tier]);
 }
 
 static PyMethodDef Core_methods[] = {
-    {"apply_payload", (PyCFunction)Core_apply_payload, METH_VARARGS, NULL},
-    {"apply_ops", (PyCFunction)Core_apply_ops, METH_VARARGS, NULL},
-    {"clear", (PyCFunction)Core_clear, METH_VARARGS, NULL},
+    {"apply_payload", (PyCFunction)(void (*)(void))Core_apply_payload, METH_FASTCALL, NULL},
+    {"apply_ops", (PyCFunction)(void (*)(void))Core_apply_ops, METH_FASTCALL, NULL},
+    {"clear", (PyCFunction)(void (*)(void))Core_clear, METH_FASTCALL, NULL},
     {"remove", (PyCFunction)Core_remove, METH_O, NULL},
-    {"lookup", (PyCFunction)Core_lookup, METH_VARARGS, NULL},
-    {"lookup_json", (PyCFunction)Core_lookup_json, METH_VARARGS, NULL},
+    {"lookup", (PyCFunction)(void (*)(void))Core_lookup, METH_FASTCALL, NULL},
+    {"lookup_json", (PyCFunction)(void (*)(void))Core_lookup_json, METH_FASTCALL, NULL},
     {"lookup_hashes", (PyCFunction)Core_lookup_hashes, METH_O, NULL},
     {"pools", (PyCFunction)Core_pools, METH_O, NULL},
     {"pool_keys", (PyCFunction)Core_pool_keys, METH_O, NULL},
-    {"pool_hashes", (PyCFunction)Core_pool_hashes, METH_VARARGS, NULL},
-    {"hashes", (PyCFunction)Core_hashes, METH_VARARGS, NULL},
-    {"count", (PyCFunction)Core_count, METH_VARARGS, NULL},
+    {"pool_hashes", (PyCFunction)(void (*)(void))Core_pool_hashes, METH_FASTCALL, NULL},
+    {"hashes", (PyCFunction)(void (*)(void))Core_hashes, METH_FASTCALL, NULL},
+    {"count", (PyCFunction)(void (*)(void))Core_count, METH_FASTCALL, NULL},
     {"stats", (PyCFunction)Core_stats, METH_O, NULL},
     {"entries", (PyCFunction)Core_entries, METH_NOARGS, NULL},
     {"tree_nodes", (PyCFunction)Core_tree_nodes, METH_NOARGS, NULL},
@@ -2101,7 +2317,7 @@ static PyMethodDef Core_methods[] = {
     {"walk_tree", (PyCFunction)Core_walk_tree, METH_NOARGS, NULL},
     {"key_digest", (PyCFunction)Core_key_digest, METH_O, NULL},
     {"tree_sizes", (PyCFunction)Core_tree_sizes, METH_NOARGS, NULL},
-    {"lookup_local", (PyCFunction)Core_lookup_local, METH_VARARGS, NULL},
+    {"lookup_local", (PyCFunction)(void (*)(void))Core_lookup_local, METH_FASTCALL, NULL},
     {"keep_local_hashes", (PyCFunction)Core_keep_local_hashes, METH_O, NULL},
     {"keep_tokens", (PyCFunction)Core_keep_tokens, METH_O, NULL},
     {"set_slice", (PyCFunction)Core_set_slice, METH_O, NULL},

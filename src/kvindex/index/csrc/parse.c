@@ -101,21 +101,9 @@ static enum field field_of(const uint8_t *k, uint32_t n, int stored) {
  * capacity to 0 forever (a hang); past 2^32 items the batch goes to Python. */
 #define GROW(arr, count, cap, more)                                                        \
     do {                                                                                   \
-        uint64_t need_ = (uint64_t)(count) + (more);                                       \
-        if (need_ > UINT32_MAX)                                                            \
-            return PARSE_SLOW;                                                             \
-        if (need_ > (cap)) {                                                               \
-            uint64_t c_ = (cap) ? (cap) : 64;                                              \
-            while (c_ < need_)                                                             \
-                c_ *= 2;                                                                   \
-            if (c_ > UINT32_MAX)                                                           \
-                c_ = UINT32_MAX;                                                           \
-            void *p_ = realloc((arr), (size_t)c_ * sizeof(*(arr)));                        \
-            if (p_ == NULL)                                                                \
-                return PARSE_NOMEM;                                                        \
-            (arr) = p_;                                                                    \
-            (cap) = (uint32_t)c_;                                                          \
-        }                                                                                  \
+        int grown_ = KV_GROW(arr, cap, (uint64_t)(count) + (more));                        \
+        if (grown_ != 0)                                                                   \
+            return grown_ == -1 ? PARSE_NOMEM : PARSE_SLOW;                                \
     } while (0)
 
 /* Whether an array header's count can be true: every item takes a byte at least. (Else
@@ -448,14 +436,8 @@ static int tag_of(const uint8_t *s, uint32_t n) {
 }
 
 static op_t *new_op(scratch_t *sc) {
-    if (sc->nops == sc->ops_cap) {
-        uint32_t cap = sc->ops_cap ? sc->ops_cap * 2 : 64;
-        op_t *ops = realloc(sc->ops, cap * sizeof(op_t));
-        if (ops == NULL)
-            return NULL;
-        sc->ops = ops;
-        sc->ops_cap = cap;
-    }
+    if (KV_GROW(sc->ops, sc->ops_cap, (uint64_t)sc->nops + 1) != 0)
+        return NULL;
     op_t *op = &sc->ops[sc->nops++];
     memset(op, 0, sizeof *op);
     return op;

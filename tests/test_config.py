@@ -155,7 +155,7 @@ def test_flags_win_over_the_file_and_the_file_over_the_environment(
         ('discovery_interval = "often"', "server.discovery_interval must be a number of seconds"),
         (
             'tlscert = "x"',
-            "[server]: unknown key 'tlscert' (allowed_hosts, discovery_interval, http, ",
+            "[server]: unknown key 'tlscert' (allowed_hosts, discover, discovery_interval, dns_server, ",
         ),
     ],
 )
@@ -182,7 +182,7 @@ INSTANCE = '[[instances]]\nname = "a"\nendpoint = "tcp://127.0.0.1:1"\n'
         ('[routing]\nweights = {queue = "high"}', "routing.weights.queue must be a number"),
         (
             "[routing]\nttl = 2",
-            "[routing]: unknown key 'ttl' (local_hashes, prediction_ttl, weights)",
+            "[routing]: unknown key 'ttl' (local_hashes, min_engines, prediction_ttl, weights)",
         ),
         ("[routing]\nlocal_hashes = 1", "routing.local_hashes must be true or false"),
         (INSTANCE + "model = 5", "instances[0].model must be a string"),

@@ -12,11 +12,14 @@
     request_timeout = 30.0
     sub_hwm = 100000                          # live messages queued per publisher
     discovery_interval = 30.0                 # seconds between /server_info reads (0: never)
+    discover = ["k8s:inference?selector=app=vllm"]   # engines found (docs/discovery.md)
+    dns_server = "10.0.0.10:53"               # --discover dns: asks it (default: the system's)
     allowed_hosts = ["kvindex.example.com"]   # Host names served besides localhost
 
     [routing]                                 # the routing score (docs/routing.md)
     prediction_ttl = 2.0                      # seconds a /v1/route choice is predicted
     local_hashes = false                      # keep Dynamo's local hashes (/query_by_hash)
+    min_engines = 2                           # /healthz 'starting' until 2 found engines live
     [routing.weights]                         # any of them; the rest keep their defaults
     prefix = 3.0
     cpu = 0.8
@@ -94,7 +97,16 @@ _INT_KEYS = {"max_body_bytes", "max_lookup_tokens"}
 _FLOAT_KEYS = {"request_timeout"}
 _LIST_KEYS = {"allowed_hosts"}
 SERVER_KEYS = (
-    {"http", "store", "ingest_workers", "sub_hwm", "discovery_interval", "tokenizer"}
+    {
+        "http",
+        "store",
+        "ingest_workers",
+        "sub_hwm",
+        "discovery_interval",
+        "tokenizer",
+        "discover",
+        "dns_server",
+    }
     | _SECRET_KEYS
     | _PATH_KEYS
     | _INT_KEYS
@@ -103,7 +115,7 @@ SERVER_KEYS = (
 )
 
 # [routing]: the score's weights, predictions, Dynamo's local hashes (the peers' /query_by_hash)
-ROUTING_KEYS = {"weights", "prediction_ttl", "local_hashes"}
+ROUTING_KEYS = {"weights", "prediction_ttl", "local_hashes", "min_engines"}
 
 
 @dataclass(slots=True)
@@ -129,6 +141,10 @@ class Settings:
     prediction_ttl: float | None = None  # None: the router's default (2 s)
     # Keep Dynamo's local block hashes in the compiled index (the peers' /query_by_hash)
     local_hashes: bool = False
+    # `k8s:...` / `dns:...`: engines found rather than named (kvindex.runtime.finders)
+    discover: list[str] = field(default_factory=list)
+    dns_server: str | None = None  # IP[:PORT] asked for dns: (None: $KVINDEX_DNS_SERVER)
+    min_engines: int | None = None  # /healthz 'starting' until that many found engines live
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
@@ -153,6 +169,9 @@ def load_settings(args: argparse.Namespace) -> Settings:
         settings.prediction_ttl = args.prediction_ttl
     if getattr(args, "local_hashes", False):
         settings.local_hashes = True
+    settings.discover += getattr(args, "discover", None) or []
+    if getattr(args, "min_engines", None) is not None:
+        settings.min_engines = args.min_engines
     names = [spec.name for spec in settings.instances]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -209,6 +228,13 @@ def read_config(path: Path) -> Settings:
         if not isinstance(listed, list) or not all(isinstance(t, str) for t in listed):
             raise UsageError(f'{path}: server.tokenizer must be a list of "MODEL=PATH|vllm"')
         settings.tokenizers = list(listed)
+    if "discover" in server:
+        listed = server["discover"]
+        if not isinstance(listed, list) or not all(isinstance(t, str) and t for t in listed):
+            raise UsageError(f'{path}: server.discover must be a list of "k8s:..." or "dns:..."')
+        settings.discover = list(listed)
+    if "dns_server" in server:
+        settings.dns_server = _string(server["dns_server"], f"{path}: server.dns_server")
     _routing(data.get("routing", {}), path, settings)
     instances = data.get("instances", [])
     if not isinstance(instances, list):
@@ -227,6 +253,11 @@ def _routing(table: object, path: Path, settings: Settings) -> None:
         if not _number(ttl) or not 0 < ttl < float("inf"):
             raise UsageError(f"{path}: routing.prediction_ttl must be a positive number of seconds")
         settings.prediction_ttl = float(ttl)
+    if "min_engines" in routing:
+        count = routing["min_engines"]
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise UsageError(f"{path}: routing.min_engines must be a whole number (0: no gate)")
+        settings.min_engines = count
     if "local_hashes" in routing:
         if not isinstance(routing["local_hashes"], bool):
             raise UsageError(f"{path}: routing.local_hashes must be true or false")

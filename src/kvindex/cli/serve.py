@@ -44,8 +44,11 @@ if TYPE_CHECKING:
     from kvindex.cli.httpopts import HttpOptions
     from kvindex.index import FleetIndex
     from kvindex.runtime import Fleet
+    from kvindex.runtime.finders import Reconciler
     from kvindex.service.lookups import Routing
     from kvindex.store import LoadResult, Store
+
+DNS_INTERVAL = 10.0  # seconds between two resolutions of a --discover dns: name (default)
 
 __all__ = ["DEFAULT_HTTP", "DEFAULT_STORE", "Settings", "add_parser", "parse_http", "run"]
 
@@ -89,7 +92,23 @@ def add_parser(subparsers: Any) -> None:
         type=non_negative_seconds,
         help="seconds between two reads of a well SGLang engine's /server_info (instances "
         "named by sglang+http://), to follow a changed DP size or ports; 0 = only on a "
-        "restart or link trouble (default 30)",
+        "restart or link trouble (default 30); also how often --discover dns: resolves "
+        "again (default 10 there)",
+    )
+    p.add_argument(
+        "--discover",
+        metavar="SOURCE",
+        action="append",
+        default=[],
+        help="find engines instead of naming them: 'k8s:NAMESPACE?selector=LABELS' (pods, "
+        "list + watch) or 'dns:HOST[:PORT]' (A/AAAA/SRV, re-resolved every "
+        "--discovery-interval); repeatable (docs/discovery.md)",
+    )
+    p.add_argument(
+        "--min-engines",
+        metavar="N",
+        type=positive_int,
+        help="/healthz says 'starting' (503) until N engines found by --discover are live",
     )
     p.add_argument(
         "--tokenizer",
@@ -217,10 +236,11 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
         instances = _with_runtime_instances(configured, loaded.instances)
         fleet = _start_fleet(settings, instances, store, index, loaded)
         on_failure.callback(fleet.close)
+        finders = _finders(fleet, settings)
         routing = _routing(fleet, settings)
         on_failure.pop_all()  # from here on, serving owns them
     store.start()
-    server = _server(fleet, routing, store, http, stop)
+    server = _server(fleet, routing, store, http, stop, finders)
     try:
         run_async(_serve(server, sock, _summary(len(instances), store.url, loaded)))
     finally:
@@ -270,6 +290,25 @@ def _start_fleet(
     return fleet
 
 
+def _finders(fleet: Fleet, settings: Settings) -> Reconciler | None:
+    """The `--discover` finders on one reconciler (started with the service), or None."""
+    from kvindex.runtime.finders import Reconciler, finder_of
+
+    if not settings.discover:
+        if settings.min_engines:
+            raise UsageError("--min-engines counts engines found by --discover: give one")
+        return None
+    reconciler = Reconciler(fleet, min_engines=settings.min_engines or 0)
+    interval = settings.discovery_interval or DNS_INTERVAL
+    for text in settings.discover:
+        try:
+            finder = finder_of(text, reconciler, interval=interval, dns_server=settings.dns_server)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        reconciler.finders.append(finder)
+    return reconciler
+
+
 def _routing(fleet: Fleet, settings: Settings) -> Routing:
     from kvindex.runtime.routing import DEFAULT_TTL, Predictions, Weights
     from kvindex.service.lookups import Routing
@@ -283,7 +322,12 @@ def _routing(fleet: Fleet, settings: Settings) -> Routing:
 
 
 def _server(
-    fleet: Fleet, routing: Routing, store: Store, http: HttpOptions, stop: Stop
+    fleet: Fleet,
+    routing: Routing,
+    store: Store,
+    http: HttpOptions,
+    stop: Stop,
+    finders: Reconciler | None = None,
 ) -> uvicorn.Server:
     """The HTTP app on uvicorn, plain lookups answered in its protocol."""
     import uvicorn
@@ -297,6 +341,7 @@ def _server(
         max_body_bytes=http.max_body_bytes,
         store_health=store.health,
         routing=routing,
+        finders=finders,
     )
     protocol = lookup_protocol(app.state.lookup_answerer, http.guard, http.max_body_bytes)
     config = uvicorn.Config(

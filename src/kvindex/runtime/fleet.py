@@ -25,6 +25,7 @@ from kvindex.index.base import AnswerSlot
 from kvindex.index.multimodal import MMFeature, MMKey
 from kvindex.index.sharing import Sharing, sharing
 from kvindex.runtime.discovery import DEFAULT_INTERVAL, Discovery
+from kvindex.runtime.finders.reconcile import FoundBy
 from kvindex.runtime.ingest import IndexGuard, IngestCounters, IngestWorker, default_workers
 from kvindex.runtime.views import (
     FleetSummary,
@@ -238,6 +239,8 @@ class Fleet:
         # read again when they restart or their link goes down (see runtime/discovery.py).
         self.discovery = Discovery(self._rediscovered, interval=discovery_interval)
         self.load = LoadFollower()  # SGLang's load streams, on a thread of their own
+        # How engines found by --discover were found (set by runtime.finders.Reconciler)
+        self.found: dict[str, FoundBy] = {}
         self.add_link_hook(self._link_trouble)
 
     def _init_answer_caches(self) -> None:
@@ -354,6 +357,7 @@ class Fleet:
             worker.lag = {k: v for k, v in worker.lag.items() if k.instance != name}
         self.discovery.forget(name)
         self.load.forget(name)
+        self.found.pop(name, None)
         with self._guard():
             self.index.remove_instance(name)
         self._drop_counts(name)
@@ -486,6 +490,7 @@ class Fleet:
             unrecognised_keys=stats.unrecognised_keys,
             namespace_kept=stats.namespace_kept,
             namespace_moved=stats.namespace_moved,
+            found=self.found.get(name),
         )
 
     def _rank_view(self, source: SourceKey) -> RankView:

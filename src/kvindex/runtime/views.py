@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from kvindex.runtime.discovery import DiscoveryView
+from kvindex.runtime.finders.reconcile import FoundBy
 from kvindex.subscriber import InstanceSpec, Status
 from kvindex.wire.tiers import tier_counts
 
@@ -121,6 +122,7 @@ class InstanceView:
     unrecognised_keys: int = 0  # extra keys of a shape this version doesn't know
     namespace_kept: int = 0  # unkeyed lower-tier stores that kept the keyed copy's namespace
     namespace_moved: int = 0  # entries moved when the keyed copy came after the unkeyed one
+    found: FoundBy | None = None  # found by --discover (a k8s pod, a DNS name); None: named
 
     @property
     def name(self) -> str:

@@ -36,6 +36,7 @@ from kvindex.runtime import (
     WorkerUnavailable,
 )
 from kvindex.runtime.discovery import first_read
+from kvindex.runtime.finders import Reconciler
 from kvindex.runtime.routing import RouteAnswer
 from kvindex.security.http import HttpGuard
 from kvindex.service.dashboard import install_dashboard
@@ -124,12 +125,14 @@ def create_app(
     guard: HttpGuard | None = None,
     store_health: Callable[[], StoreHealth] | None = None,
     routing: Routing | None = None,
+    finders: Reconciler | None = None,
 ) -> FastAPI:
     """The API over `fleet`. With `manage_fleet`, the app's lifespan starts its ingest in
     the server's loop and stops it (closing the sockets) at shutdown. `guard` sets bearer
     tokens, the lookup size limit and the request body deadline; `store_health` says how
     the state store is doing (for /healthz, /v1/stats and /metrics); `routing` the
-    tokenizers, routing weights and predictions (kvindex.service.lookups)."""
+    tokenizers, routing weights and predictions (kvindex.service.lookups); `finders` the
+    --discover finders (started and stopped with the app), their history and start gate."""
     guard = guard or HttpGuard()
     routing = routing or Routing.of(fleet)
 
@@ -138,9 +141,13 @@ def create_app(
         if manage_fleet:
             await fleet.start()
         routing.scraper.start()  # the engines' /metrics: load for the score
+        if finders is not None:  # --discover: they add instances, so once ingest runs
+            finders.start()
         try:
             yield
         finally:
+            if finders is not None:
+                await asyncio.to_thread(finders.stop)
             routing.scraper.stop()
             await routing.tokenizers.aclose()
             if manage_fleet:
@@ -160,7 +167,7 @@ def create_app(
     app.state.metrics = metrics
     app.state.max_lookup_items = guard.max_lookup_items
     _add_error_handlers(app)
-    _add_routes(app, fleet, metrics, health)
+    _add_routes(app, fleet, metrics, health, finders)
     route_doc = operation_doc(
         RouteAnswer,
         body=[LookupRequest, PromptLookupRequest, ChatLookupRequest],
@@ -267,24 +274,36 @@ def _no_store() -> StoreHealth:
 
 
 def _add_routes(
-    app: FastAPI, fleet: Fleet, metrics: ServiceMetrics, store: Callable[[], StoreHealth]
+    app: FastAPI,
+    fleet: Fleet,
+    metrics: ServiceMetrics,
+    store: Callable[[], StoreHealth],
+    finders: Reconciler | None = None,
 ) -> None:
-    _add_status_routes(app, fleet, metrics, store)
-    _add_instance_routes(app, fleet)
+    _add_status_routes(app, fleet, metrics, store, finders)
+    _add_instance_routes(app, fleet, finders)
     _add_lookup_routes(app, fleet, metrics)
 
 
 def _add_status_routes(
-    app: FastAPI, fleet: Fleet, metrics: ServiceMetrics, store: Callable[[], StoreHealth]
+    app: FastAPI,
+    fleet: Fleet,
+    metrics: ServiceMetrics,
+    store: Callable[[], StoreHealth],
+    finders: Reconciler | None = None,
 ) -> None:
     @app.get("/healthz", **operation_doc(HealthAnswer, errors=[503]))
     async def healthz() -> Response:
         """`ok` once the service accepts queries; `degraded` (still 200: lookups are
         answered from memory) with the reason while the state store can't persist; 503 if
-        ingest stopped on an error."""
+        ingest stopped on an error; `starting` (503) until `min_engines` engines found by
+        --discover are live, so a router's readiness probe waits."""
         failure = fleet.failure
         if failure is not None or not fleet.running:
             return _error(503, f"ingest is not running: {failure or 'stopped'}")
+        waiting = finders.starting() if finders is not None else None
+        if waiting is not None:
+            return _json(HealthAnswer("starting", waiting), 503)
         health = store()
         if not health.up:
             return _json(HealthAnswer("degraded", f"store: {health.reason}"))
@@ -330,11 +349,13 @@ def _stats(fleet: Fleet, metrics: ServiceMetrics) -> dict[str, Any]:
     }
 
 
-def _add_instance_routes(app: FastAPI, fleet: Fleet) -> None:
+def _add_instance_routes(app: FastAPI, fleet: Fleet, finders: Reconciler | None = None) -> None:
     @app.get("/v1/instances", **operation_doc(InstancesAnswer))
     async def instances() -> Response:
         """Every instance: status (worst of its ranks), counters, blocks, per-rank detail."""
-        return _json(InstancesAnswer([instance_answer(v) for v in fleet.instance_views()]))
+        views = [instance_answer(v) for v in fleet.instance_views()]
+        history = list(finders.history) if finders is not None else []
+        return _json(InstancesAnswer(views, history))
 
     add_doc = operation_doc(
         InstanceAnswer,

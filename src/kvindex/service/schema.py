@@ -19,6 +19,7 @@ import msgspec
 from kvindex.index.multimodal import MMFeature
 from kvindex.runtime import InstanceMatch, InstanceView, LookupAnswer, RankMatch, RankView
 from kvindex.runtime.discovery import DiscoveryView
+from kvindex.runtime.finders import FleetChange, FoundBy
 from kvindex.runtime.routing import RouteAnswer, ScoredAnswer
 from kvindex.subscriber import InstanceSpec, SpecError, Status
 from kvindex.subscriber.spec import DISCOVERY_SCHEMES
@@ -264,9 +265,10 @@ class ErrorAnswer(msgspec.Struct):
 
 
 class HealthAnswer(msgspec.Struct, omit_defaults=True):
-    """`ok`, or `degraded` (lookups still answered from memory) with the reason."""
+    """`ok`, or `degraded` (lookups still answered from memory) with the reason; `starting`
+    (503) until `min_engines` found engines are live."""
 
-    status: Literal["ok", "degraded"]
+    status: Literal["ok", "degraded", "starting"]
     reason: str | None = None
 
 
@@ -313,10 +315,15 @@ class InstanceAnswer(msgspec.Struct):
     # For an engine named by its URL (sglang+http://...): its /server_info, whether its
     # publishers are known, why the last read failed, its block size; null otherwise.
     discovery: DiscoveryView | None = None
+    # For an engine found by --discover: how (k8s: namespace, pod, UID; dns: the name
+    # asked) and its address; null for an instance named by hand.
+    found: FoundBy | None = None
 
 
 class InstancesAnswer(msgspec.Struct):
     instances: list[InstanceAnswer]
+    # The latest engines --discover added and removed (oldest first, at most 200), why.
+    history: list[FleetChange] = msgspec.field(default_factory=list)
 
 
 class BlocksAnswer(msgspec.Struct):
@@ -358,6 +365,7 @@ def instance_answer(view: InstanceView) -> InstanceAnswer:
         problem=view.problem,
         ranks=view.ranks,
         discovery=view.discovery,
+        found=view.found,
     )
 
 

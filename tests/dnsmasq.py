@@ -19,9 +19,18 @@ DNSMASQ = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
 
 
 def _free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free for UDP and TCP both (dnsmasq listens on both)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            udp.bind(("127.0.0.1", 0))
+            port = int(udp.getsockname()[1])
+            with socket.socket() as tcp:
+                try:
+                    tcp.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no port free for both UDP and TCP")
 
 
 class Dnsmasq:
@@ -48,8 +57,12 @@ class Dnsmasq:
         ]  # fmt: skip
         argv += [f"--srv-host={n},{t},{p}" for n, t, p in self.srv_records]
         argv += [f"--host-record={t},{ip}" for t, ip in self.targets.items()]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
-        assert wait_until(self._answers, 10), "dnsmasq did not start"
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        started = wait_until(lambda: self._answers() or self.proc.poll() is not None, 10)
+        if self.proc.poll() is not None:
+            err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+            raise RuntimeError(f"dnsmasq exited at start: {err.strip()}")
+        assert started, "dnsmasq did not answer in 10 s"
 
     def _answers(self) -> bool:
         import dns.message

@@ -155,7 +155,7 @@ def test_flags_win_over_the_file_and_the_file_over_the_environment(
         ('discovery_interval = "often"', "server.discovery_interval must be a number of seconds"),
         (
             'tlscert = "x"',
-            "[server]: unknown key 'tlscert' (allowed_hosts, discover, discovery_interval, dns_server, ",
+            "[server]: unknown key 'tlscert' (allowed_hosts, discover, discovery_interval, ",
         ),
     ],
 )

@@ -3,6 +3,7 @@ equals the index it mirrors; appends are idempotent by seq; its URL and its erro
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +36,7 @@ from kvindex.store.redis import RedisStore, current_rows
 from kvindex.store.redis.append import Appender
 from kvindex.store.redis.compact import Compactor
 from kvindex.store.redis.layout import (
-    CTL,
-    INSTANCES,
-    REGISTER,
+    STATUS,
     ZERO,
     IngestPolicy,
     RedisConfig,
@@ -48,8 +47,10 @@ from kvindex.store.redis.layout import (
     row_value,
     snap_key,
     snapshot_format,
+    tag,
 )
 from kvindex.store.redis.reader import SharedLogReader
+from kvindex.store.redis.worker import register_instance
 from kvindex.store.rows import BlockRow
 from kvindex.subscriber import Delivery, Restarted, SourceKey
 from kvindex.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
@@ -66,7 +67,7 @@ class Harness:
         self.client = redis.Redis.from_url(url)
         self.client.flushdb()
         for name, spec in specs.items():
-            self.client.eval(REGISTER, 2, INSTANCES, CTL, name, spec)
+            register_instance(self.client, name, spec, "harness")
         self.mirror = Mirror()
         self.reader = SharedLogReader(self.mirror, IngestPolicy(), lambda frames: None)
         self.reader.load(self.client, {}, ZERO)
@@ -182,6 +183,46 @@ def test_nothing_is_appended_for_an_unregistered_instance(server: Any) -> None:
     h.appender.flush(h.client)
     assert h.appender.stats.unregistered == 1
     assert h.entries(SourceKey("ghost")) == []
+
+
+def test_redis_that_forgot_a_registered_instance_is_said_loudly_once(
+    server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis restarted empty or flushed: every append is refused as unregistered. That
+    was silent; it is one ERROR per instance (until its appends land again)."""
+    h = Harness(server.url, {"a": SPECS["a"]})
+    reader = SharedLogReader(Mirror(), IngestPolicy(), lambda frames: None)
+    reader.load(h.client, {A: ZERO}, ZERO)  # as a worker's: it knows `a` is registered
+    h.appender.spec_of = reader.spec
+    h.batch(A, BlockStored([1], None, [1] * BS, BS))
+    h.appender.flush(h.client)
+    h.client.flushdb()  # what a restart without persistence leaves
+    with caplog.at_level(logging.WARNING, logger="kvindex.store.redis"):
+        for i in range(3):
+            h.batch(A, BlockStored([2 + i], None, [2 + i] * BS, BS))
+            h.appender.flush(h.client)
+    said = [r for r in caplog.records if "does not know instance 'a'" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.ERROR
+    assert h.appender.stats.unregistered == 3
+
+
+def test_a_spec_with_fewer_ranks_drops_the_keys_of_the_ranks_gone(server: Any) -> None:
+    """Item 15: `b` had two DP ranks; registered again with one, rank 1's checkpoint, log,
+    snapshot and status go (they were left behind for good); rank 0's stay."""
+    h = Harness(server.url)
+    b0, b1 = SourceKey("b", 0), SourceKey("b", 1)
+    for source in (b0, b1):
+        h.batch(source, BlockStored([7], None, [7] * BS, BS))
+    h.compact()
+    h.client.hset(STATUS, mapping={tag(b0): b"x", tag(b1): b"x"})
+    gone = [cp_key(b1), log_key(b1), snap_key(b1)]
+    assert all(h.client.exists(key) for key in gone)
+    dropped = register_instance(h.client, "b", "b=tcp://127.0.0.1:3", "test")
+    assert dropped == [b1]
+    assert [key for key in gone if h.client.exists(key)] == []
+    assert h.client.hkeys(STATUS) == [tag(b0).encode()]
+    assert h.client.exists(cp_key(b0)) and h.client.exists(log_key(b0))
+    assert register_instance(h.client, "b", "b=tcp://127.0.0.1:3", "test") == []
 
 
 @pytest.mark.parametrize("value", [0, -1, -(2**63), 2**63, 2**64 - 1, b"", b"\x00" * 32])

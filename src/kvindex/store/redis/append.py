@@ -85,6 +85,8 @@ class Appender:
     short: set[SourceKey] = field(default_factory=set)  # batches dropped since the last flush
     diverged: set[SourceKey] = field(default_factory=set)  # see APPEND
     stats: AppendStats = field(default_factory=AppendStats)
+    # Instances whose appends Redis refused as unregistered, said once until one lands.
+    unregistered: set[str] = field(default_factory=set)
 
     # -- from the service ---------------------------------------------------------------
 
@@ -111,6 +113,14 @@ class Appender:
         self.queue = deque(i for i in self.queue if i.source.instance != name)
         self.mine = {k: v for k, v in self.mine.items() if k.instance != name}
         self.short = {s for s in self.short if s.instance != name}
+        self.unregistered.discard(name)
+
+    def forget_source(self, source: SourceKey) -> None:
+        """One publisher of an instance that goes on (a spec with fewer DP ranks)."""
+        self.queue = deque(i for i in self.queue if i.source != source)
+        self.mine.pop(source, None)
+        self.short.discard(source)
+        self.diverged.discard(source)
 
     # -- to Redis -----------------------------------------------------------------------
 
@@ -152,8 +162,9 @@ class Appender:
             else:
                 self.diverged.discard(source)
             if code == -2:
-                self.stats.unregistered += len(items) - int(done)
+                self._refused(source, len(items) - int(done))
                 continue
+            self.unregistered.discard(source.instance)
             rest = items[int(done) :]
             if code == -1 and rest:
                 gaps.append((source, rest[0].a, int(next_seq)))
@@ -161,6 +172,23 @@ class Appender:
         self.queue.extendleft(reversed(retry))
         for source, target, next_seq in gaps:  # the items stay queued until the gap is filled
             self._fill_to(client, script, source, target, next_seq)
+
+    def _refused(self, source: SourceKey, count: int) -> None:
+        """Redis does not know the instance: removed by another replica meanwhile, or
+        Redis restarted empty or was flushed. The second loses every append from then on:
+        say it loudly, once per instance until its appends land again."""
+        self.stats.unregistered += count
+        name = source.instance
+        if name in self.unregistered or self.spec_of(name) is None:
+            return  # said already, or removed (the registry this replica read says so)
+        self.unregistered.add(name)
+        log.error(
+            "Redis does not know instance %r (restarted empty or flushed?): its batches are "
+            "not stored (%d dropped so far, all instances); the other replicas and a warm "
+            "restart will miss them until it is registered again",
+            name,
+            self.stats.unregistered,
+        )
 
     def _fill_to(
         self, client: redis.Redis, script: Any, source: SourceKey, target: int, n: int = -1

@@ -214,7 +214,8 @@ class SharedSubscriber(Subscriber):
                 items.extend(self._reload(source, remote, header, rest))
         elif kind in ("a", "x"):
             self.ctl_pos = parse_id(header[-1])
-            self._membership(kind, header[1], header[2] if kind == "a" else "")
+            if not header[-2]:  # else this replica's own change: applied already
+                self._membership(kind, header[1], header[2] if kind == "a" else "")
         elif kind == "S":
             self._published = header[1]
         elif kind == "W":

@@ -405,23 +405,33 @@ redis.call('HSET', KEYS[1], 'n', n, 'd', d, 'l', lost)
 return {done, code, n, conflicts, diverged and 1 or 0}
 """
 
-# Registers an instance (or changes its spec) and tells the other replicas.
-# KEYS: instances, ctl. ARGV: name, spec.
+# Registers an instance (or changes its spec) and tells the other replicas; the entry
+# names the replica that wrote it (`by`), which does not apply it again. A changed spec
+# drops the keys of the publishers it no longer has, if the spec registered is still the
+# one the caller read (`old`; else -1: read again). KEYS: instances, ctl, status, then the
+# dropped publishers' keys. ARGV: name, spec, by, old ('' for none), then the dropped
+# publishers' status fields.
 REGISTER = """
-if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return 0 end
+local now = redis.call('HGET', KEYS[1], ARGV[1])
+if now == ARGV[2] then return 0 end
+if (now or '') ~= ARGV[4] then return -1 end
+for i = 4, #KEYS do redis.call('DEL', KEYS[i]) end
+for i = 5, #ARGV do redis.call('HDEL', KEYS[3], ARGV[i]) end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', 10000, '*', 'op', 'a', 'name', ARGV[1], 'spec', ARGV[2])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', 10000, '*', 'op', 'a', 'name', ARGV[1],
+  'spec', ARGV[2], 'by', ARGV[3])
 return 1
 """
 
 # Forgets an instance: its registration, logs, checkpoints and snapshots, and tells the
-# other replicas. KEYS: instances, ctl, status, then its per-publisher keys. ARGV: name,
-# then the status fields of its publishers.
+# other replicas (the entry names the replica that wrote it, as REGISTER's). KEYS:
+# instances, ctl, status, then its per-publisher keys. ARGV: name, by, then the status
+# fields of its publishers.
 REMOVE = """
 if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
 for i = 4, #KEYS do redis.call('DEL', KEYS[i]) end
-for i = 2, #ARGV do redis.call('HDEL', KEYS[3], ARGV[i]) end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', 10000, '*', 'op', 'x', 'name', ARGV[1])
+for i = 3, #ARGV do redis.call('HDEL', KEYS[3], ARGV[i]) end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', 10000, '*', 'op', 'x', 'name', ARGV[1], 'by', ARGV[2])
 return 1
 """
 

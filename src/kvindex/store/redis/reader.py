@@ -76,6 +76,7 @@ class SharedLogReader:
     served: dict[SourceKey, StreamId] = field(default_factory=dict)  # the service's
     read_at: dict[SourceKey, StreamId] = field(default_factory=dict)
     ctl_pos: StreamId = ZERO
+    replica: str = ""  # this service's id: its own control entries are not news to it
     stats: ReaderStats = field(default_factory=ReaderStats)
     _status_seen: dict[str, tuple[bytes, float]] = field(default_factory=dict)
     _trim_checked: float = 0.0
@@ -167,11 +168,14 @@ class SharedLogReader:
     def _control(self, client: redis.Redis, entry_id: StreamId, fields: dict[bytes, bytes]) -> None:
         self.ctl_pos = entry_id
         op, name = fields.get(b"op", b"").decode(), fields.get(b"name", b"").decode()
+        # The service made this change itself (and may have undone it since): it must
+        # not apply it again; it still learns where the control stream stands.
+        mine = bool(self.replica) and fields.get(b"by", b"").decode() == self.replica
         if op == "a":
             spec = fields.get(b"spec", b"").decode()
             old = self.specs.get(name)
             self.specs[name] = spec
-            self.forward([pack(["a", name, spec, render_id(entry_id)])])
+            self.forward([pack(["a", name, spec, mine, render_id(entry_id)])])
             for source in sources_of(spec):
                 if old is None or source not in self.cursors:
                     self.served.pop(source, None)
@@ -182,7 +186,7 @@ class SharedLogReader:
             for source in [s for s in self.cursors if s.instance == name]:
                 del self.cursors[source], self.read_at[source]
                 self.served.pop(source, None)
-            self.forward([pack(["x", name, render_id(entry_id)])])
+            self.forward([pack(["x", name, mine, render_id(entry_id)])])
 
     def spec(self, name: str) -> InstanceSpec | None:
         text = self.specs.get(name)

@@ -28,6 +28,7 @@ How (the key layout is in keys.py):
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import time
 from collections.abc import Iterable
@@ -74,6 +75,9 @@ class RedisStore(WorkerStore):
         self._specs: list[InstanceSpec] = []
         self._link = WorkerLink("the Redis worker")
         self._base = ""
+        # Names the control entries this service's worker writes (instances added and
+        # removed here): its reader does not hand them back as news (see REGISTER).
+        self.replica = secrets.token_hex(8)
 
     @property
     def url(self) -> str:
@@ -164,6 +168,7 @@ class RedisStore(WorkerStore):
             "served": served,
             "mine": mine,
             "ctl": ctl,
+            "replica": self.replica,
         }
         argv = [sys.executable, "-m", "kvindex.store.redis"]
         return WorkerCommand(argv, stdin=msgspec.msgpack.encode(config))

@@ -86,6 +86,7 @@ class WorkerConfig:
     served: dict[str, str]  # tag -> the stream id the service loaded up to
     mine: dict[str, list[Any]]  # tag -> [next seq, digest] the service's Subscriber resumes at
     ctl: str
+    replica: str = ""  # this service's id in the control entries it writes (see REGISTER)
 
 
 class RedisReachability:
@@ -140,7 +141,7 @@ class Worker:
         self.acks.connect(config.acks)
         self.mirror = Mirror()
         policy = IngestPolicy.parse(config.ingest)
-        self.reader = SharedLogReader(self.mirror, policy, self._forward)
+        self.reader = SharedLogReader(self.mirror, policy, self._forward, replica=config.replica)
         self.appender = Appender(config.buffer, self.reader.spec)
         for key, (next_seq, digest) in config.mine.items():
             self.appender.mine[untag(key)] = (next_seq, "" if digest is None else str(digest))
@@ -308,7 +309,7 @@ class Worker:
         while self.membership:
             change = self.membership[0]
             if isinstance(change, SaveInstance):
-                self.client.eval(REGISTER, 2, INSTANCES, CTL, change.name, change.spec)
+                self._register(change.name, change.spec)
             else:
                 self._remove(change.name)
             self.membership.pop(0)
@@ -321,14 +322,19 @@ class Worker:
         self.client.hset(STATUS, mapping=mapping)
         self.status = {}
 
+    def _register(self, name: str, spec: str) -> None:
+        """Register an instance (or its changed spec) for every replica (see
+        `register_instance`); this replica stops appending for the publishers dropped."""
+        for source in register_instance(self.client, name, spec, self.config.replica):
+            self.appender.forget_source(source)
+
     def _remove(self, name: str) -> None:
         self.appender.forget(name)
         spec = cast(bytes | None, self.client.hget(INSTANCES, name))
         sources = sources_of(spec.decode()) if spec else [SourceKey(name)]
-        keys = [INSTANCES, CTL, STATUS]
-        for source in sources:
-            keys += [cp_key(source), log_key(source), snap_key(source)]
-        self.client.eval(REMOVE, len(keys), *keys, name, *(tag(s) for s in sources))
+        keys = [INSTANCES, CTL, STATUS, *_keys_of(sources)]
+        args = [name, self.config.replica, *(tag(s) for s in sources)]
+        self.client.eval(REMOVE, len(keys), *keys, *args)
 
     def _report_stats(self) -> None:
         now = time.monotonic()
@@ -354,12 +360,33 @@ class Worker:
             "gap_fills": a.gap_fills,
             "refetched_batches": a.refetched,
             "lost_by_store": a.lost,
+            "unregistered_appends": a.unregistered,
             "log_entries_read": r.entries,
             "forwarded": r.forwarded,
             "resyncs": r.resyncs,
             "compactions": self.compactor.compactions,
             "ingest": self.config.ingest,
         }
+
+
+def register_instance(client: redis.Redis, name: str, spec: str, by: str) -> list[SourceKey]:
+    """Register an instance (or its changed spec) in Redis for every replica, the change
+    named as `by`'s; the keys of the publishers a changed spec no longer has (fewer DP
+    ranks, other ranks) go with the change. Returns those publishers."""
+    while True:
+        old = cast(bytes | None, client.hget(INSTANCES, name))
+        old_spec = old.decode() if old else ""
+        kept = set(sources_of(spec))
+        dropped = [s for s in sources_of(old_spec) if s not in kept] if old_spec else []
+        keys = [INSTANCES, CTL, STATUS, *_keys_of(dropped)]
+        args = [name, spec, by, old_spec, *(tag(s) for s in dropped)]
+        if client.eval(REGISTER, len(keys), *keys, *args) != -1:
+            return dropped  # else another replica changed it between the read and the script
+
+
+def _keys_of(sources: list[SourceKey]) -> list[str]:
+    """Each publisher's keys: checkpoint, log, snapshot."""
+    return [key for s in sources for key in (cp_key(s), log_key(s), snap_key(s))]
 
 
 def worker_main() -> None:

@@ -167,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.only == "routing_ab":  # a run and a file of its own (kvindex bench routing)
+        from kvindex.bench.routing_ab.run import run_mode
+
+        return run_mode(plan.mode, out.with_name("routing_ab.json"))
     if args.only:
         return _run_only(args.only, plan, out)
     _say(f"mode {plan.mode}; results to {out}")

@@ -23,6 +23,26 @@ def add_parser(sub: Any) -> None:
     )
     add_arguments(p)
     p.set_defaults(run=run)
+    cases = p.add_subparsers(dest="bench_case", metavar="CASE", required=False)
+    routing = cases.add_parser(
+        "routing",
+        help="replay a trace through modeled vLLM engines once per routing policy",
+        description="Replay a Mooncake-format trace (--trace) or the built-in shared-prefix "
+        "generator through modeled vLLM engines, once per policy on a fresh fleet (kvindex's "
+        "/v1/route and longest match through a running serve, round-robin, least-loaded, an "
+        "approximate cache-aware router, the oracle): hit rate, modeled TTFT, throughput "
+        "(docs/routing.md).",
+    )
+    from kvindex.bench.routing_ab.options import add_arguments as routing_arguments
+
+    routing_arguments(routing)
+    routing.set_defaults(run=run_routing)
+
+
+def run_routing(args: argparse.Namespace) -> int:
+    from kvindex.bench.routing_ab.run import main
+
+    return main(args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 
 from kvindex.index import FleetIndex
 from kvindex.store import StoreError, open_store
-from kvindex.store.protocol import AppliedBatch, Group, LostMark, RestartMark
+from kvindex.store.protocol import (
+    AppliedBatch,
+    Group,
+    LostMark,
+    RemoveInstance,
+    RestartMark,
+    SaveInstance,
+)
 from kvindex.store.rows import BlockRow, events_from_rows, hash_key, key_hash
 from kvindex.store.sqlite import SQLiteStore, WriterOptions, current_rows
 from kvindex.store.sqlite.writer import SQLiteWriter
@@ -201,6 +208,33 @@ def test_checkpoints_restarts_and_lost_persist(tmp_path: Path) -> None:
     assert result.checkpoints[A] == (0, None, 0)  # type: ignore[attr-defined]
 
 
+def test_an_instance_removed_and_added_again_keeps_all_it_logs_after(tmp_path: Path) -> None:
+    """Item 13: RemoveInstance dropped the publisher's row but the writer kept its next
+    seq, so an instance added again (its engine still running: the late join replays from
+    seq 0) had every batch below the old seq dropped as written: gone at the next start,
+    with nothing saying so. Remove and re-add in separate commits, and in one."""
+    for together in (False, True):
+        h = Harness(tmp_path / f"s{together}.sqlite")
+        for i in range(10):
+            h.batch(A, BlockStored([i], None, [i] * BS, BS))
+        batches = [
+            AppliedBatch(
+                "a", 0, seq, encode_batch([BlockStored([100 + seq], None, [seq] * BS, BS)])
+            )
+            for seq in range(10)
+        ]
+        remove = [RemoveInstance("a"), SaveInstance("a", "a=tcp://127.0.0.1:1")]
+        if together:
+            h.writer.commit([Group(0, remove + batches)])
+        else:
+            h.writer.commit([Group(0, remove)])
+            h.writer.commit([Group(0, batches)])
+        loaded, result = h.reload()
+        assert loaded.block_hashes("a") == {100 + seq for seq in range(10)}, together
+        assert result.checkpoints[A].next_seq == 10  # type: ignore[attr-defined]
+        h.writer.close()
+
+
 def test_cache_blocks_view_is_readable_by_sqlite(tmp_path: Path) -> None:
     h = Harness(tmp_path / "s.sqlite")
     h.batch(
@@ -271,11 +305,34 @@ def test_record_without_payload_is_refused(tmp_path: Path) -> None:
         ("sqlite:///", "no path"),
         ("mysql://x", "unknown store"),
         ("sqlite:////proc/x/y.db", "cannot"),
+        ("sqlite:///x.db?synchronous=off", "the only option is synchronous=normal|full"),
+        ("sqlite:///x.db?journal=wal", "the only option"),
     ],
 )
 def test_bad_store_urls(url: str, message: str) -> None:
     with pytest.raises(StoreError, match=message):
         open_store(url).load(FleetIndex())
+
+
+def test_synchronous_full_is_what_the_writer_process_commits_with(tmp_path: Path) -> None:
+    """`?synchronous=full`: the writer process is started with it and opens the file so
+    (PRAGMA synchronous 2); the store says so in its URL; the default stays NORMAL (1)."""
+    for url, want in ((f"sqlite:///{tmp_path}/f.sqlite?synchronous=full", 2), (None, 1)):
+        store = open_store(url) if url else SQLiteStore(tmp_path / "n.sqlite")
+        assert isinstance(store, SQLiteStore)
+        assert ("synchronous=full" in store.url) == (want == 2)
+        store.load(FleetIndex())
+        store.start()
+        try:
+            store.sync()
+            process = store._link.process
+            assert process is not None
+            assert process.args[-1] == ("full" if want == 2 else "normal")  # type: ignore[index]
+        finally:
+            store.close()
+        writer = SQLiteWriter(str(store.path), store.options)  # what that process ran
+        assert writer.db.execute("PRAGMA synchronous").fetchone()[0] == want
+        writer.close()
 
 
 def test_not_a_store(tmp_path: Path) -> None:

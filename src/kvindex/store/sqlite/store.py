@@ -42,7 +42,8 @@ class SQLiteStore(WorkerStore):
 
     @property
     def url(self) -> str:
-        return f"sqlite:///{self.path}"
+        extra = "" if self.options.synchronous == "normal" else "?synchronous=full"
+        return f"sqlite:///{self.path}{extra}"
 
     def load(self, index: FleetIndex) -> LoadResult:
         if self._owner.fd is None:
@@ -69,6 +70,7 @@ class SQLiteStore(WorkerStore):
             sys.executable, "-m", "kvindex.store.sqlite", str(self.path), f"{base}/in",
             f"{base}/acks", str(os.getpid()), str(opts.flush_interval),
             str(opts.compact_interval), str(opts.compact_log_rows), str(fd),
+            opts.synchronous,
         ]  # fmt: skip
         return WorkerCommand(argv, pass_fds=(fd,))
 

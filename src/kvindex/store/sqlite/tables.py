@@ -153,8 +153,17 @@ def check_ours(path: Path) -> None:
         raise StoreError(f"{path} is not a kvindex store (it has other tables)")
 
 
-def connect(path: Path | str, *, create: bool = True) -> sqlite3.Connection:
-    """Open (with `create`: create or migrate) a store; StoreError with a one-line reason."""
+SYNCHRONOUS = ("normal", "full")  # `?synchronous=`: see docs/store.md
+
+
+def connect(
+    path: Path | str, *, create: bool = True, synchronous: str = "normal"
+) -> sqlite3.Connection:
+    """Open (with `create`: create or migrate) a store; StoreError with a one-line reason.
+    `synchronous`: "normal" (a commit survives the process's death, kill -9, not a power
+    loss) or "full" (it survives a power loss too: an fsync per commit)."""
+    if synchronous not in SYNCHRONOUS:
+        raise StoreError(f"synchronous={synchronous!r}: expected normal or full")
     path = Path(path)
     if not create and not path.exists():
         raise StoreError(f"no store at {path}")
@@ -164,7 +173,7 @@ def connect(path: Path | str, *, create: bool = True) -> sqlite3.Connection:
             path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute(f"PRAGMA synchronous={synchronous.upper()}")
         db.execute("PRAGMA busy_timeout=30000")
         if create:
             db.executescript(SCHEMA)

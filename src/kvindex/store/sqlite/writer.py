@@ -92,6 +92,7 @@ class WriterOptions:
     flush_interval: float = 0.05
     compact_interval: float = 2.0
     compact_log_rows: int = 20_000
+    synchronous: str = "normal"  # or "full": see tables.connect
 
 
 class NotOwner(RuntimeError):
@@ -119,7 +120,7 @@ class SQLiteWriter:
     snapshot, in one transaction that also drops the log rows it covers."""
 
     def __init__(self, path: str, options: WriterOptions, owner_fd: int | None = None) -> None:
-        self.db = connect(path)
+        self.db = connect(path, synchronous=options.synchronous)
         self.options = options
         self.owner_fd = owner_fd
         self.lock_path = lock_path(Path(path))
@@ -272,7 +273,11 @@ class SQLiteWriter:
             self._log(appends, message.name, 0, KIND_REMOVE)
             db.execute("DELETE FROM sources WHERE instance = ?", (message.name,))
             db.execute("DELETE FROM instances WHERE name = ?", (message.name,))
-            for source in [s for s in appends.next_seq if s.instance == message.name]:
+            # Its publishers start over (as their rows in `sources` do): an instance added
+            # again logs its batches from seq 0 (a late join's replay), not from where the
+            # removed one stood (they were dropped as written: gone at the next start).
+            known = {*self.next_seq, *appends.next_seq}
+            for source in [s for s in known if s.instance == message.name]:
                 appends.next_seq[source] = 0
         elif isinstance(message, SaveInstance):
             db.execute(
@@ -443,11 +448,12 @@ def _drain(inbox: zmq.Socket[bytes], wait: float) -> list[Group]:
 
 def writer_main(argv: list[str]) -> None:
     """`python -m kvindex.store.sqlite PATH INBOX ACKS PARENT_PID FLUSH COMPACT ROWS
-    [OWNER_FD]`."""
+    [OWNER_FD [SYNCHRONOUS]]`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the service stops it (see the module)
     logging.basicConfig(level=logging.WARNING, format="kvindex store: %(levelname)s %(message)s")
     path, inbox_ep, acks_ep, parent = argv[0], argv[1], argv[2], int(argv[3])
-    options = WriterOptions(float(argv[4]), float(argv[5]), int(argv[6]))
+    synchronous = argv[8] if len(argv) > 8 else "normal"
+    options = WriterOptions(float(argv[4]), float(argv[5]), int(argv[6]), synchronous)
     owner_fd = int(argv[7]) if len(argv) > 7 else None
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     inbox = ctx.socket(zmq.PULL)

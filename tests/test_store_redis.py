@@ -3,9 +3,12 @@ equals the index it mirrors; appends are idempotent by seq; its URL and its erro
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -341,3 +344,82 @@ def test_a_format_1_snapshot_loads_and_is_rewritten_as_runs(server: Any) -> None
     loaded, _ = h.reload()
     assert loaded.count(A, 0, "GPU", 1) == 2 and loaded.count(A, 0, "GPU", 2) == 0
     assert loaded.lookup(list(range(8)))[0].matched_blocks == 1
+
+
+class CuttingProxy:
+    """A TCP relay to redis-server that goes down at the first client write holding
+    `trigger`, once armed: that connection is cut and new ones are closed at once until
+    `up()` (Redis lost mid-compaction for real, not a mock)."""
+
+    def __init__(self, port: int, trigger: bytes) -> None:
+        self.target, self.trigger = port, trigger
+        self.armed = self.down = False
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def up(self) -> None:
+        self.down = False
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.down:
+                client.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            pair = (client, upstream)
+            threading.Thread(target=self._pump, args=(client, upstream, pair), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, pair: Any) -> None:
+        try:
+            while data := src.recv(65536):
+                if pair is not None and self.armed and self.trigger in data:
+                    self.armed, self.down = False, True
+                    for sock in pair:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_compaction_cut_off_midway_loses_nothing_from_the_snapshot(server: Any) -> None:
+    """Item 14: the compactor took the mirror's changes, then Redis went away before its
+    write (a ConnectionError out of the compaction): those changes were never given back,
+    so the next compaction wrote only newer runs with a newer cursor, and a reload missed
+    the lost ones (their log entries sit before the cursor). Now the publisher's next
+    snapshot is written whole."""
+    h = Harness(server.url, {"a": SPECS["a"]})
+    proxy = CuttingProxy(server.port, b"WATCH")
+    cut = redis.Redis.from_url(proxy.url, socket_connect_timeout=1)
+    try:
+        for i in range(5):
+            h.batch(A, BlockStored([i], None, [i] * BS, BS))
+        h.compact()  # a snapshot: the next ones write only what changed
+        h.batch(A, BlockStored([10], None, [10] * BS, BS))
+        h.appender.flush(h.client)
+        while h.reader.step(h.client, None):
+            pass
+        proxy.armed = True
+        with pytest.raises(redis.ConnectionError):
+            h.compactor.compact(cut)
+        assert proxy.down
+        proxy.up()
+        h.batch(A, BlockStored([11], None, [11] * BS, BS))
+        h.compact()
+        index, _ = h.reload()
+        assert index.block_hashes("a") == h.reference.block_hashes("a") == {0, 1, 2, 3, 4, 10, 11}
+    finally:
+        cut.close()
+        proxy.close()

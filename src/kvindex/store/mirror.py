@@ -18,6 +18,7 @@ the set of runs, each written once and rewritten only when it changes (see snaps
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, TypeAlias
@@ -613,6 +614,14 @@ class Mirror:
         self.cleared.discard(source)
         self.touched.discard(source)
         self.snapshot_of.pop(source, None)
+
+    def rewrite_whole(self, sources: Iterable[SourceKey]) -> None:
+        """Publishers whose changes were taken but not written (a failure midway): the
+        next snapshot of each is written whole."""
+        for source in sources:
+            if source in self.sources:
+                self.touched.add(source)
+                self.snapshot_of[source] = None
 
     def forget(self, changes: Changes) -> None:
         """Changes no snapshot will be written from (another replica writes them): drop the

@@ -73,14 +73,22 @@ class Compactor:
             self.mirror.forget(self.mirror.take())  # another replica writes them
             return False
         changes = self.mirror.take()
-        for source in changes.dirty.keys() | changes.cleared | changes.touched:
-            cursor = self.cursors.get(source)
-            src = self.mirror.sources.get(source)
-            if cursor is None or src is None:
-                continue  # removed meanwhile
-            dirty = changes.dirty.get(source, set())
-            if not self._write(client, source, cursor, src, dirty, source in changes.cleared):
-                self.mirror.snapshot_of[source] = None  # the next write is whole
+        left = changes.dirty.keys() | changes.cleared | changes.touched
+        try:
+            for source in list(left):
+                cursor = self.cursors.get(source)
+                src = self.mirror.sources.get(source)
+                if cursor is not None and src is not None:  # else removed meanwhile
+                    dirty = changes.dirty.get(source, set())
+                    cleared = source in changes.cleared
+                    if not self._write(client, source, cursor, src, dirty, cleared):
+                        self.mirror.snapshot_of[source] = None  # the next write is whole
+                left.discard(source)
+        except BaseException:
+            # Redis went away midway: what was taken for the publishers not written is
+            # not lost, their next snapshot is written whole (from the mirror as it is).
+            self.mirror.rewrite_whole(left)
+            raise
         self.compactions += 1
         return True
 

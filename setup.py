@@ -51,7 +51,7 @@ setup(
                 f"{CORE}/{name}"
                 for name in (
                     "core.h", "answer.h", "map.h", "maptmpl.h", "msgpack.h", "intern.h", "alloc.h",
-                    "xxh3.h",
+                    "xxh3.h", "ingest_api.h",
                 )
             ],
             extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
@@ -60,8 +60,10 @@ setup(
         Extension(
             "kvindex.subscriber._recv",
             sources=["src/kvindex/subscriber/_recv.c"],
+            depends=[f"{CORE}/ingest_api.h"],
+            include_dirs=[CORE],
             extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
-            extra_link_args=["-ldl"],
+            extra_link_args=["-ldl", "-lz"],
         ),
     ],
     cmdclass={"build_ext": OptionalBuildExt},

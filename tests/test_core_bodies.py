@@ -16,8 +16,9 @@ from pathlib import Path
 
 MODULE = Path(__file__).resolve().parents[1] / "src/kvindex/index/csrc/module.c"
 
-# Entry points that read nothing of the core under its lock: the digest reads the seed only.
-NO_LOCK = {"Core_key_digest", "Core_init", "Core_dealloc"}
+# Entry points that read nothing of the core under its lock: the digest reads the seed only;
+# ingest_api hands out the C ingest loop's table (its one function: see below).
+NO_LOCK = {"Core_key_digest", "Core_init", "Core_dealloc", "Core_ingest_api"}
 
 
 def _functions(source: str) -> dict[str, str]:
@@ -96,3 +97,12 @@ def test_bodies_run_without_the_gil_touch_no_python() -> None:
         assert not re.search(r"\bPy[A-Z_]\w*", body), (
             f"{name} runs without the GIL and calls Python"
         )
+
+
+def test_the_c_ingest_entry_runs_apply_payloads_body_and_no_python() -> None:
+    """The C ingest loop (_recv.c) calls in without the GIL, through `ingest_apply`: it
+    must run the very RUN_NOGIL body apply_payload runs, and touch nothing of Python's."""
+    text = FUNCTIONS["ingest_apply"]
+    assert "parse_and_apply(" in text
+    assert not re.search(r"\bPy[A-Z_]\w*", text)
+    assert "INGEST_API" in FUNCTIONS["Core_ingest_api"]

@@ -122,6 +122,30 @@ class CompiledIndex(IndexBase[_Pub]):
                 self._forget(pub)
             raise
 
+    # -- the in-order path in C (kvindex.subscriber.inorder) ---------------------------
+
+    def ingest_api(self) -> tuple[object, object]:
+        """(capsule, Core): what a C ingest loop applies batches through (ingest_api.h)."""
+        return self._core.ingest_api(), self._core
+
+    def publisher_bit(self, source: SourceKey) -> int | None:
+        """The core's bit of `source`; None before its first batch (which goes through
+        `apply_payload`: a publisher is one once a batch of it decodes)."""
+        pub = self._sources.get(source)
+        return None if pub is None else pub.bit
+
+    def applied_in_c(
+        self, source: SourceKey, last_seq: int, ts: float | None, counts: tuple[int, int, int]
+    ) -> None:
+        """The bookkeeping of batches a C loop applied (apply_payload's, in bulk)."""
+        pub = self._sources.get(source)
+        if pub is None:  # removed meanwhile
+            return
+        pub.last_seq = last_seq
+        if ts is not None:
+            pub.last_ts = ts
+        self.rates.add(*counts)
+
     def drop_source(self, source: SourceKey) -> None:
         """Forget what `source` holds (its engine restarted): its cache is empty now."""
         pub = self._sources.get(source)

@@ -26,7 +26,13 @@ from kvindex.index.multimodal import MMFeature, MMKey
 from kvindex.index.sharing import Sharing, sharing
 from kvindex.runtime.discovery import DEFAULT_INTERVAL, Discovery
 from kvindex.runtime.finders.reconcile import FoundBy
-from kvindex.runtime.ingest import IndexGuard, IngestCounters, IngestWorker, default_workers
+from kvindex.runtime.ingest import (
+    IndexGuard,
+    IngestCounters,
+    IngestWorker,
+    c_ingest_wanted,
+    default_workers,
+)
 from kvindex.runtime.views import (
     FleetSummary,
     InstanceMatch,
@@ -217,6 +223,8 @@ class Fleet:
             after_read=self._follow_membership if self._membership is not None else None,
             after_apply=self._after_apply,
             idle_wait=idle_wait,
+            in_c=self._in_c if c_ingest_wanted() else None,
+            on_applied=self._applied_in_c,
         )
 
     def _init_members(self, discovery_interval: float) -> None:
@@ -425,6 +433,16 @@ class Fleet:
         if isinstance(notice, Unreachable):  # its publishers may have moved
             self.discovery.reread(notice.source.instance, f"can't follow rank {notice.source.rank}")
 
+    def _in_c(self) -> bool:
+        """Whether ordinary batches may skip Python: not while an item hook (a store that
+        persists them) must see every one."""
+        return not self.on_item
+
+    def _applied_in_c(self, source: SourceKey) -> None:
+        """The C path applied batches of `source` (on an ingest thread): what `_on_item`
+        does for a Delivery."""
+        self._counts.pop(source.instance, None)
+
     def _after_apply(self) -> None:
         """After each read an ingest worker applied (on its thread): the `on_read` hooks
         (a store hands over what was recorded)."""
@@ -492,6 +510,10 @@ class Fleet:
             namespace_moved=stats.namespace_moved,
             found=self.found.get(name),
         )
+
+    def source_stats(self, source: SourceKey) -> SourceStats:
+        """A publisher's counters, from the Subscriber that follows it (KeyError: none)."""
+        return self._owner[source.instance].subscriber.stats(source)
 
     def _rank_view(self, source: SourceKey) -> RankView:
         worker = self._owner[source.instance]

@@ -7,6 +7,13 @@ released, so the HTTP loop answers lookups on another core meanwhile, and lookup
 index's read lock, so they never see half a batch. With the pure-Python index a lock does
 the same (`IndexGuard`), and ingest and lookups share one core.
 
+With the compiled index and nothing that must see every batch (no item hooks: the memory
+store), the in-order path runs in C (kvindex.subscriber.inorder): each live batch whose seq
+is the one due is received, checked, digested, parsed and applied without the GIL and
+without a Python object; Python sees only what is not ordinary (a gap, a restart, a
+malformed message, a batch the fast parser leaves to the decoder) and the counters, in
+bulk, once per read. `KVINDEX_C_INGEST=0` keeps every batch on the Python path.
+
 Changes of membership come from other threads (an API call adding an instance): they
 are handed to the owning worker as commands and run between two reads; a pipe wakes the
 worker out of its poll at once.
@@ -27,6 +34,7 @@ from typing import Any, TypeVar
 
 from kvindex.index import COMPILED, FleetIndex
 from kvindex.subscriber import (
+    Applied,
     DecodeFailed,
     Delivery,
     Item,
@@ -36,7 +44,14 @@ from kvindex.subscriber import (
 )
 from kvindex.wire import WireError
 
-__all__ = ["IndexGuard", "IngestCounters", "IngestWorker", "WorkerUnavailable", "default_workers"]
+__all__ = [
+    "IndexGuard",
+    "IngestCounters",
+    "IngestWorker",
+    "WorkerUnavailable",
+    "c_ingest_wanted",
+    "default_workers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +69,12 @@ def default_workers() -> int:
     """Ingest threads by default: one per core (the compiled index applies without the
     GIL); one with the pure-Python index, whose applies hold the GIL anyway."""
     return max(1, os.cpu_count() or 1) if COMPILED else 1
+
+
+def c_ingest_wanted() -> bool:
+    """Whether the in-order path may run in C (KVINDEX_C_INGEST=0: never; KVINDEX_PURE=1
+    has no C path at all)."""
+    return os.environ.get("KVINDEX_C_INGEST", "1") not in ("", "0")
 
 
 class IndexGuard:
@@ -91,6 +112,11 @@ class IngestCounters:
     errors: int = 0
     hook_errors: int = 0
     longest_slice_seconds: float = 0.0  # the longest read + apply
+    batches_in_c: int = 0  # ordinary batches the C path received and applied
+    # This thread's CPU time in Python (holding the GIL) on the ingest path: each read and
+    # apply, less the C loop's own time without the GIL. Per ordinary batch, it is what
+    # bounds one process's ingest however many cores it has (docs/performance.md).
+    gil_seconds: float = 0.0
 
 
 class IngestWorker:
@@ -106,10 +132,15 @@ class IngestWorker:
         after_read: Callable[[], None] | None = None,
         after_apply: Callable[[], None] | None = None,
         idle_wait: float = 0.05,
+        in_c: Callable[[], bool] | None = None,
+        on_applied: Callable[[SourceKey], None] | None = None,
     ) -> None:
         """`on_item` sees every item after the index applied it (the Fleet's hooks);
         `after_read` runs on this thread after each read, before its items are applied (a
-        shared store's membership), `after_apply` once they are (a store's flush)."""
+        shared store's membership), `after_apply` once they are (a store's flush).
+        `in_c`, asked before each read: whether the ordinary batches may be applied in C
+        now (they then reach no `on_item`; `on_applied` sees each publisher C applied
+        batches of, once per read)."""
         self.name = name
         self.subscriber = subscriber
         self.counters = IngestCounters()
@@ -124,6 +155,9 @@ class IngestWorker:
         self._after_read = after_read
         self._after_apply = after_apply
         self._idle_wait = idle_wait
+        self._in_c = in_c
+        self._on_applied = on_applied
+        self._c_api: tuple[object, object] | None = _c_api(index)
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._pending: list[Item] = []
         self._stopping = False
@@ -234,16 +268,23 @@ class IngestWorker:
     def step(self, timeout: float = 0.0) -> bool:
         """Read what the sockets have (waiting up to `timeout` for something) and apply it
         all; True if anything was read. Tests drive a Fleet that was not started this way."""
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         counters = self.counters
         counters.slices += 1
-        items = self.subscriber.poll(timeout, max_messages=256)
+        subscriber = self.subscriber
+        c_before = subscriber.c_seconds
+        self._choose_path()
+        items = subscriber.poll(timeout, max_messages=1024 if subscriber.in_c else 256)
+        applied = subscriber.take_applied() if subscriber.in_c else []
         self.changes += 1
         if self._after_read is not None:
             self._after_read()
-        if not items:
+        if not items and not applied:
             counters.waits += 1
+            counters.gil_seconds += time.thread_time() - cpu - (subscriber.c_seconds - c_before)
             return False
+        for done in applied:  # they came before the items
+            self._applied_in_c(done)
         self._pending = items
         for item in items:
             self.apply(item)
@@ -253,7 +294,35 @@ class IngestWorker:
         took = time.perf_counter() - start
         if took > counters.longest_slice_seconds:
             counters.longest_slice_seconds = took
+        counters.gil_seconds += time.thread_time() - cpu - (subscriber.c_seconds - c_before)
         return True
+
+    def _choose_path(self) -> None:
+        """The C path on or off for this read (off: the Python path, as before)."""
+        subscriber, api = self.subscriber, self._c_api
+        want = api is not None and self._in_c is not None and self._in_c()
+        if want and not subscriber.in_c and api is not None:
+            index = self._index
+            assert isinstance(index, _compiled_type())
+            subscriber.apply_in_c(api[0], api[1], index.publisher_bit)
+        elif not want and subscriber.in_c:
+            subscriber.apply_in_python()
+
+    def _applied_in_c(self, done: Applied) -> None:
+        """The bookkeeping of the batches C applied for one publisher (apply's, in bulk)."""
+        counters = self.counters
+        counters.items += done.batches
+        counters.deliveries += done.batches
+        counters.batches_in_c += done.batches
+        index = self._index
+        assert isinstance(index, _compiled_type())
+        index.applied_in_c(done.source, done.last_seq, done.ts, done.counts)
+        if done.ts is not None:
+            with contextlib.suppress(KeyError):  # closed since (removed, moved)
+                self.subscriber.stats(done.source).last_ts = done.ts
+                self.lag[done.source] = max(0.0, time.time() - done.ts)
+        if self._on_applied is not None:
+            self._on_applied(done.source)
 
     def apply(self, item: Item) -> None:
         source = getattr(item, "source", None)
@@ -293,3 +362,17 @@ class IngestWorker:
         stats.last_ts = result.ts
         self.lag[item.source] = max(0.0, time.time() - result.ts)
         return item
+
+
+def _compiled_type() -> type[Any]:
+    from kvindex.index.compiled import CompiledIndex
+
+    return CompiledIndex
+
+
+def _c_api(index: FleetIndex) -> tuple[object, object] | None:
+    """The compiled core's ingest capsule, if `index` is the compiled one."""
+    if not _locks_itself(index):
+        return None
+    ingest_api = getattr(index, "ingest_api", None)
+    return None if ingest_api is None else ingest_api()

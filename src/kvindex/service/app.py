@@ -343,6 +343,8 @@ def _stats(fleet: Fleet, metrics: ServiceMetrics) -> dict[str, Any]:
             "backlog": fleet_totals.backlog,
             "errors": ingest.errors,
             "longest_slice_seconds": ingest.longest_slice_seconds,
+            "batches_in_c": ingest.batches_in_c,
+            "gil_seconds": ingest.gil_seconds,
         },
         "lookups": {"requests": requests, "hits": hits, "hit_ratio": metrics.lookups.hit_ratio},
         "uptime_seconds": time.time() - metrics.started,

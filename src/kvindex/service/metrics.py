@@ -181,6 +181,16 @@ class FleetCollector(Collector):
         ingest = self.fleet.ingest
         yield _counter("kvindex_ingest_items", "Items applied to the index.", ingest.items)
         yield _counter("kvindex_ingest_errors", "Items the index failed to apply.", ingest.errors)
+        yield _counter(
+            "kvindex_ingest_batches_in_c",
+            "Ordinary batches received and applied in C, without Python.",
+            ingest.batches_in_c,
+        )
+        yield _counter(
+            "kvindex_ingest_gil_seconds",
+            "CPU seconds the ingest threads spent in Python (holding the GIL).",
+            ingest.gil_seconds,
+        )
         info = InfoMetricFamily("kvindex_build", "The kvindex version serving.")
         info.add_metric([], {"version": _version()})
         yield info

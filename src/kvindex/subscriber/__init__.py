@@ -2,6 +2,7 @@
 
 from kvindex.subscriber.capacity import CapacityError, Need, SocketBudget, need_of_instances
 from kvindex.subscriber.core import DEFAULT_SUB_HWM, Subscriber
+from kvindex.subscriber.inorder import Applied
 from kvindex.subscriber.messages import (
     Connection,
     DecodeFailed,
@@ -26,6 +27,7 @@ from kvindex.subscriber.state import Checkpoint, ReplayPolicy, SourceState, payl
 
 __all__ = [
     "DEFAULT_SUB_HWM",
+    "Applied",
     "CapacityError",
     "Checkpoint",
     "Connection",

@@ -9,6 +9,19 @@
  *
  * The socket is the pyzmq socket's `underlying` address, used by the one thread that owns
  * it (the Subscriber's), with the GIL held (non-blocking reads).
+ *
+ * The in-order path in C (issue 23): `ingest_live` reads a SUB socket WITHOUT the GIL and,
+ * for every message whose seq is the one due, checks it, digests it (CRC-32, as
+ * state.payload_digest), and hands it to the compiled core through its capsule
+ * (index/csrc/ingest_api.h), which parses and applies it; the payload is never copied into
+ * a Python object. The first message that is not the one due -- a gap, a duplicate, a
+ * restart, a malformed message, a batch the fast parser does not take -- stops the loop
+ * and goes back to Python, undecided: the Python state machine (state.py), brought up to
+ * date first (subscriber/inorder.py), decides it as it always did. A `Sequencer` holds
+ * what the C path changed meanwhile (next seq, last live seq, recent digests, counters);
+ * it is armed by Python only when the Python state is plain (no replay, no held batches,
+ * no reconnect check pending), so C only ever takes the one decision Python would take
+ * there: deliver.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -18,6 +31,10 @@
 #include <link.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+#include <zlib.h>
+
+#include "ingest_api.h"
 
 /* libzmq's ABI (zmq.h): a message is 64 opaque bytes, ZMQ_DONTWAIT is 1, EAGAIN is the
  * system's. */
@@ -158,9 +175,388 @@ static PyObject *recv_live(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* -- the C sequencer ------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    int armed;
+    uint64_t next_seq;
+    int has_last_live;
+    uint64_t last_live;
+    uint32_t bit; /* the publisher's bit in the core */
+    /* The digests of the batches delivered since armed, a ring of `kept` (seq, crc). */
+    uint32_t kept;
+    uint64_t *ring_seq;
+    uint32_t *ring_crc;
+    uint64_t pushed;
+    /* Since the last take(): what SourceState.stats and the index's bookkeeping get. */
+    uint64_t received, delivered;
+    int has_ts;
+    double last_ts, last_traffic;
+    int64_t counts[3]; /* stored, removed, clears */
+} SequencerObject;
+
+static int Sequencer_init(SequencerObject *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"digests_kept", NULL};
+    unsigned int kept = 4096;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|I", names, &kept))
+        return -1;
+    if (kept == 0 || kept > (1u << 24)) {
+        PyErr_SetString(PyExc_ValueError, "digests_kept must be 1 to 2**24");
+        return -1;
+    }
+    free(self->ring_seq);
+    free(self->ring_crc);
+    self->ring_seq = malloc(sizeof(uint64_t) * kept);
+    self->ring_crc = malloc(sizeof(uint32_t) * kept);
+    if (self->ring_seq == NULL || self->ring_crc == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->kept = kept;
+    self->armed = 0;
+    self->pushed = 0;
+    return 0;
+}
+
+static void Sequencer_dealloc(SequencerObject *self) {
+    free(self->ring_seq);
+    free(self->ring_crc);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Whether `seq` is the batch due, the one decision C takes (state.py's on_live, in the
+ * plain state: not at or below the last live seq, and the next one). */
+static inline int in_order(const SequencerObject *s, uint64_t seq) {
+    return s->armed && seq == s->next_seq && !(s->has_last_live && seq <= s->last_live);
+}
+
+/* Record the delivery of the batch due (state.py's on_live + _deliver, plain state). */
+static inline void take_in_order(SequencerObject *s, uint64_t seq, uint32_t crc, double now) {
+    uint64_t at = s->pushed++ % s->kept;
+    s->ring_seq[at] = seq;
+    s->ring_crc[at] = crc;
+    s->next_seq = seq + 1;
+    s->has_last_live = 1;
+    s->last_live = seq;
+    s->received++;
+    s->delivered++;
+    s->last_traffic = now;
+}
+
+static double clock_now(clockid_t clock) {
+    struct timespec t;
+    clock_gettime(clock, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* time.monotonic()'s clock */
+static double monotonic_now(void) { return clock_now(CLOCK_MONOTONIC); }
+
+static uint32_t digest_of(const void *data, size_t size) {
+    /* zlib.crc32(payload), as state.payload_digest (zlib takes uInt lengths) */
+    uLong crc = crc32(0L, Z_NULL, 0);
+    const Bytef *p = data;
+    while (size > 0) {
+        uInt n = size > (1u << 30) ? (1u << 30) : (uInt)size;
+        crc = crc32(crc, p, n);
+        p += n;
+        size -= n;
+    }
+    return (uint32_t)crc;
+}
+
+/* arm(next_seq, last_live, bit): C takes the batches due from now on. */
+static PyObject *Sequencer_arm(SequencerObject *self, PyObject *args) {
+    unsigned long long next_seq, bit;
+    PyObject *last_live;
+    if (!PyArg_ParseTuple(args, "KOK", &next_seq, &last_live, &bit))
+        return NULL;
+    if (last_live != Py_None) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(last_live);
+        if (v == (unsigned long long)-1 && PyErr_Occurred())
+            return NULL;
+        self->has_last_live = 1;
+        self->last_live = v;
+    } else {
+        self->has_last_live = 0;
+    }
+    self->next_seq = next_seq;
+    self->bit = (uint32_t)bit;
+    self->pushed = 0;
+    self->armed = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Sequencer_disarm(SequencerObject *self, PyObject *Py_UNUSED(unused)) {
+    self->armed = 0;
+    self->pushed = 0;
+    Py_RETURN_NONE;
+}
+
+/* offer(seq, payload, now) -> bool: the sequencing decision alone (no apply): True, and
+   recorded as delivered, if C takes it; False: it is Python's to decide. */
+static PyObject *Sequencer_offer(SequencerObject *self, PyObject *args) {
+    unsigned long long seq;
+    Py_buffer payload;
+    double now;
+    if (!PyArg_ParseTuple(args, "Ky*d", &seq, &payload, &now))
+        return NULL;
+    int take = in_order(self, seq);
+    if (take)
+        take_in_order(self, seq, digest_of(payload.buf, (size_t)payload.len), now);
+    PyBuffer_Release(&payload);
+    return PyBool_FromLong(take);
+}
+
+/* take() -> (received, delivered, next_seq, last_live, last_ts, last_traffic, (stored,
+   removed, clears)): what changed since the last take (counts), and where it stands. */
+static PyObject *Sequencer_take(SequencerObject *self, PyObject *Py_UNUSED(unused)) {
+    PyObject *last_live = self->has_last_live ? PyLong_FromUnsignedLongLong(self->last_live)
+                                              : (Py_INCREF(Py_None), Py_None);
+    PyObject *ts = self->has_ts ? PyFloat_FromDouble(self->last_ts) : (Py_INCREF(Py_None), Py_None);
+    PyObject *traffic = self->delivered ? PyFloat_FromDouble(self->last_traffic)
+                                        : (Py_INCREF(Py_None), Py_None);
+    PyObject *out = NULL;
+    if (last_live != NULL && ts != NULL && traffic != NULL)
+        out = Py_BuildValue("(KKKOOO(LLL))", (unsigned long long)self->received,
+                            (unsigned long long)self->delivered,
+                            (unsigned long long)self->next_seq, last_live, ts, traffic,
+                            (long long)self->counts[0], (long long)self->counts[1],
+                            (long long)self->counts[2]);
+    Py_XDECREF(last_live);
+    Py_XDECREF(ts);
+    Py_XDECREF(traffic);
+    if (out != NULL) {
+        self->received = self->delivered = 0;
+        self->has_ts = 0;
+        self->counts[0] = self->counts[1] = self->counts[2] = 0;
+    }
+    return out;
+}
+
+/* digests() -> [(seq, digest), ...]: those of the batches delivered since armed, oldest
+   first, at most digests_kept. */
+static PyObject *Sequencer_digests(SequencerObject *self, PyObject *Py_UNUSED(unused)) {
+    uint64_t n = self->pushed < self->kept ? self->pushed : self->kept;
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    if (out == NULL)
+        return NULL;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t at = (self->pushed - n + i) % self->kept;
+        PyObject *item = Py_BuildValue("(KI)", (unsigned long long)self->ring_seq[at],
+                                       (unsigned int)self->ring_crc[at]);
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, item);
+    }
+    return out;
+}
+
+/* digest(seq) -> int | None: the digest of a batch delivered since armed, if kept. */
+static PyObject *Sequencer_digest(SequencerObject *self, PyObject *seq_obj) {
+    unsigned long long seq = PyLong_AsUnsignedLongLongMask(seq_obj);
+    if (PyErr_Occurred())
+        return NULL;
+    uint64_t n = self->pushed < self->kept ? self->pushed : self->kept;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t at = (self->pushed - 1 - i) % self->kept;
+        if (self->ring_seq[at] == seq)
+            return PyLong_FromUnsignedLong(self->ring_crc[at]);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Sequencer_get_armed(SequencerObject *self, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(self->armed);
+}
+
+static PyMethodDef Sequencer_methods[] = {
+    {"arm", (PyCFunction)Sequencer_arm, METH_VARARGS, NULL},
+    {"disarm", (PyCFunction)Sequencer_disarm, METH_NOARGS, NULL},
+    {"offer", (PyCFunction)Sequencer_offer, METH_VARARGS, NULL},
+    {"take", (PyCFunction)Sequencer_take, METH_NOARGS, NULL},
+    {"digests", (PyCFunction)Sequencer_digests, METH_NOARGS, NULL},
+    {"digest", (PyCFunction)Sequencer_digest, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Sequencer_getset[] = {
+    {"armed", (getter)Sequencer_get_armed, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject SequencerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvindex.subscriber._recv.Sequencer",
+    .tp_basicsize = sizeof(SequencerObject),
+    .tp_dealloc = (destructor)Sequencer_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One publisher's in-order path in C (see _recv.c, subscriber/inorder.py).",
+    .tp_methods = Sequencer_methods,
+    .tp_getset = Sequencer_getset,
+    .tp_init = (initproc)Sequencer_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* One live message off the socket, its payload frame left open in `pay` (closed by the
+   caller) when it is [topic, 8-byte seq, payload]. 1: a message (*frames its frame
+   count, *seq set when well formed); 0: none now; -1: an error (*err). */
+static int read_message(void *sock, zmq_msg *pay, int *frames, uint64_t *seq, int *good,
+                        int *err) {
+    zmq_msg msg;
+    *frames = 0;
+    *good = 1;
+    *seq = 0;
+    for (;;) {
+        zmq_msg *m = *frames == 2 ? pay : &msg;
+        zmq_msg_init_(m);
+        if (zmq_msg_recv_(m, sock, ZMQ_DONTWAIT_) < 0) {
+            *err = zmq_errno_();
+            zmq_msg_close_(m);
+            if (*frames == 0 && (*err == EAGAIN || *err == EINTR))
+                return 0;
+            if (*frames > 2)
+                zmq_msg_close_(pay);
+            return -1;
+        }
+        int more = zmq_msg_more_(m);
+        if (*frames == 1) {
+            if (zmq_msg_size_(m) == 8) {
+                const unsigned char *data = zmq_msg_data_(m);
+                for (int i = 0; i < 8; i++)
+                    *seq = (*seq << 8) | data[i];
+            } else {
+                *good = 0;
+            }
+        }
+        if (m != pay)
+            zmq_msg_close_(m);
+        (*frames)++;
+        if (!more)
+            break;
+    }
+    if (*frames < 3)
+        *good = 0;
+    else if (*frames > 3) {
+        *good = 0;
+        zmq_msg_close_(pay);
+    }
+    return 1;
+}
+
+/* ingest_live(socket_address, sequencer, api, core, limit) -> (taken, stop, c_seconds)
+
+   Up to `limit` live messages: each that is the batch due is applied to `core` through
+   `api` (Core.ingest_api()) and recorded in `sequencer`, all without the GIL. `stop`: None
+   (the socket had no more now, or the limit was reached), or the first message C did not
+   take, for Python to decide: (seq, payload), or (-1, frame count) for a message that is
+   not [topic, 8-byte seq, payload]. `c_seconds`: this thread's CPU time in the loop, the
+   GIL released (what the ingest path's GIL accounting leaves out). An error other than
+   "no message now" raises OSError (after what was taken is recorded). */
+static PyObject *ingest_live(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long address;
+    PyObject *seqr_obj, *api_obj, *core;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "KO!OOn", &address, &SequencerType, &seqr_obj, &api_obj, &core,
+                          &limit))
+        return NULL;
+    if (ready != 1) {
+        PyErr_SetString(PyExc_RuntimeError, "libzmq was not found (call available() first)");
+        return NULL;
+    }
+    const kv_ingest_api *api = PyCapsule_GetPointer(api_obj, KV_INGEST_API_NAME);
+    if (api == NULL)
+        return NULL;
+    if (api->version != KV_INGEST_API_VERSION) {
+        PyErr_SetString(PyExc_RuntimeError, "the core's ingest API is of another version");
+        return NULL;
+    }
+    SequencerObject *s = (SequencerObject *)seqr_obj;
+    void *sock = (void *)(uintptr_t)address;
+    Py_ssize_t taken = 0;
+    int stopped = 0, failed = 0, err = 0, frames = 0, good = 0;
+    uint64_t seq = 0;
+    zmq_msg pay;
+    double now, cpu_start, cpu_end;
+    Py_INCREF(core); /* the Core stays while its lock may be held without the GIL */
+    Py_BEGIN_ALLOW_THREADS
+    cpu_start = clock_now(CLOCK_THREAD_CPUTIME_ID);
+    now = monotonic_now();
+    while (taken < limit) {
+        int r = read_message(sock, &pay, &frames, &seq, &good, &err);
+        if (r == 0)
+            break;
+        if (r < 0) {
+            failed = 1;
+            break;
+        }
+        if (!good) {
+            if (frames == 3)
+                zmq_msg_close_(&pay);
+            stopped = 1;
+            break;
+        }
+        if (!in_order(s, seq)) {
+            stopped = 1;
+            break;
+        }
+        const uint8_t *data = zmq_msg_data_(&pay);
+        size_t size = zmq_msg_size_(&pay);
+        double ts = 0;
+        int64_t counts[3] = {0, 0, 0};
+        uint32_t crc = digest_of(data, size);
+        int res = api->apply(core, s->bit, data, size, &ts, counts);
+        if (res != KV_APPLY_DONE) {
+            stopped = 1; /* Python's again: it decodes it (or finds memory short itself) */
+            break;
+        }
+        zmq_msg_close_(&pay);
+        take_in_order(s, seq, crc, now);
+        s->has_ts = 1;
+        s->last_ts = ts;
+        for (int i = 0; i < 3; i++)
+            s->counts[i] += counts[i];
+        taken++;
+        if ((taken & 63) == 0)
+            now = monotonic_now();
+    }
+    now = monotonic_now();
+    if (taken)
+        s->last_traffic = now;
+    cpu_end = clock_now(CLOCK_THREAD_CPUTIME_ID);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(core);
+    double nogil = cpu_end - cpu_start;
+    if (failed) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    PyObject *stop;
+    if (!stopped) {
+        stop = Py_None;
+        Py_INCREF(stop);
+    } else if (!good) {
+        stop = Py_BuildValue("(ii)", -1, frames);
+    } else {
+        PyObject *payload = PyBytes_FromStringAndSize(zmq_msg_data_(&pay),
+                                                      (Py_ssize_t)zmq_msg_size_(&pay));
+        zmq_msg_close_(&pay);
+        stop = payload == NULL ? NULL
+                               : Py_BuildValue("(KN)", (unsigned long long)seq, payload);
+    }
+    if (stop == NULL)
+        return NULL;
+    return Py_BuildValue("(nNd)", taken, stop, nogil);
+}
+
 static PyMethodDef methods[] = {
     {"available", available, METH_NOARGS, "Whether pyzmq's libzmq was found."},
     {"recv_live", recv_live, METH_VARARGS, "Many live messages off a SUB socket."},
+    {"ingest_live", ingest_live, METH_VARARGS, "The in-order path in C (see _recv.c)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -172,4 +568,17 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit__recv(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__recv(void) {
+    if (PyType_Ready(&SequencerType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&SequencerType);
+    if (PyModule_AddObject(m, "Sequencer", (PyObject *)&SequencerType) < 0) {
+        Py_DECREF(&SequencerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -24,6 +24,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvindex.security.curve import client_setup
 from kvindex.subscriber.capacity import SocketBudget, budget_of, need_of, subscriber_context
+from kvindex.subscriber.inorder import Applied, InOrder
+from kvindex.subscriber.inorder import available as inorder_available
 from kvindex.subscriber.linkwatch import LINK_EVENTS, LinkWatch
 from kvindex.subscriber.messages import (
     Connection,
@@ -103,6 +105,18 @@ def _fast_receiver() -> Callable[[int, int], list[tuple[int, bytes | int]]] | No
 _recv_live = _fast_receiver()
 
 
+def _c_ingest() -> Callable[..., tuple[int, tuple[int, bytes | int] | None, float]] | None:
+    """`_recv.ingest_live` (the in-order path in C) where the C receive is used."""
+    if _recv_live is None:
+        return None
+    from kvindex.subscriber import _recv
+
+    return _recv.ingest_live
+
+
+_ingest_live = _c_ingest()
+
+
 # The link is up once the ZMTP handshake succeeded, for every mechanism: a TCP connection
 # the server then refuses (CURVE on one side only, a key ZAP turned away) must not look like
 # a publisher that came and went (which renews the socket: thousands of times a second).
@@ -126,6 +140,14 @@ class _SourceSockets:
     dealer: zmq.Socket[bytes] | None = None
     dealer_req: int = 0
     renew_at: float | None = None  # when to try again to renew a SUB that could not be
+    inorder: InOrder | None = None  # the in-order path in C, when `apply_in_c` is on
+
+
+@dataclass(frozen=True, slots=True)
+class _InC:
+    api: object  # the core's capsule (Core.ingest_api())
+    core: object  # the Core it applies to
+    bit_of: Callable[[SourceKey], int | None]  # a publisher's bit, None before its first batch
 
 
 @dataclass(slots=True)
@@ -186,6 +208,10 @@ class Subscriber:
         self._wake_fd: int | None = None
         self._instances: dict[str, InstanceSpec] = {}
         self._closed = False
+        self._in_c: _InC | None = None
+        self._applied: list[Applied] = []
+        self._touched: set[SourceKey] = set()  # sources Python produced items for, this poll
+        self.c_seconds = 0.0  # CPU time in the C loop without the GIL (GIL accounting)
         # Called with each `Unreachable`, `ReplayRefused` and `Discarded` notice too (they
         # are yielded as well): for a caller that applies items without reading notices,
         # e.g. to log them (`kvindex serve`). Each is rare: at most one a minute, or one per
@@ -286,7 +312,45 @@ class Subscriber:
         return self._sources[source].state.status
 
     def checkpoint(self, source: SourceKey) -> Checkpoint:
-        return self._sources[source].state.checkpoint()
+        """Where `source` stands (on the thread that polls, while the C path is on)."""
+        src = self._sources[source]
+        if src.inorder is not None:
+            return src.inorder.checkpoint()
+        return src.state.checkpoint()
+
+    # -- the in-order path in C ----------------------------------------------------------
+
+    @property
+    def in_c(self) -> bool:
+        return self._in_c is not None
+
+    def apply_in_c(
+        self, api: object, core: object, bit_of: Callable[[SourceKey], int | None]
+    ) -> bool:
+        """Have every live batch that is the one due applied to the compiled `core` in C,
+        through its `api` capsule, without Python (subscriber/inorder.py); the batches C
+        applied are reported by `take_applied`, not as items. False (and nothing changes)
+        where the C receive is not available. Call on the thread that polls."""
+        if _ingest_live is None or not inorder_available():
+            return False
+        self._in_c = _InC(api, core, bit_of)
+        for src in self._sources.values():
+            if src.inorder is None:
+                src.inorder = InOrder(src.state, self._applied)
+        return True
+
+    def apply_in_python(self) -> None:
+        """Every batch through the Python path again (`apply_in_c` undone)."""
+        self._in_c = None
+        for src in self._sources.values():
+            self._py(src)
+            src.inorder = None
+
+    def take_applied(self) -> list[Applied]:
+        """The batches the C path applied since the last call, per publisher and read."""
+        applied = self._applied[:]  # the InOrders hold this very list
+        self._applied.clear()
+        return applied
 
     # -- iteration ---------------------------------------------------------------------
 
@@ -374,6 +438,8 @@ class Subscriber:
         sub, monitor = self._connect_sub(spec)
         link = LinkWatch(spec.endpoint, spec.curve is not None, time.monotonic())
         src = _SourceSockets(spec, state, sub, monitor, BatchDecoder(self._opts.max_payload), link)
+        if self._in_c is not None:
+            src.inorder = InOrder(state, self._applied)
         self._sources[spec.source] = src
         self._watch(src)
         return src
@@ -425,6 +491,7 @@ class Subscriber:
         self._watch(src)
 
     def _close_source(self, src: _SourceSockets) -> None:
+        self._py(src)
         self._stop_replay(src)
         self._close_sub(src)
 
@@ -492,6 +559,7 @@ class Subscriber:
     def _process(
         self, ready: Mapping[zmq.Socket[bytes], int], items: list[Item], limit: int = _DRAIN
     ) -> None:
+        self._touched.clear()  # every item of an earlier poll is applied by now
         # Connection changes first: a link that went down must be seen before more traffic.
         sockets = list(ready)
         for sock in sockets:
@@ -510,6 +578,7 @@ class Subscriber:
         for src in list(self._sources.values()):
             deadline = src.state.next_deadline
             if deadline is not None and now >= deadline:
+                self._py(src)
                 self._handle(src, src.state.on_tick(now), items)
             deadline = src.link.next_deadline
             if deadline is not None and now >= deadline:
@@ -517,7 +586,28 @@ class Subscriber:
             if src.renew_at is not None and now >= src.renew_at:
                 self._renew_sub(src)
 
+    def _py(self, src: _SourceSockets) -> None:
+        """Python decides for `src` next: the C path hands its state back first."""
+        if src.inorder is not None:
+            src.inorder.disarm()
+
+    def _c_may(self, src: _SourceSockets) -> bool:
+        """Whether the C path may take `src`'s batches now: on, armed or armable, and no
+        item of `src` from this poll still waiting to be applied (C would overtake it)."""
+        inorder, in_c = src.inorder, self._in_c
+        if inorder is None or in_c is None or src.spec.source in self._touched:
+            return False
+        if inorder.armed:
+            return True
+        bit = in_c.bit_of(src.spec.source)
+        return bit is not None and inorder.arm(bit)
+
     def _read_live(self, src: _SourceSockets, items: list[Item], limit: int = _DRAIN) -> None:
+        while limit > 0 and self._c_may(src):
+            limit = self._read_live_c(src, items, limit)
+        if limit <= 0:
+            return
+        self._py(src)
         if _recv_live is not None:
             self._read_live_many(src, items, limit)
             return
@@ -533,6 +623,37 @@ class Subscriber:
                 self._malformed(src, str(exc), items)
                 continue
             self._handle(src, state.on_live(frame.seq, frame.payload, time.monotonic()), items)
+
+    def _read_live_c(self, src: _SourceSockets, items: list[Item], limit: int) -> int:
+        """Up to `limit` live messages through the C path, until the first one it does not
+        take, which Python then decides. Returns the limit left: 0 once the socket is dry."""
+        assert _ingest_live is not None and self._in_c is not None and src.inorder is not None
+        in_c, inorder = self._in_c, src.inorder
+        address = src.sub.underlying
+        while limit > 0:
+            chunk = min(limit, _DRAIN)
+            try:
+                taken, stop, seconds = _ingest_live(
+                    address, inorder.sequencer, in_c.api, in_c.core, chunk
+                )
+            except OSError as exc:
+                inorder.sync()
+                raise zmq.ZMQError(exc.errno) from None
+            self.c_seconds += seconds
+            limit -= taken
+            if stop is not None:
+                inorder.disarm()
+                limit -= 1
+                seq, payload = stop
+                if isinstance(payload, int):  # not [topic, seq, payload]: its frame count
+                    self._malformed(src, f"live message of {payload} frames, expected 3", items)
+                else:
+                    self._handle(src, src.state.on_live(seq, payload, time.monotonic()), items)
+                return limit
+            if taken < chunk:
+                break
+        inorder.sync()
+        return 0
 
     def _read_live_many(self, src: _SourceSockets, items: list[Item], limit: int) -> None:
         """`_read_live` with the frames read in C, many messages per call (_recv.c)."""
@@ -555,6 +676,7 @@ class Subscriber:
                     self._handle(src, state.on_live(seq, payload, now), items)
 
     def _read_replay(self, src: _SourceSockets, items: list[Item]) -> None:
+        self._py(src)
         for _ in range(_DRAIN):
             dealer = src.dealer
             if dealer is None:
@@ -579,6 +701,7 @@ class Subscriber:
             self._handle(src, outputs, items)
 
     def _read_monitor(self, src: _SourceSockets, items: list[Item]) -> None:
+        self._py(src)
         while True:
             try:
                 frames = src.monitor.recv_multipart(zmq.NOBLOCK)
@@ -599,6 +722,7 @@ class Subscriber:
                 # Everything the old connection brought is applied before the link is
                 # reported down; then a fresh socket takes over.
                 self._read_live(src, items, limit=1 << 62)
+            self._py(src)
             items.append(Connection(src.spec.source, connected))
             self._handle(src, src.state.on_connection(connected, time.monotonic()), items)
             if not connected:
@@ -622,6 +746,8 @@ class Subscriber:
         items.append(Malformed(src.spec.source, error))
 
     def _handle(self, src: _SourceSockets, outputs: list[Output], items: list[Item]) -> None:
+        if outputs:
+            self._touched.add(src.spec.source)
         for out in outputs:
             if isinstance(out, Deliver):
                 items.append(self._decode(src, out))

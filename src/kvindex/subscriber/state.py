@@ -215,6 +215,61 @@ class SourceState:
             self.next_seq, self._digests.get(self.next_seq - 1), self.stats.lost_since_restart
         )
 
+    # -- the in-order path done elsewhere (the C loop: subscriber/inorder.py) --------
+
+    @property
+    def plain(self) -> bool:
+        """Whether a live batch with the seq due would simply be delivered: no replay
+        running, nothing held, no reconnect check pending, not waiting for the first live
+        batch. Only then may the in-order path run outside this class (`advanced`)."""
+        return (
+            self._replay is None
+            and not self._suspect
+            and not self._await_live
+            and not self._pending
+        )
+
+    @property
+    def last_live(self) -> int | None:
+        return self._last_live
+
+    def advanced(
+        self,
+        delivered: int,
+        next_seq: int,
+        last_live: int | None,
+        traffic: float | None,
+        digests: list[tuple[int, int]] | None = None,
+    ) -> None:
+        """`delivered` live batches, each the one due, were delivered elsewhere (in a plain
+        state): what `on_live` would have done for each. `digests` (the last ones, in order):
+        the (seq, digest) pairs to keep, as `_deliver` keeps them; None while the other
+        side still holds them (taken later, before this state decides anything again)."""
+        stats = self.stats
+        stats.received += delivered
+        stats.delivered += delivered
+        if delivered:
+            stats.last_seq = next_seq - 1
+        self.next_seq = next_seq
+        self._last_live = last_live
+        if traffic is not None:
+            self._arm_probe(traffic)
+        if digests:
+            self._keep_digests(digests)
+
+    def _keep_digests(self, pairs: list[tuple[int, int]]) -> None:
+        """`_deliver`'s bookkeeping for many batches at once: the oldest go past the bound."""
+        digests, kept = self._digests, self.policy.digests_kept
+        if len(pairs) >= kept:
+            self._replayed.difference_update(digests)
+            digests.clear()
+            pairs = pairs[-kept:]
+        else:
+            for _ in range(len(digests) + len(pairs) - kept):
+                oldest, _ = digests.popitem(last=False)
+                self._replayed.discard(oldest)
+        digests.update(pairs)
+
     # -- inputs ----------------------------------------------------------------------
 
     def start(self, now: float) -> list[Output]:

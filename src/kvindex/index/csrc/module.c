@@ -27,6 +27,7 @@
 
 #include "answer.h"
 #include "core.h"
+#include "ingest_api.h"
 #include "xxh3.h"
 
 /* Hashes applied under one write lock at most (issue 17 point 7). A lookup waits behind
@@ -334,6 +335,42 @@ static PyObject *Core_apply_payload(CoreObject *self, PyObject *const *args, Py_
     if (rank == NULL)
         return NULL;
     return Py_BuildValue("(OdN(LLL))", Py_True, ts, rank, a.counts[0], a.counts[1], a.counts[2]);
+}
+
+/* The C ingest loop's entry (ingest_api.h): apply_payload's RUN_NOGIL body, called by a
+ * thread that already runs without the GIL (core_run's RUN_NOGIL, minus giving the GIL
+ * away: it has none) and never takes it. */
+static int ingest_apply(void *core, uint32_t bit, const uint8_t *data, size_t len, double *ts,
+                        int64_t counts[3]) {
+    CoreObject *self = (CoreObject *)core;
+    if (!self->ready)
+        return KV_APPLY_SLOW;
+    apply_ctx a = {0};
+    a.bit = bit;
+    a.buf = data;
+    a.len = len;
+    a.sc = scratch_take(self);
+    if (a.sc == NULL)
+        return KV_APPLY_NOMEM;
+    int res = parse_and_apply(self, &a), out = KV_APPLY_SLOW;
+    if (a.parsed == PARSE_NOMEM || res == 0 || res == RUN_LOCK_FAILED)
+        out = KV_APPLY_NOMEM; /* a lock that can't be taken: Python's path says so */
+    else if (a.parsed == PARSE_OK)
+        out = KV_APPLY_DONE;
+    *ts = a.sc->ts;
+    for (int i = 0; i < 3; i++)
+        counts[i] = a.counts[i];
+    scratch_give_back(self, a.sc);
+    return out;
+}
+
+static const kv_ingest_api INGEST_API = {KV_INGEST_API_VERSION, ingest_apply};
+
+/* ingest_api() -> capsule: the table a C ingest loop applies batches through. */
+static PyObject *Core_ingest_api(CoreObject *self, PyObject *Py_UNUSED(unused)) {
+    if (!core_ready(self))
+        return NULL;
+    return PyCapsule_New((void *)&INGEST_API, KV_INGEST_API_NAME, NULL);
 }
 
 /* A block hash from Python: an int in [-2^63, 2^64) or bytes (kept alive by the caller). */
@@ -2301,6 +2338,7 @@ static PyMethodDef Core_methods[] = {
     {"apply_payload", (PyCFunction)(void (*)(void))Core_apply_payload, METH_FASTCALL, NULL},
     {"apply_ops", (PyCFunction)(void (*)(void))Core_apply_ops, METH_FASTCALL, NULL},
     {"clear", (PyCFunction)(void (*)(void))Core_clear, METH_FASTCALL, NULL},
+    {"ingest_api", (PyCFunction)Core_ingest_api, METH_NOARGS, NULL},
     {"remove", (PyCFunction)Core_remove, METH_O, NULL},
     {"lookup", (PyCFunction)(void (*)(void))Core_lookup, METH_FASTCALL, NULL},
     {"lookup_json", (PyCFunction)(void (*)(void))Core_lookup_json, METH_FASTCALL, NULL},

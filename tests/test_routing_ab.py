@@ -71,6 +71,9 @@ def test_shared_prefix_chats_grow_by_their_answers() -> None:
     turn = max(earlier, key=lambda r: r.prompt_len)
     grown = np.concatenate([turn.prompt_tokens(), turn.output_tokens()])
     assert np.array_equal(longest.prompt_tokens()[: len(grown)], grown)
+    skewed = shared_prefix(SharedPrefix(groups=8, users=20, turns=1, skew=1.5, seed=1))
+    firsts = [r.prompt[0][0] for r in skewed]
+    assert firsts.count(1) > 3 * firsts.count(8)  # group 1 (Zipf's first) is the most asked
 
 
 def _job(i: int, at: float, tokens: np.ndarray, output: int = 16, bs: int = 16) -> Job:

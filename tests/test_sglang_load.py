@@ -252,3 +252,50 @@ def test_routing_score_weighs_the_load_stream() -> None:
 
             assert wait_until(lambda: routed_to("idle", {"busy": 60, "idle": 0}), step=0.1)
             assert wait_until(lambda: routed_to("busy", {"busy": 0, "idle": 60}), step=0.1)
+
+
+def test_backlog_weighs_the_uncached_tokens_waiting_for_prefill() -> None:
+    """`backlog` (off by default): two engines with the same prefix and the same request
+    counts; the one whose load stream says less uncached prefill waits there wins, and the
+    answer shows the part."""
+    from kvindex.runtime.routing import Weights
+    from kvindex.service.lookups import Routing
+    from kvindex.wire import BlockStored
+
+    with FakeSGLang() as slow, FakeSGLang() as quick:
+        for fake in (slow, quick):
+            fake.start_publishers(dp=1, load=True)
+            fake.start_http()
+        fleet = Fleet([InstanceSpec.parse(f"slow={slow.url}"),
+                       InstanceSpec.parse(f"quick={quick.url}")])  # fmt: skip
+        weights = Weights(backlog=3.0, queue=0, running=0, kv=0)
+        routing = Routing.of(fleet, weights=weights)
+        tokens = list(range(32))
+        with TestClient(create_app(fleet, routing=routing)) as client:
+
+            def ready() -> bool:
+                for fake in (slow, quick):
+                    fake.publishers[0].publish([BlockStored([7], None, tokens[:16], 16)])
+                rows = client.get("/v1/instances").json()["instances"]
+                return all(r["blocks"] == 1 for r in rows)
+
+            assert wait_until(ready, timeout=15, step=0.1)
+
+            def answer(waiting: dict[str, int]) -> dict[str, Any]:
+                for fake, name in ((slow, "slow"), (quick, "quick")):
+                    stat = load_stat(2, 2, 100, 1000, 0, extra=(waiting[name], 0, 0, 0))
+                    fake.publish_load(0, stat)
+                body: dict[str, Any] = client.post("/v1/lookup", json={"token_ids": tokens,
+                                                   "score": True}).json()  # fmt: skip
+                return body
+
+            def quick_wins() -> bool:
+                return answer({"slow": 4000, "quick": 400})["best"] == "quick"
+
+            assert wait_until(quick_wins, step=0.1)
+            rows = {r["name"]: r for r in answer({"slow": 4000, "quick": 400})["instances"]}
+            # the prompt's own uncached 16 tokens are added to what waits there
+            assert rows["quick"]["candidates"][0]["parts"]["backlog"] == 3.0
+            slow_part = rows["slow"]["candidates"][0]["parts"]["backlog"]
+            assert slow_part == pytest.approx(3.0 * 416 / 4016, abs=1e-6)
+            assert wait_until(lambda: answer({"slow": 400, "quick": 4000})["best"] == "slow")

@@ -124,7 +124,7 @@ def add_parser(subparsers: Any) -> None:
         metavar="NAME=VALUE[,...]",
         action="append",
         type=config.parse_weights,
-        help="the routing score's weights: prefix, queue, running, kv, predicted, and the "
+        help="the routing score's weights: prefix, queue, running, kv, backlog, predicted, and the "
         "tiers gpu, cpu, disk, external (docs/routing.md); the others keep their defaults; "
         "repeatable",
     )

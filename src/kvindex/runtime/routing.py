@@ -72,7 +72,7 @@ DEFAULT_BLOCK_SIZE = 16  # vLLM's, for an instance whose block size nothing has 
 DEFAULT_TTL = 2.0  # seconds a route's prediction lasts unless its real blocks show first
 TIERS = ("gpu", "cpu", "disk", "external")
 # What `Weights.of` takes: the scorers' weights, then each tier's.
-WEIGHT_NAMES = ("prefix", "queue", "running", "kv", "predicted", *TIERS)
+WEIGHT_NAMES = ("prefix", "queue", "running", "kv", "backlog", "predicted", *TIERS)
 
 
 class Load(msgspec.Struct, frozen=True, gc=False):
@@ -83,6 +83,8 @@ class Load(msgspec.Struct, frozen=True, gc=False):
     kv_usage: float | None = None  # 0 to 1
     at: float = 0.0  # time.monotonic() when it was read
     block_size: int | None = None  # the engine's, where the source knows it
+    # uncached prompt tokens waiting for prefill (SGLang's `num_waiting_uncached_tokens`)
+    waiting_tokens: float | None = None
 
 
 def _non_negative(value: object) -> bool:
@@ -110,6 +112,7 @@ class Weights:
     queue: float = 2.0
     running: float = 1.0
     kv: float = 1.0
+    backlog: float = 0.0  # the prefill ahead of the prompt there, in tokens (module doc)
     tiers: Mapping[str, float] = field(
         default_factory=lambda: {"gpu": 1.0, "cpu": 0.8, "disk": 0.5, "external": 0.5}
     )
@@ -117,7 +120,7 @@ class Weights:
     max_load_age: float = 10.0  # seconds: older load figures count as unknown
 
     def __post_init__(self) -> None:
-        for name in ("prefix", "queue", "running", "kv", "predicted", "max_load_age"):
+        for name in ("prefix", "queue", "running", "kv", "backlog", "predicted", "max_load_age"):
             value = getattr(self, name)
             if not _non_negative(value):
                 raise ValueError(f"routing weight {name} must be a number >= 0, got {value!r}")
@@ -150,6 +153,7 @@ class Weights:
             "queue": self.queue,
             "running": self.running,
             "kv": self.kv,
+            "backlog": self.backlog,
             "tiers": {t: self.tier(t) for t in TIERS},
             "predicted": self.predicted,
         }
@@ -400,6 +404,7 @@ class _Rank:
     predicted: int
     size: int
     load: Load | None
+    uncached: int = 0  # the prompt's tokens it would compute (not reused, not predicted)
     parts: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
 
@@ -583,12 +588,13 @@ class Router:
             by_tier = {"gpu": cand.matched} if cand.matched else {}
         reused = sum(w.tier(tier) * blocks for tier, blocks in by_tier.items())
         ahead = max(0, cand.predicted - cand.matched)
+        cand.uncached = max(0, prompt_tokens - (cand.matched + ahead) * cand.size)
         cand.parts["prefix"] = w.prefix * min(1.0, (reused + w.predicted * ahead) / whole)
 
     def _score(self, cands: list[_Rank]) -> list[str]:
         """Adds the load parts; returns notes on the scorers left out."""
         w = self.weights
-        notes = []
+        notes = self._backlog(cands) if w.backlog and cands else []
         for name, weight, field_name in (
             ("queue", w.queue, "waiting"),
             ("running", w.running, "running"),
@@ -613,6 +619,20 @@ class Router:
                     low, high = min(known), max(known)
                     cand.parts[name] = weight * (1.0 if high == low else (high - v) / (high - low))
         return notes
+
+    def _backlog(self, cands: list[_Rank]) -> list[str]:
+        """The backlog part: the prefill ahead of the prompt on each candidate, in tokens
+        (what waits there uncached, plus the prompt's own uncached tokens), 1 for the
+        least and in proportion for the others (twice the tokens: half the part)."""
+        waiting = [c.load.waiting_tokens if c.load is not None else None for c in cands]
+        if any(v is None for v in waiting):
+            unknown = sorted({c.row.name for c, v in zip(cands, waiting, strict=True) if v is None})
+            return [f"backlog left out (no waiting tokens known for {', '.join(unknown[:3])})"]
+        costs = [max(1.0, float(v or 0) + c.uncached) for c, v in zip(cands, waiting, strict=True)]
+        least = min(costs)
+        for cand, cost in zip(cands, costs, strict=True):
+            cand.parts["backlog"] = self.weights.backlog * least / cost
+        return []
 
     def _confirm(self, cands: list[_Rank], namespace: Namespace, data: bytes) -> None:
         for cand in cands:

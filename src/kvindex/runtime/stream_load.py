@@ -38,5 +38,6 @@ class StreamLoads:
                 kv_usage=stat.kv_usage,
                 at=state.reading.received,
                 block_size=spec.block_size,
+                waiting_tokens=stat.num_waiting_uncached_tokens,
             )
         return found or None

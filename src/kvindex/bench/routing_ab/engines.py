@@ -106,6 +106,7 @@ class ModelEngine:
         self._prefill_free = 0.0
         self._events: list[SimEvent] = []
         self.jobs = 0
+        self.now = 0.0
 
     # -- what a router may read -----------------------------------------------------------
 
@@ -120,6 +121,15 @@ class ModelEngine:
     @property
     def used_blocks(self) -> int:
         return self.model.gpu_blocks - len(self.free)
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Uncached prompt tokens waiting for prefill (SGLang's load stream says it):
+        the scheduled prefills' rest and the waiting requests' uncached tokens."""
+        m = self.model
+        ahead = max(0.0, self._prefill_free - self.now) / m.prefill_per_token
+        queued = sum(len(j.prompt) - self.matched(j.digests) * m.block_size for j in self.waiting)
+        return int(ahead) + queued
 
     def matched(self, digests: list[bytes]) -> int:
         """How many leading blocks of a prompt the pool holds (the engine's truth)."""
@@ -138,6 +148,7 @@ class ModelEngine:
 
     def advance(self, now: float) -> None:
         """Finish every request done by `now`, scheduling waiting ones as room frees."""
+        self.now = max(self.now, now)
         while self._finishes and self._finishes[0][0] <= now:
             at, _, job = heapq.heappop(self._finishes)
             self._finish(job)
@@ -149,6 +160,7 @@ class ModelEngine:
     def arrive(self, job: Job, now: float) -> None:
         job.engine = self.index
         self.jobs += 1
+        self.now = max(self.now, now)
         if -(-(len(job.prompt) + len(job.output)) // self.model.block_size) > len(self.refs):
             job.refused = True  # it can never fit this pool
             return

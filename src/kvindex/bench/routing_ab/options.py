@@ -23,9 +23,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-blocks", type=int, help="each engine's pool in blocks")
     p.add_argument("--rate", type=float, help="the generator's requests per second")
     p.add_argument(
+        "--skew", type=float, help="the generator's group popularity: Zipf's exponent (0: even)"
+    )
+    p.add_argument(
         "--policies",
         default=",".join(POLICIES),
         help=f"comma-separated, of {', '.join(POLICIES)} (default: all)",
+    )
+    p.add_argument(
+        "--weights",
+        metavar="NAME=VALUE[,...]",
+        help="the routing score's weights for serve's /v1/route and the oracle "
+        "(serve --weights; docs/routing.md)",
     )
     p.add_argument(
         "--out",

@@ -155,6 +155,7 @@ def engine_load(e: ModelEngine) -> Load:
         kv_usage=e.used_blocks * e.model.block_size / (e.model.gpu_blocks * e.model.block_size),
         at=time.monotonic(),
         block_size=e.model.block_size,
+        waiting_tokens=float(e.waiting_tokens),
     )
 
 

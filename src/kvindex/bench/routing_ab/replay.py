@@ -89,6 +89,7 @@ class LiveFleet:
                 max_total_num_tokens=m.gpu_blocks * m.block_size,
                 attn_dp_rank=0,
                 max_running_requests=m.max_running,
+                num_waiting_uncached_tokens=e.waiting_tokens,
             )
             self._sent[e.name] = (stat.num_running_reqs, stat.num_waiting_reqs, stat.num_tokens)
             payload = encode_load(stat)

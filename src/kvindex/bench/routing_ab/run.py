@@ -8,7 +8,7 @@ import json
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from kvindex.bench.routing_ab.traces import (
     read_mooncake,
     shared_prefix,
 )
+from kvindex.runtime.routing import Weights
 
 __all__ = ["MODES", "RoutingPlan", "add_arguments", "main", "run_mode", "run_routing"]
 
@@ -48,6 +49,7 @@ class RoutingPlan:
     engines: int
     model: ServiceModel
     shape: SharedPrefix
+    weights: dict[str, float] = field(default_factory=dict)  # serve --weights, the oracle's
 
 
 MODES = {
@@ -77,7 +79,27 @@ def plan_of(args: argparse.Namespace) -> RoutingPlan:
     if args.gpu_blocks:
         model = replace(model, gpu_blocks=args.gpu_blocks)
     shape = plan.shape if not args.rate else replace(plan.shape, rate=args.rate)
-    return replace(plan, engines=args.engines or plan.engines, model=model, shape=shape)
+    if args.skew is not None:
+        shape = replace(shape, skew=args.skew)
+    weights = parse_weights(args.weights) if args.weights else {}
+    return replace(
+        plan, engines=args.engines or plan.engines, model=model, shape=shape, weights=weights
+    )
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """`--weights NAME=VALUE[,...]`; ValueError names a bad one."""
+    values = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        try:
+            values[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ValueError(f"--weights: {part!r} must be NAME=NUMBER, e.g. queue=1.5")
+    Weights.of(values)
+    return values
 
 
 def load_trace(args: argparse.Namespace, plan: RoutingPlan) -> tuple[list[TraceRequest], str]:
@@ -96,7 +118,9 @@ def load_trace(args: argparse.Namespace, plan: RoutingPlan) -> tuple[list[TraceR
     return trace, name
 
 
-def make_policy(name: str, engines: list[ModelEngine], url: str | None) -> Policy:
+def make_policy(
+    name: str, engines: list[ModelEngine], url: str | None, weights: dict[str, float]
+) -> Policy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
@@ -104,7 +128,7 @@ def make_policy(name: str, engines: list[ModelEngine], url: str | None) -> Polic
     if name == "approximate":
         return Approximate(SGLANG_MAX_TREE_TOKENS // engines[0].model.block_size)
     if name == "oracle":
-        return Oracle(engines)
+        return Oracle(engines, Weights.of(weights))
     if url is None:
         raise ValueError(f"{name} needs serve")
     return KvindexRoute(url) if name == "kvindex" else KvindexLongest(url)
@@ -119,10 +143,21 @@ def run_policy(
 ) -> dict[str, Any]:
     engines = fleet(plan)
     if name in KVINDEX:
-        result = live_run(trace, engines, lambda url: make_policy(name, engines, url), workdir)
+        options = ["--weights", _weights_text(plan.weights)] if plan.weights else []
+        result = live_run(
+            trace,
+            engines,
+            lambda url: make_policy(name, engines, url, plan.weights),
+            workdir,
+            options=options,
+        )
     else:
-        result = replay(trace, engines, make_policy(name, engines, None))
+        result = replay(trace, engines, make_policy(name, engines, None, plan.weights))
     return figures(result)
+
+
+def _weights_text(weights: dict[str, float]) -> str:
+    return ",".join(f"{k}={v:g}" for k, v in weights.items())
 
 
 def run_routing(
@@ -144,7 +179,11 @@ def _say(message: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    plan = plan_of(args)
+    try:
+        plan = plan_of(args)
+    except ValueError as exc:
+        print(f"kvindex bench routing: {exc}", file=sys.stderr)
+        return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:
@@ -170,6 +209,7 @@ def main(args: argparse.Namespace) -> int:
         "requests": len(trace),
         "engines": plan.engines,
         "service_model": asdict(plan.model),
+        "weights": Weights.of(plan.weights).as_dict(),
         "machine": machine_info(),
         "policies": results,
     }

@@ -18,8 +18,10 @@ request's own (an answer is never reused by a later request of the trace).
 users whose chats run `turns` turns: a turn's prompt is the system prompt, every earlier
 question and answer of the chat, and a new question (the shape of inference-perf's
 `shared_prefix` data and `vllm bench serve --dataset-name prefix_repetition`, made
-multi-turn). Chats start spread over the trace; a turn follows the chat's previous one
-after a think time. The same seed gives the same trace.
+multi-turn); with `skew`, groups are not alike: a chat's group is drawn by Zipf's law
+(group g with weight 1 / (g + 1)^skew), as a few applications' prompts dominate real
+traffic. Chats start spread over the trace; a turn follows the chat's previous one after a
+think time. The same seed gives the same trace.
 """
 
 from __future__ import annotations
@@ -152,8 +154,9 @@ class SharedPrefix:
     turns: int = 5  # per chat
     question_tokens: int = 256
     answer_tokens: int = 128
-    rate: float = 10.0  # requests per second, on average over the trace
+    rate: float = 10.0  # requests per second while chats run (module doc)
     think_seconds: float = 10.0  # mean time from one turn of a chat to its next
+    skew: float = 0.0  # groups' popularity: Zipf's exponent (0: every group alike)
     seed: int = 0
 
     @property
@@ -165,17 +168,23 @@ def shared_prefix(shape: SharedPrefix) -> list[TraceRequest]:
     """The generated trace, in arrival order."""
     rng = random.Random(shape.seed)
     chats = shape.groups * shape.users
-    # chats start over the window that makes the average rate `rate`
-    window = max(0.0, shape.requests / shape.rate - shape.turns * shape.think_seconds)
+    # chats start over `requests / rate` seconds: `rate` requests a second once the chats
+    # are under way (fewer while the first start and the last end)
+    window = shape.requests / shape.rate
     timed: list[tuple[float, tuple[Segment, ...], tuple[Segment, ...]]] = []
+    weights = [1.0 / (g + 1) ** shape.skew for g in range(shape.groups)]
     for chat in range(chats):
-        group = chat % shape.groups
+        group = chat % shape.groups if not shape.skew else _draw(rng, weights)
         at = rng.uniform(0.0, window)
         for prompt, answer in _chat(shape, group, chat):
             timed.append((at, prompt, answer))
             at += rng.expovariate(1.0 / shape.think_seconds) if shape.think_seconds else 0.0
     timed.sort(key=lambda t: t[0])
     return [TraceRequest(i, at, p, a) for i, (at, p, a) in enumerate(timed)]
+
+
+def _draw(rng: random.Random, weights: list[float]) -> int:
+    return rng.choices(range(len(weights)), weights)[0]
 
 
 def _chat(

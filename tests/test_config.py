@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(60)
 
 EXAMPLE = ROOT / "deploy" / "kvindex.toml"
 TOKEN = "example-token-0123456789"
+ADMIN_TOKEN = "example-admin-token-0123456789"
 
 
 def serve_args(*argv: str) -> argparse.Namespace:
@@ -39,6 +40,7 @@ def example_in(tmp: Path) -> Path:
     etc = tmp / "etc"
     (etc / "tls").mkdir(parents=True)
     (etc / "token").write_text(TOKEN + "\n")
+    (etc / "admin-token").write_text(ADMIN_TOKEN + "\n")
     cert, key = self_signed(tmp)
     shutil.copy(cert, etc / "tls" / "tls.crt")
     shutil.copy(key, etc / "tls" / "tls.key")
@@ -77,6 +79,8 @@ def test_the_documented_example_loads_with_every_option(
     http = http_options(args, settings.http_options)
     assert http.guard.token == TOKEN  # the file's content, without its newline
     assert http.guard.metrics_token == "metrics-token-0123456789"
+    assert http.guard.admin_token == ADMIN_TOKEN and http.guard.fleet_changes
+    assert http.guard.max_streams == 32
     assert (http.tls_cert, http.tls_key) == (
         str(tmp_path / "etc/tls/tls.crt"),
         str(tmp_path / "etc/tls/tls.key"),
@@ -91,7 +95,7 @@ def test_the_documented_example_loads_with_every_option(
     # every [server] key is in the example, so the example shows them all
     assert set(
         re.findall(r"^#? ?(\w+) =", EXAMPLE.read_text().split("[[instances]]")[0], re.M)
-    ) >= (SERVER_KEYS - {"token_env", "metrics_token_file"})
+    ) >= (SERVER_KEYS - {"token_env", "metrics_token_file", "admin_token_env"})
 
 
 def test_discovery_interval_flag_over_the_file(tmp_path: Path) -> None:
@@ -155,7 +159,7 @@ def test_flags_win_over_the_file_and_the_file_over_the_environment(
         ('discovery_interval = "often"', "server.discovery_interval must be a number of seconds"),
         (
             'tlscert = "x"',
-            "[server]: unknown key 'tlscert' (allowed_hosts, discover, discovery_interval, ",
+            "[server]: unknown key 'tlscert' (admin_token_env, admin_token_file, allowed_hosts, ",
         ),
     ],
 )
@@ -235,7 +239,7 @@ def test_every_serve_flag_has_a_config_key_and_is_documented() -> None:
         for action in commands["serve"]._actions
         if action.option_strings and action.dest not in ("help", "config", "instance")
     }
-    as_keys = {flag.removeprefix("--").replace("-", "_") for flag in flags}
+    as_keys = {flag.removeprefix("--").removeprefix("no-").replace("-", "_") for flag in flags}
     keys = {k.removesuffix("_file").removesuffix("_env") for k in SERVER_KEYS | ROUTING_KEYS}
     assert as_keys - {"max_lookup_tokens"} <= keys and "max_lookup_tokens" in keys
     doc = (ROOT / "docs" / "configuration.md").read_text()

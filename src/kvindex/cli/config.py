@@ -5,10 +5,13 @@
     store = "sqlite:///var/lib/kvindex/kvindex.sqlite"
     token_file = "/etc/kvindex/token"        # or token_env = "NAME"; never the token itself
     metrics_token_file = "/etc/kvindex/metrics-token"   # or metrics_token_env
+    admin_token_file = "/etc/kvindex/admin-token"       # or admin_token_env: fleet changes
+    fleet_changes = true                      # false: no API call adds or removes instances
     tls_cert = "/etc/kvindex/tls.crt"
     tls_key = "/etc/kvindex/tls.key"
     max_body_bytes = 33554432
     max_lookup_tokens = 1000000
+    max_streams = 32                          # dashboard event streams open at once
     request_timeout = 30.0
     sub_hwm = 100000                          # live messages queued per publisher
     discovery_interval = 30.0                 # seconds between /server_info reads (0: never)
@@ -91,9 +94,17 @@ INSTANCE_KEYS = {
     "metrics",
 }
 # [server] keys beside http and store: what `HttpOptions` takes (see cli/httpopts.py).
-_SECRET_KEYS = {"token_file", "token_env", "metrics_token_file", "metrics_token_env"}
+_SECRET_KEYS = {
+    "token_file",
+    "token_env",
+    "metrics_token_file",
+    "metrics_token_env",
+    "admin_token_file",
+    "admin_token_env",
+}
+_BOOL_KEYS = {"fleet_changes"}
 _PATH_KEYS = {"tls_cert", "tls_key"}
-_INT_KEYS = {"max_body_bytes", "max_lookup_tokens"}
+_INT_KEYS = {"max_body_bytes", "max_lookup_tokens", "max_streams"}
 _FLOAT_KEYS = {"request_timeout"}
 _LIST_KEYS = {"allowed_hosts"}
 SERVER_KEYS = (
@@ -112,6 +123,7 @@ SERVER_KEYS = (
     | _INT_KEYS
     | _FLOAT_KEYS
     | _LIST_KEYS
+    | _BOOL_KEYS
 )
 
 # [routing]: the score's weights, predictions, Dynamo's local hashes (the peers' /query_by_hash)
@@ -308,7 +320,7 @@ def parse_weights(text: str) -> dict[str, float]:
 
 def _http_options(server: dict[str, Any], path: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in ("token", "metrics_token"):
+    for name in ("token", "metrics_token", "admin_token"):
         file_key, env_key = f"{name}_file", f"{name}_env"
         if file_key in server and env_key in server:
             raise UsageError(f"{path}: give server.{file_key} or server.{env_key}, not both")
@@ -331,6 +343,10 @@ def _http_options(server: dict[str, Any], path: Path) -> dict[str, Any]:
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
             raise UsageError(f"{path}: server.{key} must be an array of host names")
         out[key] = list(value)
+    for key in _BOOL_KEYS & set(server):
+        if not isinstance(server[key], bool):
+            raise UsageError(f"{path}: server.{key} must be true or false")
+        out[key] = server[key]
     for key in _FLOAT_KEYS & set(server):
         value = server[key]
         if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:

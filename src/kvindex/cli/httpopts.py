@@ -23,9 +23,11 @@ __all__ = ["HttpOptions", "add_http_arguments", "http_options", "warn_if_exposed
 
 TOKEN_ENV = "KVINDEX_TOKEN"
 METRICS_TOKEN_ENV = "KVINDEX_METRICS_TOKEN"
+ADMIN_TOKEN_ENV = "KVINDEX_ADMIN_TOKEN"
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
 DEFAULT_MAX_LOOKUP = 1_000_000
 DEFAULT_REQUEST_TIMEOUT = 30.0
+DEFAULT_MAX_STREAMS = 32
 
 
 def add_http_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +44,22 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
         metavar="TOKEN",
         help="require this bearer token on /metrics; default: the config file's "
         f"metrics_token_file or metrics_token_env, else ${METRICS_TOKEN_ENV}",
+    )
+    g.add_argument(
+        "--admin-token",
+        metavar="TOKEN",
+        help="the token that may add and remove instances (POST/DELETE /v1/instances, "
+        "/register, /unregister), which the query token (--token) may not; default: the "
+        f"config file's admin_token_file or admin_token_env, else ${ADMIN_TOKEN_ENV}",
+    )
+    g.add_argument(
+        "--no-fleet-changes",
+        dest="fleet_changes",
+        action="store_const",
+        const=False,
+        default=None,
+        help="refuse every request that adds or removes instances (403), whatever its token: "
+        "the fleet is what the command line and config file say",
     )
     g.add_argument(
         "--allowed-hosts",
@@ -64,6 +82,12 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         metavar="N",
         help=f"most token ids (or hashes) in one lookup (default: {DEFAULT_MAX_LOOKUP})",
+    )
+    g.add_argument(
+        "--max-streams",
+        type=positive_int,
+        metavar="N",
+        help=f"dashboard event streams open at once; more get 503 (default: {DEFAULT_MAX_STREAMS})",
     )
     g.add_argument(
         "--request-timeout",
@@ -132,16 +156,28 @@ def http_options(
     file = configured or {}
 
     def pick(name: str, default: Any = None) -> Any:
-        flag = getattr(args, name)
+        flag = getattr(args, name, None)
         return flag if flag is not None else file.get(name, default)
 
     tls_cert, tls_key = pick("tls_cert"), pick("tls_key")
     _check_tls(tls_cert, tls_key)
+    token = _token(args.token, file.get("token"), TOKEN_ENV, "--token")
+    admin_token = _token(
+        getattr(args, "admin_token", None),
+        file.get("admin_token"),
+        ADMIN_TOKEN_ENV,
+        "--admin-token",
+    )
+    if admin_token is not None and admin_token == token:
+        raise UsageError("--admin-token must differ from --token (the query token)")
     guard = HttpGuard(
-        token=_token(args.token, file.get("token"), TOKEN_ENV, "--token"),
+        token=token,
         metrics_token=_token(
             args.metrics_token, file.get("metrics_token"), METRICS_TOKEN_ENV, "--metrics-token"
         ),
+        admin_token=admin_token,
+        fleet_changes=pick("fleet_changes", True),
+        max_streams=pick("max_streams", DEFAULT_MAX_STREAMS),
         max_lookup_items=pick("max_lookup_tokens", DEFAULT_MAX_LOOKUP),
         request_timeout=pick("request_timeout", DEFAULT_REQUEST_TIMEOUT),
         allowed_hosts=None
@@ -157,10 +193,16 @@ def warn_if_exposed(host: str, options: HttpOptions) -> None:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False
-    if not loopback and options.guard.token is None:
+    guard = options.guard
+    if loopback:
+        return
+    if guard.token is None:
+        what = "read the index" + (
+            " and add or remove instances" if guard.fleet_changes and not guard.admin_token else ""
+        )
         print(
             f"kvindex serve: warning: listening on {host} without --token: anyone who can "
-            "reach it can read the index and add or remove instances",
+            f"reach it can {what}",
             file=sys.stderr,
             flush=True,
         )

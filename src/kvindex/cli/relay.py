@@ -58,13 +58,19 @@ def add_parser(subparsers: Any) -> None:
 
 def _build(args: argparse.Namespace) -> Relay:
     from kvindex.relay import Relay
-    from kvindex.security.curve import KeyFileError, read_public_key, read_secret_key
+    from kvindex.security.curve import (
+        KeyFileError,
+        check_private,
+        read_public_key,
+        read_secret_key,
+    )
     from kvindex.subscriber import InstanceSpec, SpecError
 
     try:
         upstream = InstanceSpec.parse(f"upstream={args.source}")
         if upstream.dp != 1:
             raise SpecError("a relay follows one DP rank: run one relay per rank")
+        check_private(args.server_key)
         _, secret = read_secret_key(args.server_key)
         allow = None if args.allow_any else [read_public_key(k) for k in args.allow]
     except (SpecError, KeyFileError) as exc:

@@ -22,6 +22,7 @@ __all__ = [
     "CurveClient",
     "KeyFileError",
     "KeyFiles",
+    "check_private",
     "client_setup",
     "generate_keys",
     "is_key",
@@ -119,6 +120,20 @@ def read_secret_key(path: str | Path) -> tuple[str, str]:
     if kind == "public":
         raise KeyFileError(f"{path} holds a public key, not a secret one")
     return zmq.curve_public(key.encode()).decode(), key
+
+
+def check_private(path: str | Path) -> None:
+    """Refuse a secret key file that others can read or write (as ssh refuses a private
+    key with group or other permissions): whoever reads it can be the server."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise KeyFileError(f"can't read key file {path}: {exc.strerror or exc}") from None
+    if mode & 0o077:
+        raise KeyFileError(
+            f"{path} is accessible by others (mode {mode & 0o777:04o}): a secret key must be "
+            f"private to its owner (chmod 600 {path})"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,10 @@ dashboard's session cookie and request deadlines.
   (no other site's request carries it), `Secure` over TLS, scoped to `/v1/dashboard/`
   and accepted there only, and holding a value derived from the token, not the token
   (cookies are sent to every port of a host).
+- Two kinds of client: the query token reads and looks up; changing the fleet (`POST` and
+  `DELETE` under `/v1/instances`, the peers' `/register` and `/unregister`) takes the
+  admin token, which opens everything the query token opens too. With a query token and no
+  admin token, or with fleet changes turned off, those paths answer `403` to everyone.
 - `RequestDeadline`: a request body must arrive within `timeout` seconds (a client that
   trickles its body can't hold a connection and its buffer forever): `408 {"error": ...}`.
 """
@@ -34,10 +38,12 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote_to_bytes, urlencode
 
 __all__ = [
+    "AccessRules",
     "BearerAuth",
     "HostAllowList",
     "HttpGuard",
     "RequestDeadline",
+    "changes_fleet",
     "default_allowed_hosts",
     "error_response",
     "session_value",
@@ -90,15 +96,104 @@ def _header(scope: Scope, wanted: bytes) -> bytes | None:
     return None
 
 
-def _tokens_for(path: str, token: bytes | None, metrics_token: bytes | None) -> list[bytes]:
-    """The tokens any one of which opens `path` (empty: open to all)."""
-    if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
-        return []
-    if path == METRICS_PATH:
-        if metrics_token is None:
-            return []
-        return [t for t in (metrics_token, token) if t is not None]
-    return [token] if token is not None else []
+_FLEET_PATHS = frozenset({"/register", "/unregister"})
+_INSTANCES = "/v1/instances"
+_READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+FLEET_CHANGES_OFF = "fleet changes are turned off here (serve --no-fleet-changes)"
+NEEDS_ADMIN = (
+    "changing the fleet needs the admin token (serve --admin-token); the query token "
+    "reads and looks up only"
+)
+
+
+def changes_fleet(method: str, path: str) -> bool:
+    """Whether a request adds or removes instances: `POST`/`DELETE` under `/v1/instances`,
+    the peers' `/register` and `/unregister` (any method: none of theirs only reads)."""
+    if path.rstrip("/") in _FLEET_PATHS:
+        return True
+    if path == _INSTANCES or path.startswith(_INSTANCES + "/"):
+        return method.upper() not in _READ_METHODS
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """How a request is judged: the tokens any one of which opens it (none and no `lesser`:
+    open to all), the tokens that are valid but not enough (a 403), and a refusal for
+    everyone (a 403 to a valid token, a 401 to the others when any token is set)."""
+
+    tokens: tuple[bytes, ...] = ()
+    lesser: tuple[bytes, ...] = ()
+    refused: str | None = None
+
+    def verdict(self, given: bytes | None) -> tuple[int, str] | None:
+        """The refusal (status, message) of a request bearing `given`, or None: it passes."""
+        if self.refused is None and not self.tokens and not self.lesser:
+            return None
+        if self.tokens and given is not None and _matches(given, self.tokens):
+            return None if self.refused is None else (403, self.refused)
+        if given is not None and self.lesser and _matches(given, self.lesser):
+            return 403, self.refused or NEEDS_ADMIN
+        if not self.tokens and not self.lesser:
+            return 403, self.refused or NEEDS_ADMIN
+        return 401, "a bearer token is required" if given is None else "invalid bearer token"
+
+
+@dataclass(frozen=True, slots=True)
+class AccessRules:
+    """Which token opens which request: the query token (reads and lookups), the metrics
+    token (`/metrics`), the admin token (everything, and the only one that changes the
+    fleet), and whether the fleet may be changed over HTTP at all."""
+
+    token: bytes | None = None
+    metrics_token: bytes | None = None
+    admin_token: bytes | None = None
+    fleet_changes: bool = True
+
+    @classmethod
+    def of(
+        cls,
+        token: str | None,
+        metrics_token: str | None = None,
+        admin_token: str | None = None,
+        fleet_changes: bool = True,
+    ) -> AccessRules:
+        def raw(value: str | None) -> bytes | None:
+            return value.encode() if value else None
+
+        return cls(raw(token), raw(metrics_token), raw(admin_token), fleet_changes)
+
+    @property
+    def guards(self) -> bool:
+        """Whether any request can be refused (else the middleware has nothing to do)."""
+        return bool(self.token or self.metrics_token or self.admin_token or not self.fleet_changes)
+
+    def judge(self, method: str, path: str) -> Access:
+        if changes_fleet(method, path):
+            configured = tuple(
+                t for t in (self.admin_token, self.token, self.metrics_token) if t is not None
+            )
+            if not self.fleet_changes:
+                return Access(lesser=configured, refused=FLEET_CHANGES_OFF)
+            if self.admin_token is not None:
+                return Access((self.admin_token,), configured[1:])
+            if self.token is not None:
+                return Access(lesser=configured, refused=NEEDS_ADMIN)
+            return Access()
+        return Access(self._read_tokens(path))
+
+    def _read_tokens(self, path: str) -> tuple[bytes, ...]:
+        if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
+            return ()
+        if path == METRICS_PATH:
+            if self.metrics_token is None:
+                return ()
+            wanted: tuple[bytes | None, ...] = (self.metrics_token, self.token, self.admin_token)
+        elif self.token is None:
+            return ()
+        else:
+            wanted = (self.token, self.admin_token)
+        return tuple(t for t in wanted if t is not None)
 
 
 def _bearer(scope: Scope) -> bytes | None:
@@ -130,7 +225,7 @@ def _query_token(scope: Scope) -> tuple[str | None, list[tuple[str, str]]]:
     return token, [(key, value) for key, value in pairs if key != "token"]
 
 
-def _matches(given: bytes, tokens: list[bytes]) -> bool:
+def _matches(given: bytes, tokens: tuple[bytes, ...] | list[bytes]) -> bool:
     # Every token is compared (no early exit), each in constant time.
     found = False
     for token in tokens:
@@ -138,14 +233,17 @@ def _matches(given: bytes, tokens: list[bytes]) -> bool:
     return found
 
 
-class BearerAuth:
-    """Requires `Authorization: Bearer ...` (see the module docstring for which paths), or
-    under `/v1/dashboard/` the dashboard's session cookie."""
+_CHALLENGE = [(b"www-authenticate", b'Bearer realm="kvindex"')]
 
-    def __init__(self, app: ASGIApp, token: str | None, metrics_token: str | None = None) -> None:
+
+class BearerAuth:
+    """Requires `Authorization: Bearer ...` (see the module docstring for which paths and
+    which token), or under `/v1/dashboard/` the dashboard's session cookie."""
+
+    def __init__(self, app: ASGIApp, rules: AccessRules) -> None:
         self.app = app
-        self.token = token.encode() if token else None
-        self.metrics_token = metrics_token.encode() if metrics_token else None
+        self.rules = rules
+        self.token = rules.token
         self.session = session_value(self.token) if self.token else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -158,18 +256,18 @@ class BearerAuth:
             if token is not None:
                 await self._start_session(scope, send, token.encode(), rest)
                 return
-        tokens = _tokens_for(path, self.token, self.metrics_token)
-        if tokens:
-            given = _bearer(scope)
-            if given is None and path.startswith(SESSION_PATH) and self.session is not None:
-                given = _session_cookie(scope)
-                tokens = [self.session]  # the cookie opens the dashboard's paths, no more
-            if given is None or not _matches(given, tokens):
-                why = "a bearer token is required" if given is None else "invalid bearer token"
-                challenge = [(b"www-authenticate", b'Bearer realm="kvindex"')]
-                await error_response(send, 401, why, challenge)
-                return
-        await self.app(scope, receive, send)
+        access = self.rules.judge(scope.get("method", "GET"), path)
+        given = _bearer(scope)
+        if given is None and path.startswith(SESSION_PATH) and self.session is not None:
+            given = _session_cookie(scope)
+            if given is not None:  # the cookie opens the dashboard's paths, no more
+                access = Access((self.session,)) if access.tokens else access
+        refusal = access.verdict(given)
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        status, why = refusal
+        await error_response(send, status, why, _CHALLENGE if status == 401 else None)
 
     async def _start_session(
         self, scope: Scope, send: Send, token: bytes, rest: list[tuple[str, str]]
@@ -178,8 +276,7 @@ class BearerAuth:
         the address bar (a 303); a wrong token is a 401."""
         assert self.token is not None and self.session is not None
         if not _matches(token, [self.token]):
-            challenge = [(b"www-authenticate", b'Bearer realm="kvindex"')]
-            await error_response(send, 401, "invalid token", challenge)
+            await error_response(send, 401, "invalid token", _CHALLENGE)
             return
         secure = b"; Secure" if scope.get("scheme") in ("https", "wss") else b""
         cookie = (
@@ -340,39 +437,52 @@ class HttpGuard:
     # Host names served (IP literals always are); None: no check (an app in a test, or
     # behind a proxy that checks). serve passes `default_allowed_hosts` and the operator's.
     allowed_hosts: tuple[str, ...] | None = None
+    admin_token: str | None = None  # the only token that changes the fleet
+    fleet_changes: bool = True  # False: no request adds or removes instances (403)
+    max_streams: int = 32  # dashboard event streams open at once (503 past it)
 
-    def admits(self, path: str, headers: list[tuple[bytes, bytes]]) -> bool:
+    @property
+    def rules(self) -> AccessRules:
+        return _rules(self.token, self.metrics_token, self.admin_token, self.fleet_changes)
+
+    def admits(self, path: str, headers: list[tuple[bytes, bytes]], method: str = "POST") -> bool:
         """Whether a request passes every rule that needs no body (its Host, its token), as
         the middleware would judge it. A path that answers outside the ASGI stack
         (kvindex.service.fastpath) asks this, and leaves a request it refuses to the stack,
         which words the refusal: a rule added to the middleware belongs here too."""
         if self.allowed_hosts is not None and _host_names(self.allowed_hosts).refused(headers):
             return False
-        tokens = self._tokens_for(path)
-        if not tokens:
-            return True
-        given = _bearer({"headers": headers})
-        return given is not None and _matches(given, tokens)
+        access = self.rules.judge(method, path)
+        return access.verdict(_bearer({"headers": headers})) is None
 
-    def asks_token(self, path: str) -> bool:
+    def asks_token(self, path: str, method: str = "GET") -> bool:
         """Whether a request for `path` must carry a token (where the API documents 401)."""
-        return bool(self._tokens_for(path))
+        return bool(self.rules.judge(method, path).tokens)
 
-    def _tokens_for(self, path: str) -> list[bytes]:
-        token = self.token.encode() if self.token else None
-        metrics_token = self.metrics_token.encode() if self.metrics_token else None
-        return _tokens_for(path, token, metrics_token)
+    def refuses(self, path: str, method: str) -> bool:
+        """Whether a request is refused whatever its token (where the API documents 403):
+        a fleet change with fleet changes off, or with a query token and no admin token."""
+        access = self.rules.judge(method, path)
+        return access.refused is not None or bool(access.lesser)
 
     def install(self, app: Any) -> None:
         """Add the middleware to a Starlette/FastAPI app (outermost: the Host check, auth,
         then the body deadline), and document the bearer scheme in its OpenAPI."""
         app.add_middleware(RequestDeadline, timeout=self.request_timeout)
-        if self.token or self.metrics_token:
-            app.add_middleware(BearerAuth, token=self.token, metrics_token=self.metrics_token)
+        rules = self.rules
+        if rules.guards:
+            app.add_middleware(BearerAuth, rules=rules)
         if self.allowed_hosts is not None:
             app.add_middleware(HostAllowList, allowed=self.allowed_hosts)
-        if self.token:
+        if self.token or self.admin_token:
             _document_bearer(app)
+
+
+@functools.lru_cache(maxsize=8)
+def _rules(
+    token: str | None, metrics_token: str | None, admin_token: str | None, fleet_changes: bool
+) -> AccessRules:
+    return AccessRules.of(token, metrics_token, admin_token, fleet_changes)
 
 
 def _document_bearer(app: Any) -> None:

@@ -175,7 +175,8 @@ def create_app(
     )
     install_route(app, routing, metrics, route_doc)
     install_peers(app, routing, metrics)
-    install_dashboard(app, fleet, routing.scraper)  # GET /, its assets, /v1/dashboard/*
+    # GET /, its assets, /v1/dashboard/*
+    install_dashboard(app, fleet, routing.scraper, guard.max_streams)
     install_docs(app)  # GET /docs and its assets
     _document(app, guard)
     # Innermost first: plain lookups answered past the guards, ahead of the routing; Allow
@@ -237,7 +238,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _document(app: FastAPI, guard: HttpGuard) -> None:
     """The OpenAPI document: FastAPI's paths, with every body and answer schema from the
     structs of kvindex.service.schema, and what the guard answers before any route: a 401
-    wherever a token is asked for, a 408 where a body is read (its deadline), a 400 on
+    wherever a token is asked for, a 403 where fleet changes are refused to the query token
+    or to all, a 408 where a body is read (its deadline), a 400 on
     every path for a `Host` off the allow-list."""
     build = app.openapi
 
@@ -254,11 +256,12 @@ def _document(app: FastAPI, guard: HttpGuard) -> None:
 
 def _document_guard(doc: dict[str, Any], guard: HttpGuard) -> None:
     for path, operations in doc.get("paths", {}).items():
-        token = guard.asks_token(path)
-        for operation in operations.values():
+        for method, operation in operations.items():
             responses = operation.setdefault("responses", {})
-            if token:
+            if guard.asks_token(path, method.upper()):
                 responses["401"] = _refusal("no or a wrong bearer token")
+            if guard.refuses(path, method.upper()):
+                responses["403"] = _refusal("fleet changes need the admin token, or are off")
             if "requestBody" in operation:
                 responses["408"] = _refusal("the body did not arrive in the request timeout")
             if guard.allowed_hosts is not None:

@@ -40,6 +40,7 @@ from kvindex.runtime.engine_metrics import EngineFigures, MetricsScraper
 __all__ = ["Dashboard", "install_dashboard", "render_dashboard"]
 
 HISTORY_SECONDS = 15 * 60
+DEFAULT_MAX_STREAMS = 32  # dashboard event streams open at once (serve --max-streams)
 TREND_POINTS = 120  # per-instance usage sparkline: the last two minutes
 SHARING_EVERY = 5.0
 SHARING_MAX_NODES = 30_000
@@ -82,9 +83,16 @@ class Dashboard:
     """History and snapshots of a fleet for the dashboard page."""
 
     def __init__(
-        self, fleet: Fleet, *, interval: float = 1.0, engines: MetricsScraper | None = None
+        self,
+        fleet: Fleet,
+        *,
+        interval: float = 1.0,
+        engines: MetricsScraper | None = None,
+        max_streams: int = DEFAULT_MAX_STREAMS,
     ) -> None:
         self.fleet = fleet
+        self.max_streams = max_streams  # event streams open at once; more: 503
+        self.streams = 0
         self.engines = engines  # the engines' own /metrics (kvindex.runtime.engine_metrics)
         self.interval = interval
         self.history: deque[dict[str, Any]] = deque(maxlen=int(HISTORY_SECONDS / interval))
@@ -352,10 +360,14 @@ def _sharing_dict(result: Sharing) -> dict[str, Any]:
 
 
 def install_dashboard(
-    app: FastAPI, fleet: Fleet, engines: MetricsScraper | None = None
+    app: FastAPI,
+    fleet: Fleet,
+    engines: MetricsScraper | None = None,
+    max_streams: int = DEFAULT_MAX_STREAMS,
 ) -> Dashboard:
-    """Add the dashboard's routes to `app`, and its sampler to the app's lifespan."""
-    dashboard = Dashboard(fleet, engines=engines)
+    """Add the dashboard's routes to `app`, and its sampler to the app's lifespan;
+    `max_streams` event streams at once (the next is refused, 503)."""
+    dashboard = Dashboard(fleet, engines=engines, max_streams=max_streams)
     app.state.dashboard = dashboard
     _wrap_lifespan(app, dashboard)
     _add_page_routes(app)
@@ -397,9 +409,18 @@ def _add_page_routes(app: FastAPI) -> None:
 def _add_data_routes(app: FastAPI, dashboard: Dashboard) -> None:
     # Not in the OpenAPI schema: an endless stream is no request/answer operation.
     @app.get("/v1/dashboard/stream", response_class=StreamingResponse, include_in_schema=False)
-    async def stream(request: Request) -> StreamingResponse:
-        """Server-sent events: `init` (history, trends, sharing), then a snapshot a second."""
-        return StreamingResponse(
+    async def stream(request: Request) -> Response:
+        """Server-sent events: `init` (history, trends, sharing), then a snapshot a second;
+        503 while `max_streams` are open (each holds a connection and a task)."""
+        if dashboard.streams >= dashboard.max_streams:
+            body = _encoder.encode(
+                {"error": f"{dashboard.max_streams} dashboard streams are open: try again later"}
+            )
+            headers = {"Retry-After": "5"}
+            return Response(body, 503, media_type="application/json", headers=headers)
+        dashboard.streams += 1  # given back when the response ends, however it ends
+        return _CountedStream(
+            dashboard,
             dashboard.stream(request),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -421,6 +442,21 @@ def _add_data_routes(app: FastAPI, dashboard: Dashboard) -> None:
         )
         found = source() if source is not None else []
         return Response(_encoder.encode({"prompts": found}), media_type="application/json")
+
+
+class _CountedStream(StreamingResponse):
+    """A stream that counts itself in `Dashboard.streams` until it ends (the route counted
+    it in: a response returned is always called)."""
+
+    def __init__(self, dashboard: Dashboard, content: AsyncIterator[bytes], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.dashboard = dashboard
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.dashboard.streams -= 1
 
 
 def _load(view: InstanceView) -> dict[str, Any] | None:

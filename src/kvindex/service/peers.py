@@ -303,6 +303,12 @@ _NO_LOCAL_HASHES = (
 )
 
 
+def _over_limit(request: Request, count: int, what: str) -> str | None:
+    """Why a lookup of `count` items is refused (serve's --max-lookup-tokens), or None."""
+    limit: int = request.app.state.max_lookup_items
+    return f"{what} has {count} items, over the limit of {limit}" if count > limit else None
+
+
 def _scores(routing: Routing, answer: LookupAnswer, group: str, packed: bool) -> Response:
     return _peer_answer(peer_query_answer(routing, answer.instances, group), 200, packed)
 
@@ -319,6 +325,9 @@ def _add_query_routes(app: FastAPI, routing: Routing, metrics: ServiceMetrics) -
         """Per worker and DP rank, the matched tokens of the prompt (Dynamo's shape)."""
         body: QueryRequest
         body, packed = await _peer_body(request, QueryRequest)
+        too_many = _over_limit(request, len(body.token_ids), "token_ids")
+        if too_many is not None:
+            return _peer_error(422, too_many, packed)
         if not _served(routing, body.model_name, body.routing_group):
             return _peer_error(404, _no_indexer(body.model_name, body.routing_group), packed)
         try:
@@ -346,6 +355,9 @@ def _add_query_routes(app: FastAPI, routing: Routing, metrics: ServiceMetrics) -
         body, packed = await _peer_body(request, QueryByHashRequest)
         if body.cache_salt is not None:  # before the model, as Dynamo refuses it
             return _peer_error(400, _SALTED_BY_HASH, packed)
+        too_many = _over_limit(request, len(body.block_hashes), "block_hashes")
+        if too_many is not None:
+            return _peer_error(422, too_many, packed)
         if not _served(routing, body.model_name, body.routing_group):
             return _peer_error(404, _no_indexer(body.model_name, body.routing_group), packed)
         start = time.perf_counter()

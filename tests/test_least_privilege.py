@@ -205,13 +205,14 @@ def test_dashboard_streams_are_capped(tmp_path: Path) -> None:
         first = stack.enter_context(clients[0].stream("GET", "/v1/dashboard/stream"))
         second = stack.enter_context(clients[1].stream("GET", "/v1/dashboard/stream"))
         assert first.status_code == 200 and second.status_code == 200
-        next(first.iter_lines())  # the streams are open
+        lines = first.iter_lines()  # kept: a dropped iterator closes its response
+        assert next(lines).startswith("retry:")  # the streams are open
         r = clients[2].get("/v1/dashboard/stream")
         assert r.status_code == 503 and "2 dashboard streams" in r.json()["error"]
         assert r.headers["retry-after"]
         assert clients[2].get("/v1/instances").status_code == 200  # the rest still answers
+        lines.close()
         first.close()
-        clients[0].close()
 
         # the server sees the stream gone at its next write (a snapshot a second)
         def reopens() -> bool:

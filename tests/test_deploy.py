@@ -263,7 +263,15 @@ def test_board_is_well_formed() -> None:
 
 
 def manifests() -> dict[str, dict[str, Any]]:
-    return {path.name: yaml.safe_load(path.read_text()) for path in K8S.glob("*.yaml")}
+    """Each file's object by its name; a file of several, each as `NAME:KIND`."""
+    out: dict[str, dict[str, Any]] = {}
+    for path in K8S.glob("*.yaml"):
+        docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+        if len(docs) == 1:
+            out[path.name] = docs[0]
+        else:
+            out.update({f"{path.name}:{doc['kind']}": doc for doc in docs})
+    return out
 
 
 def test_kubernetes_manifests_validate_against_the_schemas() -> None:
@@ -274,21 +282,78 @@ def test_kubernetes_manifests_validate_against_the_schemas() -> None:
         text=True,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("passed for resource") == len(files)
+    documents = sum(len([d for d in yaml.safe_load_all(Path(f).read_text()) if d]) for f in files)
+    assert run.stdout.count("passed for resource") == documents
     kustomization = manifests()["kustomization.yaml"]
     listed = set(kustomization["resources"])
     assert listed == {p.name for p in K8S.glob("*.yaml")} - {
         "kustomization.yaml",
         "secret.example.yaml",  # made with a random token instead (see the file)
+        "vllm-deployment.example.yaml",  # the engines are the user's: an example to copy
     }
+
+
+def test_kubernetes_discovery_reads_pods_and_finds_the_example_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rbac.yaml grants get/list/watch on pods and nothing more, to the Deployment's
+    service account; the ConfigMap's selector matches the example vLLM pods, whose
+    annotations say where their KV events are."""
+    from kvindex.runtime.finders import k8sfind
+
+    m = manifests()
+    role, binding = m["rbac.yaml:Role"], m["rbac.yaml:RoleBinding"]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    account = m["deployment.yaml"]["spec"]["template"]["spec"]["serviceAccountName"]
+    assert m["rbac.yaml:ServiceAccount"]["metadata"]["name"] == account
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    (tmp_path / "token").write_text(m["secret.example.yaml"]["stringData"]["token"])
+    toml = m["configmap.yaml"]["data"]["kvindex.toml"].replace("/etc/kvindex/secret", str(tmp_path))
+    (tmp_path / "kvindex.toml").write_text(toml)
+    settings = read_config(tmp_path / "kvindex.toml")
+    (discover,) = settings.discover
+    assert settings.min_engines == 1 and settings.instances  # the hand-written fallback
+    # `k8s:?...`: the pod's own namespace, as its service account's mount says
+    (tmp_path / "namespace").write_text("inference\n")
+    monkeypatch.setattr(k8sfind, "SA_NAMESPACE", tmp_path / "namespace")
+    target = k8sfind.parse_k8s(discover)
+    assert target.namespace == "inference"
+    template = m["vllm-deployment.example.yaml"]["spec"]["template"]
+    labels = template["metadata"]["labels"]
+    key, value = target.selector.split("=")
+    assert labels[key] == value
+    pod = {
+        "metadata": {
+            **template["metadata"],
+            "name": "vllm-0",
+            "namespace": "inference",
+            "uid": "u",
+        },
+        "status": {"phase": "Running", "podIP": "10.1.0.7"},
+    }
+    spec = k8sfind.engine_of_pod(pod, discover).spec
+    assert (spec.endpoint, spec.replay_endpoint) == ("tcp://10.1.0.7:5557", "tcp://10.1.0.7:5558")
+    assert spec.http == "http://10.1.0.7:8000" and spec.model == "meta-llama/Llama-3.1-8B-Instruct"
+    (container,) = template["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (ports["kv-events"], ports["kv-replay"], ports["http"]) == (5557, 5558, 8000)
+    events = next(a for a in container["args"] if a.startswith("--kv-events-config="))
+    config = json.loads(events.split("=", 1)[1])
+    assert (config["endpoint"], config["replay_endpoint"]) == ("tcp://*:5557", "tcp://*:5558")
 
 
 def test_kubernetes_deployment_config_and_secret_agree(tmp_path: Path) -> None:
     m = manifests()
     pod = m["deployment.yaml"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+    # readiness waits at /healthz's start gate (min_engines); startup and liveness must
+    # not restart a replica waiting there: /livez
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    for probe in ("startupProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/livez", "port": "http"}
     assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     mounts = {v["name"]: v for v in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}

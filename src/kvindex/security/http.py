@@ -55,7 +55,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/healthz", "/"})
+OPEN_PATHS = frozenset({"/healthz", "/livez", "/"})  # probes carry no token
 # The dashboard's page and assets hold no data: a browser must load them to ask for a token.
 OPEN_PREFIXES = ("/dashboard/",)
 METRICS_PATH = "/metrics"

@@ -312,6 +312,15 @@ def _add_status_routes(
             return _json(HealthAnswer("degraded", f"store: {health.reason}"))
         return _json(HealthAnswer("ok"))
 
+    @app.get("/livez", **operation_doc(HealthAnswer, errors=[503]))
+    async def livez() -> Response:
+        """`ok` while ingest runs: for a liveness (and startup) probe, which must not
+        restart a replica that is only waiting at `/healthz`'s start gate (`starting`)."""
+        failure = fleet.failure
+        if failure is not None or not fleet.running:
+            return _error(503, f"ingest is not running: {failure or 'stopped'}")
+        return _json(HealthAnswer("ok"))
+
     @app.get("/v1/stats")
     async def stats() -> Response:
         """Fleet totals, windowed rates (per minute), ingest/lookup counters, the store."""

@@ -26,6 +26,7 @@ import json
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,14 @@ class KubeAPI:
         """End every open watch abruptly (the connection closed mid-stream)."""
         with self._lock:
             self._epoch += 1
+            self._lock.notify_all()
+
+    def while_down(self, change: Callable[[], object]) -> None:
+        """Drop every watch and make `change` before any can reconnect (one locked step):
+        what `change` does is seen only by a watch from before it, or a list."""
+        with self._lock:
+            self._epoch += 1
+            change()
             self._lock.notify_all()
 
     def bookmark(self) -> str:

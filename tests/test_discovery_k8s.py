@@ -199,9 +199,7 @@ def test_pods_followed_through_readiness_moves_replacements_and_a_relist(
 
         # while the watch is down, b is deleted and the history compacted: the watch
         # gets 410 Gone, lists again, and finds b gone
-        kube.drop_watches()
-        kube.delete("vllm-b")
-        kube.compact()
+        kube.while_down(lambda: (kube.delete("vllm-b"), kube.compact()))
         assert wait_until(lambda: "vllm-b" not in fleet.specs)
         assert any(r.startswith("410 ") for r in kube.requests)
         assert finder.lists == 2
@@ -231,9 +229,12 @@ def test_gone_as_an_error_event_lists_again(kube: KubeAPI, tmp_path: Path) -> No
     reconciler.start()
     try:
         assert wait_until(lambda: set(fleet.specs) == {"vllm-a"} and kube.watching == 1)
-        kube.drop_watches()
-        kube.put(pod("vllm-c", "127.0.0.3", annotations=annotations(port)))
-        kube.compact()
+        kube.while_down(
+            lambda: (
+                kube.put(pod("vllm-c", "127.0.0.3", annotations=annotations(port))),
+                kube.compact(),
+            )
+        )
         assert wait_until(lambda: set(fleet.specs) == {"vllm-a", "vllm-c"})
         assert finder.lists == 2
         assert any(r.startswith("410 ") for r in kube.requests)

@@ -261,13 +261,17 @@ class IndexBase(Generic[P]):
 
     def _lay_out(self) -> Layout:
         """Instances by name, each with its (DP rank, bit) pairs by rank: what a lookup
-        answer is shaped like, kept until the set of publishers changes."""
-        by_name: dict[str, list[tuple[int, int]]] = {}
-        for key, pub in list(self._sources.items()):
-            by_name.setdefault(key.instance, []).append((key.rank, pub.bit))
-        self._layout = [(name, sorted(ranks)) for name, ranks in sorted(by_name.items())]
-        self._empty_rows = {}
-        return self._layout
+        answer is shaped like, kept until the set of publishers changes. Made and kept
+        under the publishers' lock: one made from before a publisher joined must not be
+        kept after the join dropped the old one (the new row would be missing)."""
+        with self._publishers_lock:
+            by_name: dict[str, list[tuple[int, int]]] = {}
+            for key, pub in self._sources.items():
+                by_name.setdefault(key.instance, []).append((key.rank, pub.bit))
+            layout = [(name, sorted(ranks)) for name, ranks in sorted(by_name.items())]
+            self._layout = layout
+            self._empty_rows = {}
+        return layout
 
     def _make_empty_rows(self, size: int) -> list[LookupRow]:
         layout = self._layout or self._lay_out()

@@ -51,9 +51,16 @@ setup(
                 f"{CORE}/{name}"
                 for name in (
                     "core.h", "answer.h", "map.h", "maptmpl.h", "msgpack.h", "intern.h", "alloc.h",
-                    "xxh3.h", "ingest_api.h",
+                    "xxh3.h", "ingest_api.h", "lookup_api.h",
                 )
             ],
+            extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
+            extra_link_args=["-pthread"],
+        ),
+        Extension(
+            "kvindex.service._lookupd",
+            sources=["src/kvindex/service/_lookupd.c"],
+            depends=[f"{CORE}/{name}" for name in ("lookup_api.h", "answer.h", "core.h")],
             extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
             extra_link_args=["-pthread"],
         ),

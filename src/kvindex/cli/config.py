@@ -18,6 +18,7 @@
     discover = ["k8s:inference?selector=app=vllm"]   # engines found (docs/discovery.md)
     dns_server = "10.0.0.10:53"               # --discover dns: asks it (default: the system's)
     allowed_hosts = ["kvindex.example.com"]   # Host names served besides localhost
+    lookup_thread = true                      # plain lookups answered by a C thread
 
     [routing]                                 # the routing score (docs/routing.md)
     prediction_ttl = 2.0                      # seconds a /v1/route choice is predicted
@@ -117,6 +118,7 @@ SERVER_KEYS = (
         "tokenizer",
         "discover",
         "dns_server",
+        "lookup_thread",
     }
     | _SECRET_KEYS
     | _PATH_KEYS
@@ -157,6 +159,8 @@ class Settings:
     discover: list[str] = field(default_factory=list)
     dns_server: str | None = None  # IP[:PORT] asked for dns: (None: $KVINDEX_DNS_SERVER)
     min_engines: int | None = None  # /healthz 'starting' until that many found engines live
+    # Plain lookups answered by a C thread on the listening socket (kvindex.service.lookupd)
+    lookup_thread: bool = True
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
@@ -184,6 +188,8 @@ def load_settings(args: argparse.Namespace) -> Settings:
     settings.discover += getattr(args, "discover", None) or []
     if getattr(args, "min_engines", None) is not None:
         settings.min_engines = args.min_engines
+    if getattr(args, "lookup_thread", None) is not None:
+        settings.lookup_thread = args.lookup_thread == "on"
     names = [spec.name for spec in settings.instances]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -235,6 +241,10 @@ def read_config(path: Path) -> Settings:
                 f"{path}: server.discovery_interval must be a number of seconds (0: never)"
             )
         settings.discovery_interval = float(seconds)
+    if "lookup_thread" in server:
+        if not isinstance(server["lookup_thread"], bool):
+            raise UsageError(f"{path}: server.lookup_thread must be true or false")
+        settings.lookup_thread = server["lookup_thread"]
     if "tokenizer" in server:
         listed = server["tokenizer"]
         if not isinstance(listed, list) or not all(isinstance(t, str) for t in listed):

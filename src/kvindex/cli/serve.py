@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from kvindex.index import FleetIndex
     from kvindex.runtime import Fleet
     from kvindex.runtime.finders import Reconciler
+    from kvindex.service.lookupd import LookupThread
     from kvindex.service.lookups import Routing
     from kvindex.store import LoadResult, Store
 
@@ -141,6 +142,13 @@ def add_parser(subparsers: Any) -> None:
         help="keep Dynamo's local block hashes of every cached block, so the peers' POST "
         "/query_by_hash answers (about 30 bytes a block more, a quarter less ingest "
         "throughput; docs/routing.md)",
+    )
+    p.add_argument(
+        "--lookup-thread",
+        choices=("on", "off"),
+        help="on (the default): a C thread on the listening socket answers plain POST "
+        "/v1/lookup requests without the GIL, Python the rest; off: Python answers every "
+        "request (docs/performance.md)",
     )
     add_http_arguments(p)
     p.set_defaults(run=run)
@@ -241,8 +249,9 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
         on_failure.pop_all()  # from here on, serving owns them
     store.start()
     server = _server(fleet, routing, store, http, stop, finders)
+    lookups = _lookup_thread(settings, fleet, sock, http, server)
     try:
-        run_async(_serve(server, sock, _summary(len(instances), store.url, loaded)))
+        run_async(_serve(server, sock, _summary(len(instances), store.url, loaded), lookups))
     finally:
         store.close()
     return 0
@@ -357,6 +366,39 @@ def _server(
     return make_server(config, stop, _end_streams(app))
 
 
+def _lookup_thread(
+    settings: Settings,
+    fleet: Fleet,
+    sock: socket.socket,
+    http: HttpOptions,
+    server: uvicorn.Server,
+) -> LookupThread | None:
+    """The C thread that answers plain lookups on `sock` (kvindex.service.lookupd), or
+    None: asked not to, no compiled core, or TLS (the thread speaks plain HTTP)."""
+    from kvindex.service.lookupd import LookupThread, LookupThreadCollector, available
+
+    config = server.config
+    if not settings.lookup_thread or not available(fleet) or config.is_ssl:
+        return None
+    config.load()  # its default headers, as uvicorn's protocol writes them
+    app: Any = config.app
+    metrics = app.state.lookup_answerer.metrics
+    lookups = LookupThread(
+        fleet,
+        sock,
+        http.guard,
+        http.max_body_bytes,
+        metrics.lookups,
+        config.encoded_headers,
+        date_header=config.date_header,
+        keep_alive=config.timeout_keep_alive,
+    )
+    metrics.before_render.append(lookups.read_samples)
+    metrics.registry.register(LookupThreadCollector(lookups))
+    server.before_shutdown.append(lookups.stop)  # type: ignore[attr-defined]
+    return lookups
+
+
 def _summary(instances: int, store_url: str, loaded: LoadResult) -> str:
     """The start line's tail: what is followed, where state is kept, what the warm start
     brought back."""
@@ -455,19 +497,42 @@ def _end_streams(app: Any) -> Callable[[], None]:
     return end
 
 
-async def _serve(server: uvicorn.Server, sock: socket.socket, summary: str) -> None:
+async def _serve(
+    server: uvicorn.Server, sock: socket.socket, summary: str, lookups: LookupThread | None = None
+) -> None:
     # The address is read now: a signal right after the start closes the socket before
     # this coroutine looks again (`started` stays True), and getsockname() would fail.
     url = _url(sock, server.config.is_ssl)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
+    # With the lookup thread, it accepts every connection and hands uvicorn those it does
+    # not answer (kvindex.service.lookupd); uvicorn listens on nothing itself.
+    task = asyncio.create_task(server.serve(sockets=[sock] if lookups is None else []))
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
+    if server.started and not server.should_exit and lookups is not None:
+        lookups.start(_protocol_factory(server))
     if server.started and not server.should_exit:
         print(f"kvindex serve: listening on {url} ({summary})", flush=True)
         # What exists now (the app, the warm-loaded state) lives as long as the process:
         # keep it out of every later full collection, which would only walk it again.
         gc.freeze()
-    await task
+    try:
+        await task
+    finally:
+        if lookups is not None:
+            lookups.stop()
+        sock.close()
+
+
+def _protocol_factory(server: uvicorn.Server) -> Callable[[], asyncio.Protocol]:
+    """uvicorn's protocol for one connection, as its server makes them (`startup`)."""
+    config = server.config
+
+    def protocol() -> asyncio.Protocol:
+        return config.http_protocol_class(  # type: ignore[call-arg]
+            config=config, server_state=server.server_state, app_state=server.lifespan.state
+        )
+
+    return protocol
 
 
 def make_server(
@@ -482,6 +547,14 @@ def make_server(
     import uvicorn
 
     class Server(uvicorn.Server):
+        # What must stop before uvicorn closes its connections (the lookup thread).
+        before_shutdown: list[Callable[[], None]] = []
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            for step in self.before_shutdown:
+                step()
+            await super().shutdown(sockets)
+
         @contextlib.contextmanager
         def capture_signals(self) -> Generator[None, None, None]:
             def exit_soon() -> None:
@@ -492,4 +565,6 @@ def make_server(
             with stop.calling(exit_soon):
                 yield
 
-    return Server(config)
+    server = Server(config)
+    server.before_shutdown = []
+    return server

@@ -441,6 +441,10 @@ class ServiceMetrics:
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         self.started = time.time()
+        # Called before each scrape (the lookup thread's answers: kvindex.service.lookupd).
+        self.before_render: list[Callable[[], None]] = []
 
     def render(self) -> bytes:
+        for step in self.before_render:  # what is counted elsewhere, read in now
+            step()
         return generate_latest(self.registry)

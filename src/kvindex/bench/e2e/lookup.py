@@ -20,6 +20,7 @@ fill, divided by its entries, is the memory per (instance, block) entry it paid.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -55,6 +56,7 @@ class Indexer:
     wait: Callable[[list[int], int], float]
     rss: Callable[[], float | None]
     extra: Callable[[], dict[str, Any]]  # counters worth keeping, read at the end
+    name: str = ""  # the variant measured (STARTS' key), for its logs
 
 
 @dataclass(slots=True)
@@ -81,6 +83,11 @@ def lookup_case(
         "targets": TARGETS,
     }
     out["kvindex"] = attempt(lambda: _measure("kvindex", fleet, load, sizes, files, workdir))
+    # The same serve with every lookup answered in Python (no C lookup thread): what the
+    # thread saves, measured in the same run.
+    out["kvindex_python"] = attempt(
+        lambda: _measure("kvindex_python", fleet, load, sizes, files, workdir)
+    )
     if peer.get("available"):
         out["dynamo"] = attempt(lambda: _measure("dynamo", fleet, load, sizes, files, workdir))
     else:
@@ -91,11 +98,14 @@ def lookup_case(
 
 def _compare(out: dict[str, Any]) -> None:
     """kvindex's p50 and p99 as ratios to Dynamo's, per phase, and the targets."""
-    ours, theirs = out["kvindex"], out["dynamo"]
+    ours, theirs, python = out["kvindex"], out["dynamo"], out.get("kvindex_python", {})
     for phase in ("idle", "loaded", "floor_idle"):
         if phase in ours and phase in theirs:
             ours[phase]["p50_vs_dynamo"] = ours[phase]["p50_ms"] / theirs[phase]["p50_ms"]
             ours[phase]["p99_vs_dynamo"] = ours[phase]["p99_ms"] / theirs[phase]["p99_ms"]
+        if phase in ours and phase in python:
+            ours[phase]["p50_vs_python"] = ours[phase]["p50_ms"] / python[phase]["p50_ms"]
+            ours[phase]["p99_vs_python"] = ours[phase]["p99_ms"] / python[phase]["p99_ms"]
     if "idle" in ours and "loaded" in ours:
         within = [
             ours[p].get("p50_vs_dynamo", float("inf")) <= TARGETS["p50_vs_dynamo"]
@@ -109,9 +119,14 @@ def _compare(out: dict[str, Any]) -> None:
 
 @contextmanager
 def _kvindex(
-    pub: Publishers, names: list[str], sizes: EndToEnd, workdir: Path
+    pub: Publishers,
+    names: list[str],
+    sizes: EndToEnd,
+    workdir: Path,
+    options: Sequence[str] = (),
 ) -> Iterator[Indexer]:
-    with serve(workdir, names, pub.endpoints, "memory", "lookup") as srv:
+    tag = "lookup-python" if options else "lookup"
+    with serve(workdir, names, pub.endpoints, "memory", tag, options=options) as srv:
         wait_live(srv.url, sizes.timeout)
 
         def wait(next_seqs: list[int], _events: int) -> float:
@@ -145,7 +160,11 @@ def _dynamo(pub: Publishers, names: list[str], sizes: EndToEnd, workdir: Path) -
 
 
 Start = Callable[[Publishers, list[str], EndToEnd, Path], AbstractContextManager[Indexer]]
-STARTS: dict[str, Start] = {"kvindex": _kvindex, "dynamo": _dynamo}
+STARTS: dict[str, Start] = {
+    "kvindex": _kvindex,
+    "kvindex_python": functools.partial(_kvindex, options=("--lookup-thread", "off")),
+    "dynamo": _dynamo,
+}
 
 
 def _measure(
@@ -155,6 +174,7 @@ def _measure(
         publishers(workdir, load.path, len(load.names), f"lookup-{api}") as pub,
         STARTS[api](pub, load.names, sizes, workdir) as idx,
     ):
+        idx.name = api
         sent = pub.burst(sizes.timeout, count=load.warmup)
         events = load.wire_warmup
         idx.wait(sent["next_seqs"], events)
@@ -209,7 +229,7 @@ def _lookups(
     args = bench_child(
         "lookups", idx.api, idx.url, str(files.prompts), str(sizes.lookups), str(gets)
     )
-    log = workdir / f"lookups-{idx.api}-{tag}.log"
+    log = workdir / f"lookups-{idx.name or idx.api}-{tag}.log"
     with child([*args, str(sizes.lookup_interval)], log) as c:
         c.expect("ready", 60)
         if load is not None and work is not None:

@@ -125,6 +125,14 @@ def _load(side: dict[str, Any]) -> str:
     return f" (load {side['load_achieved_per_s'] / 1e3:.0f}k/s){ran_out}"
 
 
+def _python(case: dict[str, Any], phase: str) -> str:
+    """The same serve answering every lookup in Python (--lookup-thread off), same run."""
+    python = case.get("kvindex_python")
+    if not python or _failed(python) or phase not in python:
+        return ""
+    return f"; serve --lookup-thread off {_latency(python[phase])}{_exact(python)}"
+
+
 def _lookup_rows(case: dict[str, Any]) -> list[Row]:
     size = f"{case.get('instances', '?')} x {case.get('per_instance', 0):,} blocks"
     failed = _failed(case)
@@ -146,7 +154,7 @@ def _lookup_rows(case: dict[str, Any]) -> list[Row]:
         theirs_text = theirs_failed or _latency(theirs[phase]) + _exact(theirs)
         if phase == "loaded" and not theirs_failed:
             theirs_text += _load(theirs)
-        rows.append((name, mine, f"Dynamo standalone {theirs_text}", target))
+        rows.append((name, mine, f"Dynamo standalone {theirs_text}{_python(case, phase)}", target))
     floor = "floor_idle"
     rows.append(
         (

@@ -666,6 +666,7 @@ source_t *source_get(core_t *c, uint32_t bit, int make) {
     map_init(&s->refs);
     map_init(&s->where);
     c->sources[bit] = s;
+    c->sources_gen++;
     if (bit + 1 > c->max_bit)
         c->max_bit = bit + 1;
     return s;
@@ -1366,6 +1367,7 @@ void source_remove(core_t *c, uint32_t bit) {
     source_clear(c, s);
     free(s);
     c->sources[bit] = NULL;
+    c->sources_gen++;
 }
 
 /* The interned id of a hash; bytes are interned only if `make` (a store), else a hash

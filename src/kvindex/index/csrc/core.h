@@ -198,6 +198,10 @@ typedef struct {
     source_t **sources; /* by bit */
     uint32_t nsources_cap;
     uint32_t max_bit;   /* bits in use are < max_bit */
+    /* Moves whenever a publisher is made or removed (under the write lock): a lookup
+     * answered outside Python (lookup_api.h) checks that the instances' bits it was given
+     * are still the core's. */
+    uint64_t sources_gen;
     interner strings;   /* media and spec kinds: a few, kept for the index's life */
     interner names;     /* namespaces' adapters and salts (freed with their last one) */
     interner bytes;     /* bytes hashes (freed when no pool holds them) */

@@ -26,6 +26,8 @@
 #include <pthread.h>
 
 #include "answer.h"
+#define KVCORE_BUILD
+#include "lookup_api.h"
 #include "core.h"
 #include "ingest_api.h"
 #include "xxh3.h"
@@ -1552,6 +1554,85 @@ static PyObject *Core_lookup_json(CoreObject *self, PyObject *const *args, Py_ss
     return result;
 }
 
+/* -- lookups outside Python (lookup_api.h) ----------------------------------------- */
+
+/* lookup_api_t.answer_tokens's work under the read lock: the names resolved, the walk,
+ * the answer (Core_lookup_json's, from C strings and with no Python object). */
+typedef struct {
+    const lookup_body_t *body;
+    const slot_t *slots;
+    uint32_t nslots;
+    uint64_t sources_gen;
+    jbuf_t *out;
+    walked_t w;
+    int hit, stale;
+} api_lookup;
+
+static int api_tokens_body(CoreObject *self, void *ctx) {
+    api_lookup *a = ctx;
+    const core_t *c = &self->core;
+    if (c->sources_gen != a->sources_gen) {
+        a->stale = 1;
+        return 0;
+    }
+    const lookup_body_t *b = a->body;
+    prompt_t prompt = {.small = b->tokens, .wide = NULL, .n = b->ntokens};
+    own_keys own = {NULL, 0};
+    uint32_t lora_id = b->lora ? find_name(c, (const uint8_t *)b->lora, (uint32_t)b->lora_len) : 0;
+    uint32_t salt_id = b->salt ? find_name(c, (const uint8_t *)b->salt, (uint32_t)b->salt_len) : 0;
+    int unknown = (b->lora && !lora_id) || (b->salt && !salt_id);
+    walk_prompt(c, &prompt, lora_id, salt_id, unknown, &own, &a->w);
+    if (!a->w.oom)
+        a->hit = answer_json(c, a->w.answers, a->w.nbits, a->slots, a->nslots, 1, a->out);
+    return 0;
+}
+
+/* lookup_api_t.answer_tokens: called without the GIL (any thread); core_locked is the
+ * only Python-free way in (core_run's modes start from a thread holding the GIL). */
+static int api_answer_tokens(void *core, const lookup_body_t *body, const slot_t *slots,
+                             uint32_t nslots, uint64_t sources_gen, jbuf_t *out, int *hit) {
+    CoreObject *self = core;
+    if (!self->ready)
+        return LOOKUP_NOT_READY;
+    api_lookup a = {body, slots, nslots, sources_gen, out, {0}, 0, 0};
+    *hit = 0;
+    if (core_locked(self, 0, api_tokens_body, &a) == RUN_LOCK_FAILED)
+        return LOOKUP_STALE; /* Python answers it (and says what went wrong) */
+    int oom = a.w.oom || out->oom;
+    walk_free(&a.w);
+    if (a.stale)
+        return LOOKUP_STALE;
+    *hit = a.hit;
+    return oom ? LOOKUP_NOMEM : LOOKUP_ANSWERED;
+}
+
+static void api_body_free(lookup_body_t *body) {
+    free(body->tokens);
+    body->tokens = NULL;
+}
+
+static lookup_api_t LOOKUP_API = {
+    .version = LOOKUP_API_VERSION,
+    .parse_tokens = parse_lookup_body,
+    .answer_tokens = api_answer_tokens,
+    .body_free = api_body_free,
+    .jbuf_free = jbuf_free,
+};
+
+/* sources_gen() -> int: moves whenever the core makes or removes a publisher (see
+   lookup_api.h: what the slots of an answer made outside Python are checked against). */
+static int sources_gen_body(CoreObject *self, void *ctx) {
+    *(uint64_t *)ctx = self->core.sources_gen;
+    return 0;
+}
+
+static PyObject *Core_sources_gen(CoreObject *self, PyObject *Py_UNUSED(unused)) {
+    uint64_t gen = 0;
+    if (!core_ready(self) || core_run(self, RUN_READ, sources_gen_body, &gen) != 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(gen);
+}
+
 /* parse_lookup(body, max_items) -> (token_ids as uint32 bytes, lora_name, cache_salt), or
    None when the body is not the simple shape (see answer.h): the caller decodes it then. */
 static PyObject *parse_lookup(PyObject *module, PyObject *args) {
@@ -2342,6 +2423,7 @@ static PyMethodDef Core_methods[] = {
     {"remove", (PyCFunction)Core_remove, METH_O, NULL},
     {"lookup", (PyCFunction)(void (*)(void))Core_lookup, METH_FASTCALL, NULL},
     {"lookup_json", (PyCFunction)(void (*)(void))Core_lookup_json, METH_FASTCALL, NULL},
+    {"sources_gen", (PyCFunction)Core_sources_gen, METH_NOARGS, NULL},
     {"lookup_hashes", (PyCFunction)Core_lookup_hashes, METH_O, NULL},
     {"pools", (PyCFunction)Core_pools, METH_O, NULL},
     {"pool_keys", (PyCFunction)Core_pool_keys, METH_O, NULL},
@@ -2421,6 +2503,12 @@ PyMODINIT_FUNC PyInit__core(void) {
     Py_INCREF(&CoreType);
     if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
         Py_DECREF(&CoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *api = PyCapsule_New(&LOOKUP_API, LOOKUP_API_CAPSULE, NULL);
+    if (api == NULL || PyModule_AddObject(m, "lookup_api", api) < 0) {
+        Py_XDECREF(api);
         Py_DECREF(m);
         return NULL;
     }

@@ -1,0 +1,955 @@
+/* Plain lookups answered by a C thread on serve's listening socket, with no GIL at all.
+ *
+ * kvindex/service/lookupd.py starts it; this file is the thread. It accepts every
+ * connection of the socket and reads its requests. A request it is sure of -- `POST
+ * /v1/lookup` over HTTP/1.1, the plain body shape (answer.h's parse_lookup_body), every
+ * header one it understands and the guard's rules met (the Host on the allowed list or an
+ * IPv4 literal, the bearer token when one is set, the body within its limit) -- it answers
+ * itself: the core's walk and JSON answer under its read lock (lookup_api.h), the HTTP
+ * response written as uvicorn's protocol writes it (kvindex/service/fastpath.py). The
+ * first request it is not sure of hands the whole connection to Python -- its socket and
+ * the bytes read so far -- and uvicorn's protocol (with every limit of the service) reads
+ * it from there, for good. A request that has not arrived whole within `handoff_after`
+ * seconds is handed over too (the service's body deadline then applies), and an idle
+ * connection is closed after `keep_alive` seconds, as uvicorn's.
+ *
+ * So a lookup never waits for the GIL: under a busy ingest it costs what it costs idle.
+ * What Python knows that the answer needs -- the followed instances with their DP ranks'
+ * bits and their statuses -- is pushed here (`set_answer`) when it changes; an answer
+ * whose bits no longer match the core's publishers (lookup_api.h's sources_gen) is handed
+ * to Python instead, which answers it and pushes the new ones. Each answer's latency and
+ * hit is kept in a ring that Python reads into the service's metrics (`samples`).
+ */
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
+#include <Python.h>
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../index/csrc/lookup_api.h"
+
+#define RING 65536          /* latency samples kept until Python reads them */
+#define READ_CHUNK 65536    /* bytes read per recv */
+#define SCAN_MS 100         /* how often deadlines are looked at */
+
+/* -- what the answer needs from Python --------------------------------------------- */
+
+typedef struct {
+    slot_t *slots;
+    int32_t *ranks;
+    char *text; /* the names' and statuses' JSON */
+    uint32_t n;
+    uint64_t gen;
+    int refs; /* under the server's mutex: 1 while current, 1 per answer using it */
+} ctx_t;
+
+static void ctx_free(ctx_t *x) {
+    if (x == NULL)
+        return;
+    free(x->slots);
+    free(x->ranks);
+    free(x->text);
+    free(x);
+}
+
+/* -- connections --------------------------------------------------------------------- */
+
+typedef struct conn {
+    int fd;
+    char *in;
+    size_t in_len, in_cap;
+    char *out;
+    size_t out_len, out_off;
+    double started; /* when the pending request's first byte came; 0: none pending */
+    double active;  /* the last byte read or written */
+    int handing;    /* hand it to Python once the output is out */
+    struct conn *prev, *next;
+} conn_t;
+
+typedef struct handoff {
+    int fd;
+    char *data;
+    size_t len;
+    struct handoff *next;
+} handoff_t;
+
+typedef struct {
+    float seconds;
+    uint8_t hit;
+} sample_t;
+
+typedef struct {
+    PyObject_HEAD
+    const lookup_api_t *api;
+    PyObject *core;
+    int listen_fd, epfd, wake_fd, handoff_fd;
+    pthread_t thread;
+    int running;
+    int stopping; /* atomic */
+    /* the rules */
+    size_t max_body, head_limit;
+    uint32_t max_items;
+    char *token;
+    size_t token_len;
+    char **hosts;
+    size_t *host_lens;
+    Py_ssize_t nhosts;
+    int check_hosts; /* 0: any host (no list, or `*` on it) */
+    char *headers;   /* uvicorn's default headers but the date, as lines */
+    size_t headers_len;
+    int date;
+    double keep_alive, handoff_after;
+    /* shared with Python, under `mu` */
+    pthread_mutex_t mu;
+    ctx_t *ctx;
+    handoff_t *handoffs, **handoff_tail;
+    sample_t *ring;
+    size_t ring_start, ring_len;
+    unsigned long long answered, handed, stale, dropped;
+    /* the thread's own */
+    conn_t *conns;
+    char date_line[64];
+    time_t date_second;
+} ServerObject;
+
+static int LISTEN_TAG, WAKE_TAG;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* -- the thread ---------------------------------------------------------------------- */
+
+static void conn_close(ServerObject *s, conn_t *c, int close_fd) {
+    epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    if (close_fd)
+        close(c->fd);
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        s->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    free(c->in);
+    free(c->out);
+    free(c);
+}
+
+/* The connection to Python: its socket and what was read of it and not answered. */
+static void hand_off(ServerObject *s, conn_t *c) {
+    handoff_t *h = calloc(1, sizeof *h);
+    if (h == NULL) { /* nothing to hand it with: the client sees it closed */
+        conn_close(s, c, 1);
+        return;
+    }
+    h->fd = c->fd;
+    h->data = c->in;
+    h->len = c->in_len;
+    c->in = NULL;
+    conn_close(s, c, 0);
+    pthread_mutex_lock(&s->mu);
+    *s->handoff_tail = h;
+    s->handoff_tail = &h->next;
+    s->handed++;
+    pthread_mutex_unlock(&s->mu);
+    uint64_t one = 1;
+    (void)!write(s->handoff_fd, &one, sizeof one);
+}
+
+static int ieq(const char *a, size_t n, const char *lit) {
+    return strlen(lit) == n && strncasecmp(a, lit, n) == 0;
+}
+
+/* The host of a Host header as security/http.py's _host_name gives it, when it is one
+ * this thread can judge (plain ASCII name characters; not an IPv6 literal): 1 and the
+ * name lowercased in `out`, else 0. */
+static int host_name(const char *v, size_t n, char *out, size_t *out_len) {
+    if (n == 0 || n > 255)
+        return 0;
+    for (size_t i = 0; i < n; i++) {
+        char ch = v[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+              ch == '.' || ch == '-' || ch == '_' || ch == ':'))
+            return 0;
+        out[i] = (char)(ch >= 'A' && ch <= 'Z' ? ch + 32 : ch);
+    }
+    size_t len = n;
+    const char *colon = memrchr(out, ':', n);
+    if (colon != NULL) {
+        size_t port = n - (size_t)(colon - out) - 1;
+        int digits = port > 0;
+        for (size_t i = 0; i < port; i++)
+            digits &= colon[1 + i] >= '0' && colon[1 + i] <= '9';
+        if (digits)
+            len = (size_t)(colon - out);
+    }
+    while (len > 0 && out[len - 1] == '.')
+        len--;
+    if (memchr(out, ':', len) != NULL)
+        return 0; /* colons left: IPv6 or odd; Python judges */
+    *out_len = len;
+    return 1;
+}
+
+static int host_admitted(ServerObject *s, const char *v, size_t n) {
+    char name[256];
+    size_t len;
+    if (!host_name(v, n, name, &len))
+        return 0;
+    for (Py_ssize_t i = 0; i < s->nhosts; i++)
+        if (s->host_lens[i] == len && memcmp(s->hosts[i], name, len) == 0)
+            return 1;
+    name[len] = 0;
+    struct in_addr addr;
+    return len > 0 && inet_pton(AF_INET, name, &addr) == 1;
+}
+
+static int token_admitted(ServerObject *s, const char *v, size_t n) {
+    /* `Bearer TOKEN`, any case of the scheme, blanks around the token */
+    if (n < 7 || strncasecmp(v, "bearer ", 7) != 0)
+        return 0;
+    const char *t = v + 7;
+    size_t len = n - 7;
+    while (len && (*t == ' ' || *t == '\t'))
+        t++, len--;
+    while (len && (t[len - 1] == ' ' || t[len - 1] == '\t'))
+        len--;
+    unsigned char diff = (unsigned char)(len != s->token_len);
+    for (size_t i = 0; i < s->token_len; i++) /* constant time for the token's length */
+        diff |= (unsigned char)(s->token[i] ^ (i < len ? t[i] : 0));
+    return diff == 0;
+}
+
+enum { REQ_INCOMPLETE, REQ_HANDOFF, REQ_OK };
+
+typedef struct {
+    size_t head, body_len;
+} request_t;
+
+/* The request at the start of c->in, if this thread takes it (see the top). */
+static int parse_request(ServerObject *s, conn_t *c, request_t *r) {
+    const char *p = c->in;
+    size_t n = c->in_len;
+    const char *end = memmem(p, n < s->head_limit ? n : s->head_limit, "\r\n\r\n", 4);
+    if (end == NULL)
+        return n >= s->head_limit ? REQ_HANDOFF : REQ_INCOMPLETE;
+    static const char LINE[] = "POST /v1/lookup HTTP/1.1\r\n";
+    if ((size_t)(end - p) + 2 < sizeof LINE - 1 || memcmp(p, LINE, sizeof LINE - 1) != 0)
+        return REQ_HANDOFF;
+    const char *line = p + sizeof LINE - 1, *stop = end + 2;
+    int lengths = 0, hosts = 0, auths = 0, authorized = s->token == NULL;
+    size_t length = 0;
+    while (line < stop) {
+        const char *eol = memmem(line, (size_t)(stop - line), "\r\n", 2);
+        const char *colon = memchr(line, ':', (size_t)(eol - line));
+        if (colon == NULL || colon == line)
+            return REQ_HANDOFF;
+        for (const char *q = line; q < colon; q++) { /* a token's characters only */
+            char ch = *q;
+            if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+                  ch == '-' || ch == '_'))
+                return REQ_HANDOFF;
+        }
+        const char *v = colon + 1, *ve = eol;
+        while (v < ve && (*v == ' ' || *v == '\t'))
+            v++;
+        while (ve > v && (ve[-1] == ' ' || ve[-1] == '\t'))
+            ve--;
+        for (const char *q = v; q < ve; q++)
+            if ((unsigned char)*q < 0x20 && *q != '\t')
+                return REQ_HANDOFF;
+        size_t name_len = (size_t)(colon - line), vlen = (size_t)(ve - v);
+        if (ieq(line, name_len, "content-length")) {
+            if (lengths++ || vlen == 0 || vlen > 12)
+                return REQ_HANDOFF;
+            for (size_t i = 0; i < vlen; i++) {
+                if (v[i] < '0' || v[i] > '9')
+                    return REQ_HANDOFF;
+                length = length * 10 + (size_t)(v[i] - '0');
+            }
+        } else if (ieq(line, name_len, "host")) {
+            if (hosts++ || (s->check_hosts && !host_admitted(s, v, vlen)))
+                return REQ_HANDOFF;
+        } else if (ieq(line, name_len, "authorization")) {
+            if (auths++)
+                return REQ_HANDOFF;
+            if (s->token != NULL) {
+                if (!token_admitted(s, v, vlen))
+                    return REQ_HANDOFF;
+                authorized = 1;
+            }
+        } else if (ieq(line, name_len, "connection")) {
+            if (!ieq(v, vlen, "keep-alive"))
+                return REQ_HANDOFF;
+        } else if (ieq(line, name_len, "transfer-encoding") || ieq(line, name_len, "expect") ||
+                   ieq(line, name_len, "upgrade") || ieq(line, name_len, "te") ||
+                   ieq(line, name_len, "trailer")) {
+            return REQ_HANDOFF;
+        }
+        line = eol + 2;
+    }
+    if (lengths != 1 || !authorized || length > s->max_body)
+        return REQ_HANDOFF;
+    r->head = (size_t)(end - p) + 4;
+    r->body_len = length;
+    return n - r->head >= length ? REQ_OK : REQ_INCOMPLETE;
+}
+
+static const char *DAYS[] = {"Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"};
+static const char *MONTHS[] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun",
+                               "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"};
+
+/* uvicorn's `date` header line (email.utils.formatdate(usegmt=True)), kept per second. */
+static const char *date_line(ServerObject *s) {
+    time_t t = time(NULL);
+    if (t != s->date_second) {
+        struct tm tm;
+        gmtime_r(&t, &tm);
+        snprintf(s->date_line, sizeof s->date_line, "date: %s, %02d %s %04d %02d:%02d:%02d GMT\r\n",
+                 DAYS[tm.tm_wday], tm.tm_mday, MONTHS[tm.tm_mon], tm.tm_year + 1900, tm.tm_hour,
+                 tm.tm_min, tm.tm_sec);
+        s->date_second = t;
+    }
+    return s->date_line;
+}
+
+static void add_sample(ServerObject *s, double seconds, int hit) {
+    /* under s->mu */
+    size_t at = (s->ring_start + s->ring_len) % RING;
+    if (s->ring_len == RING) { /* Python has not read for long: the oldest goes */
+        s->ring_start = (s->ring_start + 1) % RING;
+        s->dropped++;
+    } else {
+        s->ring_len++;
+    }
+    s->ring[at].seconds = (float)seconds;
+    s->ring[at].hit = (uint8_t)hit;
+}
+
+/* The answer to the request `r` at the start of c->in appended to c->out: 1; 0 when
+ * Python must answer it (a body not of the plain shape, the instances moved, no memory). */
+static int answer(ServerObject *s, conn_t *c, const request_t *r) {
+    lookup_body_t body;
+    int parsed = s->api->parse_tokens(c->in + r->head, r->body_len, s->max_items, &body);
+    if (parsed != PARSE_OK)
+        return 0;
+    pthread_mutex_lock(&s->mu);
+    ctx_t *x = s->ctx;
+    if (x != NULL)
+        x->refs++;
+    pthread_mutex_unlock(&s->mu);
+    int res = LOOKUP_STALE, hit = 0;
+    jbuf_t json = {0};
+    double start = now_s(), seconds = 0;
+    if (x != NULL) {
+        res = s->api->answer_tokens(s->core, &body, x->slots, x->n, x->gen, &json, &hit);
+        seconds = now_s() - start;
+    }
+    s->api->body_free(&body);
+    pthread_mutex_lock(&s->mu);
+    int unused = x != NULL && --x->refs == 0;
+    if (res == LOOKUP_ANSWERED) {
+        s->answered++;
+        add_sample(s, seconds, hit);
+    } else if (res == LOOKUP_STALE) {
+        s->stale++;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (unused)
+        ctx_free(x);
+    if (res != LOOKUP_ANSWERED) {
+        s->api->jbuf_free(&json);
+        return 0;
+    }
+    char length[64];
+    int length_len = snprintf(length, sizeof length,
+                              "content-type: application/json\r\ncontent-length: %zu\r\n\r\n",
+                              json.len);
+    static const char STATUS[] = "HTTP/1.1 200 OK\r\n";
+    const char *date = s->date ? date_line(s) : "";
+    size_t date_len = strlen(date);
+    size_t need = sizeof STATUS - 1 + date_len + s->headers_len + (size_t)length_len + json.len;
+    size_t pending = c->out_len - c->out_off;
+    char *out = malloc(pending + need);
+    if (out == NULL) {
+        s->api->jbuf_free(&json);
+        return 0;
+    }
+    memcpy(out, c->out + c->out_off, pending);
+    char *w = out + pending;
+    memcpy(w, STATUS, sizeof STATUS - 1), w += sizeof STATUS - 1;
+    memcpy(w, date, date_len), w += date_len;
+    memcpy(w, s->headers, s->headers_len), w += s->headers_len;
+    memcpy(w, length, (size_t)length_len), w += length_len;
+    memcpy(w, json.p, json.len);
+    s->api->jbuf_free(&json);
+    free(c->out);
+    c->out = out;
+    c->out_len = pending + need;
+    c->out_off = 0;
+    return 1;
+}
+
+/* Write what is pending: 1 all out, 0 some left (EPOLLOUT asked), -1 the peer is gone. */
+static int flush(ServerObject *s, conn_t *c) {
+    while (c->out_off < c->out_len) {
+        ssize_t k = send(c->fd, c->out + c->out_off, c->out_len - c->out_off, MSG_NOSIGNAL);
+        if (k < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                struct epoll_event ev = {.events = EPOLLOUT, .data.ptr = c};
+                epoll_ctl(s->epfd, EPOLL_CTL_MOD, c->fd, &ev);
+                return 0;
+            }
+            return -1;
+        }
+        c->out_off += (size_t)k;
+        c->active = now_s();
+    }
+    free(c->out);
+    c->out = NULL;
+    c->out_len = c->out_off = 0;
+    return 1;
+}
+
+/* Answer the whole requests read, in order; hand the connection over at the first one
+ * this thread does not take. 0: the connection is gone (closed or handed over). */
+static int process(ServerObject *s, conn_t *c) {
+    while (c->in_len > 0 && !c->handing) {
+        request_t r;
+        int kind = parse_request(s, c, &r);
+        if (kind == REQ_INCOMPLETE)
+            break;
+        if (kind == REQ_HANDOFF || !answer(s, c, &r)) {
+            c->handing = 1;
+            break;
+        }
+        size_t used = r.head + r.body_len;
+        memmove(c->in, c->in + used, c->in_len - used);
+        c->in_len -= used;
+        c->started = c->in_len ? now_s() : 0;
+    }
+    int flushed = flush(s, c);
+    if (flushed < 0) {
+        conn_close(s, c, 1);
+        return 0;
+    }
+    if (flushed == 0)
+        return 1; /* the rest once it can be written */
+    if (c->handing) {
+        hand_off(s, c);
+        return 0;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
+    epoll_ctl(s->epfd, EPOLL_CTL_MOD, c->fd, &ev);
+    return 1;
+}
+
+static void on_readable(ServerObject *s, conn_t *c) {
+    for (;;) {
+        size_t room = c->in_cap - c->in_len;
+        if (room < READ_CHUNK / 2) {
+            size_t cap = c->in_cap ? c->in_cap * 2 : READ_CHUNK;
+            /* a request this thread takes is at most head_limit + max_body bytes; more
+             * read than that and unanswered goes to Python anyway */
+            if (c->in_cap >= s->head_limit + s->max_body + READ_CHUNK) {
+                c->handing = 1;
+                break;
+            }
+            char *in = realloc(c->in, cap);
+            if (in == NULL) {
+                c->handing = 1;
+                break;
+            }
+            c->in = in;
+            c->in_cap = cap;
+            room = cap - c->in_len;
+        }
+        ssize_t k = recv(c->fd, c->in + c->in_len, room, 0);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            break;
+        if (k <= 0) { /* closed, or reset */
+            conn_close(s, c, 1);
+            return;
+        }
+        if (c->in_len == 0)
+            c->started = now_s();
+        c->in_len += (size_t)k;
+        c->active = now_s();
+        if ((size_t)k < room)
+            break; /* all there is for now */
+    }
+    process(s, c);
+}
+
+static void on_accept(ServerObject *s) {
+    for (;;) {
+        int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED)
+                continue;
+            return; /* EAGAIN, or out of descriptors: the rest wait in the backlog */
+        }
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* as asyncio's */
+        conn_t *c = calloc(1, sizeof *c);
+        if (c == NULL) {
+            close(fd);
+            continue;
+        }
+        c->fd = fd;
+        c->active = now_s();
+        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
+        if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+            close(fd);
+            free(c);
+            continue;
+        }
+        c->next = s->conns;
+        if (s->conns)
+            s->conns->prev = c;
+        s->conns = c;
+    }
+}
+
+/* Idle connections closed (keep_alive), requests slower than handoff_after handed over. */
+static void scan(ServerObject *s, double now) {
+    conn_t *c = s->conns;
+    while (c != NULL) {
+        conn_t *next = c->next;
+        if (c->out_off < c->out_len) {
+            if (now - c->active > s->keep_alive)
+                conn_close(s, c, 1); /* the client reads nothing */
+        } else if (c->in_len > 0 && c->started && now - c->started > s->handoff_after) {
+            hand_off(s, c);
+        } else if (c->in_len == 0 && now - c->active > s->keep_alive) {
+            conn_close(s, c, 1);
+        }
+        c = next;
+    }
+}
+
+static void *serve(void *arg) {
+    ServerObject *s = arg;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals are the main thread's */
+    struct epoll_event evs[64];
+    double last_scan = now_s();
+    while (!__atomic_load_n(&s->stopping, __ATOMIC_ACQUIRE)) {
+        int n = epoll_wait(s->epfd, evs, 64, SCAN_MS);
+        for (int i = 0; i < n; i++) {
+            void *tag = evs[i].data.ptr;
+            if (tag == &LISTEN_TAG) {
+                on_accept(s);
+            } else if (tag != &WAKE_TAG) {
+                conn_t *c = tag;
+                if (evs[i].events & EPOLLOUT)
+                    process(s, c);
+                else if (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR))
+                    on_readable(s, c);
+            }
+        }
+        double now = now_s();
+        if (now - last_scan >= SCAN_MS / 1000.0) {
+            scan(s, now);
+            last_scan = now;
+        }
+    }
+    /* As uvicorn stops: a request under way is Python's to finish (a graceful stop waits
+     * for it there), an idle connection is closed. */
+    while (s->conns != NULL) {
+        conn_t *c = s->conns;
+        if (c->in_len > 0 && c->out_off == c->out_len)
+            hand_off(s, c);
+        else
+            conn_close(s, c, 1);
+    }
+    return NULL;
+}
+
+/* -- Python's side ------------------------------------------------------------------- */
+
+static void server_release(ServerObject *s) {
+    if (s->epfd >= 0)
+        close(s->epfd);
+    if (s->wake_fd >= 0)
+        close(s->wake_fd);
+    if (s->handoff_fd >= 0)
+        close(s->handoff_fd);
+    s->epfd = s->wake_fd = s->handoff_fd = -1;
+}
+
+static int Server_init(ServerObject *s, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"api", "core", "fd", "max_body", "max_items", "head_limit", "token",
+                            "hosts", "headers", "date", "keep_alive", "handoff_after", NULL};
+    PyObject *capsule, *core, *token_obj, *hosts_obj;
+    int fd, date;
+    Py_ssize_t max_body, head_limit;
+    unsigned int max_items;
+    const char *headers;
+    Py_ssize_t headers_len;
+    double keep_alive, handoff_after;
+    if (s->api != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Server is already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOinInOOy#pdd", names, &capsule, &core, &fd,
+                                     &max_body, &max_items, &head_limit, &token_obj, &hosts_obj,
+                                     &headers, &headers_len, &date, &keep_alive, &handoff_after))
+        return -1;
+    const lookup_api_t *api = PyCapsule_GetPointer(capsule, LOOKUP_API_CAPSULE);
+    if (api == NULL)
+        return -1;
+    if (api->version != LOOKUP_API_VERSION) {
+        PyErr_SetString(PyExc_RuntimeError, "the core's lookup_api is another version");
+        return -1;
+    }
+    if (max_body < 0 || head_limit < 64 || keep_alive <= 0 || handoff_after <= 0) {
+        PyErr_SetString(PyExc_ValueError, "limits must be positive");
+        return -1;
+    }
+    if (token_obj != Py_None && !PyBytes_Check(token_obj)) {
+        PyErr_SetString(PyExc_TypeError, "token: bytes or None");
+        return -1;
+    }
+    if (hosts_obj != Py_None && !PyList_Check(hosts_obj)) {
+        PyErr_SetString(PyExc_TypeError, "hosts: a list of bytes, or None (any host)");
+        return -1;
+    }
+    s->epfd = s->wake_fd = s->handoff_fd = -1;
+    pthread_mutex_init(&s->mu, NULL);
+    s->handoff_tail = &s->handoffs;
+    s->listen_fd = fd;
+    s->max_body = (size_t)max_body;
+    s->head_limit = (size_t)head_limit;
+    s->max_items = max_items;
+    s->date = date;
+    s->keep_alive = keep_alive;
+    s->handoff_after = handoff_after;
+    s->ring = calloc(RING, sizeof(sample_t));
+    s->headers = malloc((size_t)headers_len + 1);
+    if (s->ring == NULL || s->headers == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(s->headers, headers, (size_t)headers_len);
+    s->headers_len = (size_t)headers_len;
+    if (token_obj != Py_None) {
+        s->token_len = (size_t)PyBytes_GET_SIZE(token_obj);
+        s->token = malloc(s->token_len + 1);
+        if (s->token == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(s->token, PyBytes_AS_STRING(token_obj), s->token_len);
+    }
+    if (hosts_obj != Py_None) {
+        s->check_hosts = 1;
+        Py_ssize_t n = PyList_GET_SIZE(hosts_obj);
+        s->hosts = calloc((size_t)n + 1, sizeof(char *));
+        s->host_lens = calloc((size_t)n + 1, sizeof(size_t));
+        if (s->hosts == NULL || s->host_lens == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *h = PyList_GET_ITEM(hosts_obj, i);
+            if (!PyBytes_Check(h)) {
+                PyErr_SetString(PyExc_TypeError, "a host is bytes");
+                return -1;
+            }
+            s->host_lens[i] = (size_t)PyBytes_GET_SIZE(h);
+            s->hosts[i] = malloc(s->host_lens[i] + 1);
+            if (s->hosts[i] == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            memcpy(s->hosts[i], PyBytes_AS_STRING(h), s->host_lens[i]);
+            s->nhosts = i + 1;
+        }
+    }
+    s->epfd = epoll_create1(EPOLL_CLOEXEC);
+    s->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    s->handoff_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    struct epoll_event listen_ev = {.events = EPOLLIN, .data.ptr = &LISTEN_TAG};
+    struct epoll_event wake_ev = {.events = EPOLLIN, .data.ptr = &WAKE_TAG};
+    if (s->epfd < 0 || s->wake_fd < 0 || s->handoff_fd < 0 ||
+        epoll_ctl(s->epfd, EPOLL_CTL_ADD, fd, &listen_ev) < 0 ||
+        epoll_ctl(s->epfd, EPOLL_CTL_ADD, s->wake_fd, &wake_ev) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        server_release(s);
+        return -1;
+    }
+    Py_INCREF(core);
+    s->core = core;
+    s->api = api;
+    return 0;
+}
+
+/* start(): the thread runs. */
+static PyObject *Server_start(ServerObject *s, PyObject *Py_UNUSED(unused)) {
+    if (s->api == NULL || s->running || s->epfd < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "the server can't start (started, stopped or not made)");
+        return NULL;
+    }
+    int err = pthread_create(&s->thread, NULL, serve, s);
+    if (err != 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    s->running = 1;
+    Py_RETURN_NONE;
+}
+
+/* stop(): the thread ends: it closes its idle connections and hands over those with a
+   request under way (the listening socket is the caller's). What is handed over and not
+   taken yet stays for `take`. Idempotent. */
+static PyObject *Server_stop(ServerObject *s, PyObject *Py_UNUSED(unused)) {
+    if (s->running) {
+        __atomic_store_n(&s->stopping, 1, __ATOMIC_RELEASE);
+        uint64_t one = 1;
+        (void)!write(s->wake_fd, &one, sizeof one);
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(s->thread, NULL);
+        Py_END_ALLOW_THREADS
+        s->running = 0;
+    }
+    if (s->epfd >= 0) {
+        close(s->epfd);
+        close(s->wake_fd);
+        s->epfd = s->wake_fd = -1;
+    }
+    Py_RETURN_NONE;
+}
+
+/* set_answer(slots, statuses, sources_gen): what answers are made with from now on (the
+   shapes of CompiledIndex.lookup_json's slots and statuses; sources_gen: Core.sources_gen()
+   read before the slots were made). */
+static PyObject *Server_set_answer(ServerObject *s, PyObject *args) {
+    PyObject *slots_obj, *statuses;
+    unsigned long long gen;
+    if (!PyArg_ParseTuple(args, "O!O!K", &PyList_Type, &slots_obj, &PyList_Type, &statuses, &gen))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(slots_obj);
+    if (PyList_GET_SIZE(statuses) != n) {
+        PyErr_SetString(PyExc_TypeError, "slots and statuses: two lists, as long");
+        return NULL;
+    }
+    size_t text = 0, nranks = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *slot = PyList_GET_ITEM(slots_obj, i), *status = PyList_GET_ITEM(statuses, i);
+        if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) != 2 || !PyBytes_Check(PyTuple_GET_ITEM(slot, 0)) ||
+            !PyList_Check(PyTuple_GET_ITEM(slot, 1)) || PyList_GET_SIZE(PyTuple_GET_ITEM(slot, 1)) % 2 ||
+            !PyBytes_Check(status)) {
+            PyErr_SetString(PyExc_TypeError, "a slot is (name_json, [rank, bit, ...]), a status bytes");
+            return NULL;
+        }
+        text += (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(slot, 0)) + (size_t)PyBytes_GET_SIZE(status);
+        nranks += (size_t)PyList_GET_SIZE(PyTuple_GET_ITEM(slot, 1));
+    }
+    ctx_t *x = calloc(1, sizeof *x);
+    if (x != NULL) {
+        x->slots = calloc((size_t)n + 1, sizeof(slot_t));
+        x->ranks = malloc((nranks + 1) * sizeof(int32_t));
+        x->text = malloc(text + 1);
+    }
+    if (x == NULL || x->slots == NULL || x->ranks == NULL || x->text == NULL) {
+        ctx_free(x);
+        return PyErr_NoMemory();
+    }
+    char *t = x->text;
+    int32_t *r = x->ranks;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *slot = PyList_GET_ITEM(slots_obj, i), *status = PyList_GET_ITEM(statuses, i);
+        PyObject *name = PyTuple_GET_ITEM(slot, 0), *pairs = PyTuple_GET_ITEM(slot, 1);
+        slot_t *out = &x->slots[i];
+        out->name_len = (size_t)PyBytes_GET_SIZE(name);
+        memcpy(t, PyBytes_AS_STRING(name), out->name_len);
+        out->name_json = t;
+        t += out->name_len;
+        out->status_len = (size_t)PyBytes_GET_SIZE(status);
+        memcpy(t, PyBytes_AS_STRING(status), out->status_len);
+        out->status_json = t;
+        t += out->status_len;
+        out->down = out->status_len == 6 && memcmp(out->status_json, "\"down\"", 6) == 0;
+        out->nranks = (uint32_t)(PyList_GET_SIZE(pairs) / 2);
+        out->ranks = r;
+        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(pairs); k++) {
+            long v = PyLong_AsLong(PyList_GET_ITEM(pairs, k));
+            if (v == -1 && PyErr_Occurred()) {
+                ctx_free(x);
+                return NULL;
+            }
+            *r++ = (int32_t)v;
+        }
+    }
+    x->n = (uint32_t)n;
+    x->gen = gen;
+    x->refs = 1;
+    pthread_mutex_lock(&s->mu);
+    ctx_t *old = s->ctx;
+    s->ctx = x;
+    int unused = old != NULL && --old->refs == 0;
+    pthread_mutex_unlock(&s->mu);
+    if (unused)
+        ctx_free(old);
+    Py_RETURN_NONE;
+}
+
+/* take() -> [(fd, bytes read), ...]: the connections handed to Python since the last call
+   (each socket is the caller's now). */
+static PyObject *Server_take(ServerObject *s, PyObject *Py_UNUSED(unused)) {
+    uint64_t count;
+    if (s->handoff_fd >= 0)
+        (void)!read(s->handoff_fd, &count, sizeof count);
+    pthread_mutex_lock(&s->mu);
+    handoff_t *h = s->handoffs;
+    s->handoffs = NULL;
+    s->handoff_tail = &s->handoffs;
+    pthread_mutex_unlock(&s->mu);
+    PyObject *out = PyList_New(0);
+    while (h != NULL) {
+        handoff_t *next = h->next;
+        PyObject *item = out ? Py_BuildValue("(iy#)", h->fd, h->data ? h->data : "", (Py_ssize_t)h->len) : NULL;
+        if (item == NULL || PyList_Append(out, item) < 0) {
+            close(h->fd); /* nobody can serve it now */
+            Py_CLEAR(out);
+        }
+        Py_XDECREF(item);
+        free(h->data);
+        free(h);
+        h = next;
+    }
+    return out;
+}
+
+/* samples() -> [(seconds, hit), ...]: each answer's time (the walk and the JSON, as the
+   service's lookup histogram measures) since the last call. */
+static PyObject *Server_samples(ServerObject *s, PyObject *Py_UNUSED(unused)) {
+    pthread_mutex_lock(&s->mu);
+    size_t n = s->ring_len, start = s->ring_start;
+    sample_t *copy = malloc((n + 1) * sizeof(sample_t));
+    if (copy != NULL) {
+        for (size_t i = 0; i < n; i++)
+            copy[i] = s->ring[(start + i) % RING];
+        s->ring_start = (start + n) % RING;
+        s->ring_len = 0;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (copy == NULL)
+        return PyErr_NoMemory();
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        PyObject *item = Py_BuildValue("(dO)", (double)copy[i].seconds, copy[i].hit ? Py_True : Py_False);
+        if (item == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, (Py_ssize_t)i, item);
+    }
+    free(copy);
+    return out;
+}
+
+/* counts() -> (answered, handed over, stale, samples dropped) since the start. */
+static PyObject *Server_counts(ServerObject *s, PyObject *Py_UNUSED(unused)) {
+    pthread_mutex_lock(&s->mu);
+    unsigned long long a = s->answered, h = s->handed, st = s->stale, d = s->dropped;
+    pthread_mutex_unlock(&s->mu);
+    return Py_BuildValue("(KKKK)", a, h, st, d);
+}
+
+/* fileno() -> the descriptor that is readable when connections wait to be taken. */
+static PyObject *Server_fileno(ServerObject *s, PyObject *Py_UNUSED(unused)) {
+    return PyLong_FromLong(s->handoff_fd);
+}
+
+static void Server_dealloc(ServerObject *s) {
+    if (s->running) { /* not stopped: stop it here, the GIL given away while it ends */
+        PyObject *r = Server_stop(s, NULL);
+        Py_XDECREF(r);
+    }
+    while (s->handoffs != NULL) {
+        handoff_t *h = s->handoffs;
+        s->handoffs = h->next;
+        close(h->fd);
+        free(h->data);
+        free(h);
+    }
+    server_release(s);
+    if (s->api != NULL)
+        pthread_mutex_destroy(&s->mu);
+    ctx_free(s->ctx);
+    free(s->ring);
+    free(s->headers);
+    free(s->token);
+    for (Py_ssize_t i = 0; i < s->nhosts; i++)
+        free(s->hosts[i]);
+    free(s->hosts);
+    free(s->host_lens);
+    Py_XDECREF(s->core);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static PyObject *Server_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    ServerObject *s = (ServerObject *)PyType_GenericNew(type, args, kwargs);
+    if (s != NULL) {
+        s->listen_fd = s->epfd = s->wake_fd = s->handoff_fd = -1;
+    }
+    return (PyObject *)s;
+}
+
+static PyMethodDef Server_methods[] = {
+    {"start", (PyCFunction)Server_start, METH_NOARGS, NULL},
+    {"stop", (PyCFunction)Server_stop, METH_NOARGS, NULL},
+    {"set_answer", (PyCFunction)Server_set_answer, METH_VARARGS, NULL},
+    {"take", (PyCFunction)Server_take, METH_NOARGS, NULL},
+    {"samples", (PyCFunction)Server_samples, METH_NOARGS, NULL},
+    {"counts", (PyCFunction)Server_counts, METH_NOARGS, NULL},
+    {"fileno", (PyCFunction)Server_fileno, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ServerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvindex.service._lookupd.Server",
+    .tp_basicsize = sizeof(ServerObject),
+    .tp_dealloc = (destructor)Server_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Plain lookups answered by a C thread on a listening socket (see lookupd.py).",
+    .tp_methods = Server_methods,
+    .tp_init = (initproc)Server_init,
+    .tp_new = Server_new,
+};
+
+static struct PyModuleDef lookupd_module = {PyModuleDef_HEAD_INIT, "_lookupd", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit__lookupd(void) {
+    if (PyType_Ready(&ServerType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&lookupd_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&ServerType);
+    if (PyModule_AddObject(m, "Server", (PyObject *)&ServerType) < 0) {
+        Py_DECREF(&ServerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,244 @@
+"""Plain lookups answered by a C thread on serve's listening socket, without the GIL.
+
+Under a busy ingest a lookup answered in Python (kvindex.service.fastpath) first waits for
+the GIL behind the ingest threads' Python work: a switch interval or more. The C thread of
+`_lookupd.c` owns the listening socket instead: it answers every `POST /v1/lookup` of the
+plain shape whose headers it fully understands and the guard admits (the core's walk and
+JSON answer under its read lock, lookup_api.h), and hands any other connection -- its
+socket and the bytes read so far -- to uvicorn's protocol here, which serves it from then
+on with every rule and limit of the service (the fast path of fastpath.py included). So
+the thread never takes the GIL, and answers exactly what the Python path answers
+(tests/test_lookupd.py holds the two to identical bytes).
+
+What the answer needs from Python -- the instances with their DP ranks' bits and their
+statuses -- is pushed to the thread when it changes (checked every `REFRESH` seconds and
+whenever a connection is handed over); a lookup made while the core's publishers moved
+since is handed over instead (the core's `sources_gen`), so an answer never names the
+wrong bits. A status is at most `REFRESH` old. Each answer's time and hit are read into
+the service's lookup metrics at the same pace, and before every /metrics scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvindex.index import compiled_index
+from kvindex.runtime import Fleet
+from kvindex.security.http import HostNames, HttpGuard
+from kvindex.service.fastpath import PATH
+from kvindex.service.metrics import LookupMetrics
+
+__all__ = ["LookupThread", "LookupThreadCollector", "available"]
+
+REFRESH = 0.01  # seconds between two looks at the instances and the samples
+HEAD_LIMIT = 8192  # request line and headers the thread reads before handing over
+HANDOFF_AFTER = 1.0  # a request not whole after this long goes to Python's deadlines
+
+_API: object | None
+try:
+    from kvindex.index._core import lookup_api as _API
+    from kvindex.service._lookupd import Server
+except ImportError:  # no compiled core or thread: Python answers every lookup
+    _API = None
+    Server = None  # type: ignore[assignment,misc]
+
+
+def available(fleet: Fleet) -> bool:
+    """Whether this fleet's lookups can be answered by the thread (a compiled index)."""
+    return Server is not None and compiled_index(fleet.index) is not None
+
+
+class _Handed(asyncio.Protocol):
+    """uvicorn's protocol for a connection the thread handed over: the bytes it had read
+    are given first, then everything else passes through."""
+
+    def __init__(self, inner: Any, data: bytes, stopping: bool = False) -> None:
+        self.inner = inner
+        self.data = data
+        self.stopping = stopping
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+        data, self.data = self.data, b""
+        if data and not transport.is_closing():
+            self.inner.data_received(data)
+        if self.stopping:  # handed over as the server stops: as uvicorn's own connections
+            self.inner.shutdown()
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()  # type: ignore[no-any-return]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class LookupThread:
+    """The C lookup thread on `sock` (a listening socket), handing what it does not answer
+    to `protocol` (a factory of uvicorn's protocol for one connection). `start` on the
+    event loop that serves the handed-over connections; `stop` before the socket closes."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        sock: socket.socket,
+        guard: HttpGuard,
+        max_body_bytes: int,
+        metrics: LookupMetrics,
+        default_headers: list[tuple[bytes, bytes]],
+        date_header: bool = True,
+        keep_alive: float = 5.0,
+    ) -> None:
+        core = compiled_index(fleet.index)
+        if Server is None or core is None:
+            raise RuntimeError("the lookup thread needs the compiled core")
+        self.fleet = fleet
+        self.core = core._core
+        self.metrics = metrics
+        hosts = None
+        if guard.allowed_hosts is not None:
+            names = HostNames(guard.allowed_hosts)
+            hosts = None if names.any else sorted(n.encode() for n in names.allowed if n.isascii())
+        token = guard.token.encode() if guard.token and guard.asks_token(PATH) else None
+        self.server = Server(
+            _API,
+            self.core,
+            sock.fileno(),
+            max_body_bytes,
+            guard.max_lookup_items,
+            HEAD_LIMIT,
+            token,
+            hosts,
+            b"".join(name + b": " + value + b"\r\n" for name, value in default_headers),
+            date_header,
+            float(keep_alive),
+            min(HANDOFF_AFTER, guard.request_timeout),
+        )
+        self._pushed: tuple[int, object, object] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._protocol: Callable[[], asyncio.Protocol] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self.running = False
+
+    def start(self, protocol: Callable[[], asyncio.Protocol]) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop, self._protocol = loop, protocol
+        self.refresh()
+        loop.add_reader(self.server.fileno(), self._take)
+        self.server.start()
+        self.running = True
+        self._timer = loop.call_later(REFRESH, self._tick)
+
+    def stop(self) -> None:
+        """The thread ends: its idle connections closed, those with a request under way
+        handed to uvicorn's protocol, told to close once answered (uvicorn's graceful stop
+        waits for them as for its own; called as it begins). Idempotent."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.server.stop()
+        if self._loop is not None and self.running:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self.server.fileno())
+            self._take(stopping=True)
+        self.running = False
+        for fd, _ in self.server.take():  # no loop to serve them on
+            socket.socket(fileno=fd).close()
+        self.read_samples()
+
+    def refresh(self) -> None:
+        """Push the instances and their statuses to the thread if they moved."""
+        gen = self.core.sources_gen()  # before the slots: a later move makes them stale
+        slots = self.fleet._answer_slots()
+        statuses = self.fleet._statuses_json(slots)
+        pushed = self._pushed
+        if pushed is not None and pushed[0] == gen and pushed[1] is slots and pushed[2] is statuses:
+            return
+        self.server.set_answer(slots, statuses, gen)
+        self._pushed = (gen, slots, statuses)
+
+    def read_samples(self) -> None:
+        """The thread's answers since the last call, into the lookup metrics."""
+        observe = self.metrics.observe
+        for seconds, hit in self.server.samples():
+            observe("tokens", seconds, hit, compiled=True)
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """(answered, handed over, stale, samples dropped) since the start."""
+        return self.server.counts()
+
+    def _tick(self) -> None:
+        try:
+            self.refresh()
+            self.read_samples()
+        finally:
+            if self.running and self._loop is not None:
+                self._timer = self._loop.call_later(REFRESH, self._tick)
+
+    def _take(self, stopping: bool = False) -> None:
+        self.refresh()  # a stale answer is one reason to hand over: the next is right
+        loop, protocol = self._loop, self._protocol
+        assert loop is not None and protocol is not None
+        for fd, data in self.server.take():
+            sock = socket.socket(fileno=fd)
+
+            def handed(data: bytes = data) -> asyncio.Protocol:
+                return _Handed(protocol(), data, stopping)
+
+            task = asyncio.ensure_future(loop.connect_accepted_socket(handed, sock))
+            self._tasks.add(task)
+            task.add_done_callback(functools.partial(self._done, sock))
+
+    def _done(self, sock: socket.socket, task: asyncio.Future[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            sock.close()  # the connection failed while being set up (the peer left)
+
+
+class LookupThreadCollector(Collector):
+    """The thread's own counts, read when Prometheus scrapes."""
+
+    def __init__(self, thread: LookupThread) -> None:
+        self.thread = thread
+
+    def collect(self) -> Iterator[Metric]:
+        answered, handed, stale, dropped = self.thread.counts()
+        for name, text, value in (
+            ("kvindex_lookup_thread_answered", "Lookups the C lookup thread answered.", answered),
+            (
+                "kvindex_lookup_thread_handed_over",
+                "Connections the C lookup thread handed to Python (a request it does not "
+                "take: another path, a refused or odd header, a body not of the plain shape, "
+                "a slow request, the instances moved).",
+                handed,
+            ),
+            (
+                "kvindex_lookup_thread_stale",
+                "Lookups handed over because the index's publishers moved since the thread "
+                "last had the instances.",
+                stale,
+            ),
+            (
+                "kvindex_lookup_thread_samples_dropped",
+                "Answers whose latency did not reach the lookup histogram (read too late).",
+                dropped,
+            ),
+        ):
+            yield CounterMetricFamily(name, text, value=value)

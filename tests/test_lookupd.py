@@ -1,0 +1,343 @@
+"""The C lookup thread on the listening socket (kvindex.service.lookupd, _lookupd.c).
+
+- It answers exactly what Python answers (`Fleet.lookup_json`, the answer of the fast path
+  and of the route), on the random fleets of tests/test_core.py, over real sockets.
+- It answers with the GIL held elsewhere the whole time: no Python runs for its lookups.
+- What it does not take -- another path, a refused or odd header, a body of another shape,
+  a request that does not arrive whole, instances that moved -- goes to Python, which
+  answers it on the same connection (in `kvindex serve`, with every rule of the service).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from clitools import Proc, kvindex
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from netutil import wait_until
+from prometheus_client import CollectorRegistry
+from test_core import BASE, build, event_plan, feed, prompt_of
+from test_fastpath import NAMES, fleet_over
+
+from kvindex.index import COMPILED
+from kvindex.security.http import HttpGuard
+from kvindex.service import lookupd
+from kvindex.service.metrics import LookupMetrics
+from kvindex.subscriber import SourceKey, Status
+from kvindex.wire import BlockStored, EventBatch
+from kvindex.wire.publisher import Publisher
+
+pytestmark = [
+    pytest.mark.skipif(not COMPILED or lookupd.Server is None, reason="no compiled core"),
+    pytest.mark.timeout(120),
+]
+
+TOKEN = "a-token-of-sixteen-chars"
+
+
+def lookup_request(
+    tokens: list[int], names: dict[str, str] | None = None, host: str = "127.0.0.1", **extra: str
+) -> bytes:
+    body = json.dumps({"token_ids": tokens, **(names or {})}).encode()
+    head = f"POST /v1/lookup HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    for name, value in extra.items():
+        head += f"{name.replace('_', '-')}: {value}\r\n"
+    return head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def read_response(sock: socket.socket, pending: bytearray) -> tuple[int, dict[str, str], bytes]:
+    while b"\r\n\r\n" not in pending:
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed"
+        pending += chunk
+    head, _, rest = bytes(pending).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed"
+        rest += chunk
+    pending[:] = rest[length:]
+    return int(lines[0].split()[1]), headers, rest[:length]
+
+
+@contextmanager
+def thread_over(fleet: Any, guard: HttpGuard | None = None) -> Iterator[tuple[Any, int]]:
+    """The lookup thread on a fresh listening socket over `fleet` (no event loop: what it
+    hands over stays for `take`); yields it and its port."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    listener.setblocking(False)
+    metrics = LookupMetrics(CollectorRegistry())
+    thread = lookupd.LookupThread(
+        fleet, listener, guard or HttpGuard(), 1 << 20, metrics, [(b"server", b"uvicorn")]
+    )
+    thread.refresh()
+    thread.server.start()
+    try:
+        yield thread, listener.getsockname()[1]
+    finally:
+        thread.stop()
+        listener.close()
+
+
+def connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(event_plan, max_size=40),
+    st.dictionaries(st.sampled_from("abcde"), st.sampled_from(list(Status)), max_size=5),
+)
+def test_the_thread_answers_what_python_answers(
+    plan: list[tuple[Any, ...]], shown: dict[str, Status]
+) -> None:
+    _, fast = feed(build(plan))
+    fleet = fleet_over(fast, shown)
+    try:
+        with thread_over(fleet) as (thread, port), connect(port) as sock:
+            pending = bytearray()
+            asked = 0
+            for p in range(len(BASE)):
+                for variant in range(2):
+                    tokens = prompt_of(p, variant)
+                    for names in NAMES:
+                        sock.sendall(lookup_request(tokens, names))
+                        status, headers, body = read_response(sock, pending)
+                        asked += 1
+                        assert status == 200
+                        assert headers["content-type"] == "application/json"
+                        assert body == fleet.lookup_json(tokens, **names)[0], (tokens, names)
+            answered, handed, stale, _ = thread.counts()
+            assert (answered, handed, stale) == (asked, 0, 0)
+            thread.read_samples()
+            assert thread.metrics.totals[0] == asked
+    finally:
+        fleet.close()
+
+
+def test_the_head_is_uvicorns() -> None:
+    """Status line, date, the server's default headers, type and length, as the Python
+    fast path writes them; pipelined requests are answered in order."""
+    _, fast = feed(build([("store", 0, 0, 0, 0, 3, 0, 0, 0, False)]))
+    fleet = fleet_over(fast, {})
+    try:
+        with thread_over(fleet) as (_, port), connect(port) as sock:
+            tokens = prompt_of(0, 0)
+            sock.sendall(lookup_request(tokens) + lookup_request(tokens[:16]))
+            pending = bytearray()
+            first = read_response(sock, pending)
+            second = read_response(sock, pending)
+            assert list(first[1]) == ["date", "server", "content-type", "content-length"]
+            assert first[1]["date"].endswith(" GMT") and first[1]["server"] == "uvicorn"
+            assert first[2] == fleet.lookup_json(tokens)[0]
+            assert second[2] == fleet.lookup_json(tokens[:16])[0]
+    finally:
+        fleet.close()
+
+
+_CLIENT = textwrap.dedent(
+    """
+    import json, socket, sys, time
+    port, rounds = int(sys.argv[1]), int(sys.argv[2])
+    body = json.dumps({"token_ids": list(range(10, 30))}).encode()
+    req = (b"POST /v1/lookup HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\nContent-Length: %d\\r\\n\\r\\n"
+           % len(body) + body)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    worst, answers = 0.0, set()
+    for _ in range(rounds):
+        start = time.perf_counter()
+        sock.sendall(req)
+        data = b""
+        while b"\\r\\n\\r\\n" not in data:
+            data += sock.recv(65536)
+        head, _, rest = data.partition(b"\\r\\n\\r\\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\\r\\n")[0])
+        while len(rest) < length:
+            rest += sock.recv(65536)
+        worst = max(worst, time.perf_counter() - start)
+        answers.add(rest)
+    print(json.dumps({"worst": worst, "answers": [a.decode() for a in answers]}))
+    """
+)
+
+
+def test_lookups_are_answered_while_python_holds_the_gil() -> None:
+    """A client process asks 200 lookups while this process's only Python thread spins
+    with a switch interval of 10 s: nothing else can run Python meanwhile, so every answer
+    comes from the thread with no GIL."""
+    _, fast = feed(build([("store", 0, 0, 0, 0, 3, 0, 0, 0, False)]))
+    fleet = fleet_over(fast, {})
+    interval = sys.getswitchinterval()
+    try:
+        expected = fleet.lookup_json(list(range(10, 30)))[0]
+        with thread_over(fleet) as (thread, port):
+            client = subprocess.Popen(
+                [sys.executable, "-c", _CLIENT, str(port), "200"],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                sys.setswitchinterval(10.0)
+                deadline = time.monotonic() + 60
+                spins = 0
+                while client.poll() is None and time.monotonic() < deadline:
+                    spins += 1  # Python, holding the GIL (no other Python thread wants it)
+                sys.setswitchinterval(interval)
+                out, _ = client.communicate(timeout=30)
+            finally:
+                sys.setswitchinterval(interval)
+                client.kill()
+                client.wait()
+            assert client.returncode == 0
+            result = json.loads(out)
+            assert result["answers"] == [expected.decode()]
+            assert thread.counts()[:2] == (200, 0)
+            assert spins > 0
+    finally:
+        fleet.close()
+
+
+def test_moved_publishers_are_handed_over() -> None:
+    """A publisher the core made after the thread got its instances: the lookup (and its
+    connection) goes to Python with every byte read, never an answer naming old bits."""
+    _, fast = feed(build([("store", 0, 0, 0, 0, 3, 0, 0, 0, False)]))
+    fleet = fleet_over(fast, {})
+    try:
+        with thread_over(fleet) as (thread, port), connect(port) as sock:
+            fleet.index.apply(
+                SourceKey("e"), EventBatch(0.0, [BlockStored([5], None, [1] * 16, 16)]), 0
+            )
+            request = lookup_request(prompt_of(0, 0))
+            sock.sendall(request)
+            assert wait_until(lambda: thread.counts()[1] == 1, 10)
+            taken = thread.server.take()
+            assert len(taken) == 1 and taken[0][1] == request
+            os.close(taken[0][0])
+            assert thread.counts()[2] == 1  # stale
+            thread.refresh()
+            with connect(port) as again:
+                again.sendall(request)
+                assert read_response(again, bytearray())[2] == fleet.lookup_json(prompt_of(0, 0))[0]
+    finally:
+        fleet.close()
+
+
+# -- in kvindex serve ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[Proc, int, list[int]]]:
+    pub = Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    proc = kvindex(
+        "serve", "--store", "memory", "--http", "127.0.0.1:0", "--token", TOKEN,
+        "--request-timeout", "2", "--max-body-bytes", "200000",
+        "--instance", f"a={pub.endpoint},replay={pub.replay_endpoint}",
+    )  # fmt: skip
+    tokens = list(range(64))
+    try:
+        line = proc.wait_for(proc.out, lambda s: "listening on" in s)
+        port = urlsplit(line.split("listening on ")[1].split()[0]).port or 0
+        time.sleep(0.5)  # the SUB socket connects
+        pub.publish([BlockStored([1, 2, 3, 4], None, tokens, 16)])
+
+        def found() -> bool:
+            with connect(port) as sock:
+                sock.sendall(lookup_request(tokens, Authorization=f"Bearer {TOKEN}"))
+                return json.loads(read_response(sock, bytearray())[2])["best"] == "a"
+
+        assert wait_until(found, 10)
+        yield proc, port, tokens
+    finally:
+        proc.interrupt()
+        proc.finish()
+        pub.close()
+
+
+def thread_counts(port: int) -> dict[str, float]:
+    with connect(port) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        text = read_response(sock, bytearray())[2].decode()
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith(("kvindex_lookup_thread_", "kvindex_lookup_requests_total")):
+            name, _, value = line.rpartition(" ")
+            counts[name] = float(value)
+    return counts
+
+
+def test_serve_answers_in_the_thread_and_hands_over_the_rest(
+    served: tuple[Proc, int, list[int]],
+) -> None:
+    _, port, tokens = served
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    before = thread_counts(port)
+    with connect(port) as sock:
+        pending = bytearray()
+        sock.sendall(lookup_request(tokens, **auth))
+        status, _, answer = read_response(sock, pending)
+        assert status == 200 and json.loads(answer)["best"] == "a"
+        # the same connection, another path: Python's from here on, in order
+        sock.sendall(
+            b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" + lookup_request(tokens, **auth)
+        )
+        assert read_response(sock, pending)[0] == 200
+        assert read_response(sock, pending)[2] == answer
+    after = thread_counts(port)
+    assert (
+        after["kvindex_lookup_thread_answered_total"]
+        - before["kvindex_lookup_thread_answered_total"]
+        == 1
+    )
+    handed = "kvindex_lookup_thread_handed_over_total"
+    assert after[handed] - before[handed] >= 1  # the metrics scrape is handed over too
+    requests = 'kvindex_lookup_requests_total{kind="tokens"}'
+    assert after[requests] - before[requests] == 2  # the thread's answer counted too
+
+
+@pytest.mark.parametrize(
+    ("extra", "status"),
+    [
+        ({}, 401),  # no token: Python words the refusal
+        ({"Authorization": "Bearer not-the-token-at-all"}, 401),
+        ({"Authorization": f"Basic {TOKEN}"}, 401),
+        ({"Authorization": f"Bearer {TOKEN}", "host": "evil.example"}, 400),
+        ({"Authorization": f"Bearer {TOKEN}", "host": "[::1]:8080"}, 200),  # IPv6: Python's
+        ({"Authorization": f"Bearer {TOKEN}", "Connection": "close"}, 200),
+        ({"Authorization": f"Bearer {TOKEN}", "Expect": "100-continue"}, 200),
+    ],
+)
+def test_what_the_thread_does_not_take_python_answers(
+    served: tuple[Proc, int, list[int]], extra: dict[str, str], status: int
+) -> None:
+    _, port, tokens = served
+    host = extra.pop("host", "127.0.0.1")
+    before = thread_counts(port)["kvindex_lookup_thread_answered_total"]
+    with connect(port) as sock:
+        sock.sendall(lookup_request(tokens, host=host, **extra))
+        pending = bytearray()
+        got, _, body = read_response(sock, pending)
+        if got == 100:  # uvicorn's answer to Expect, then the answer
+            got, _, body = read_response(sock, pending)
+    assert got == status, body
+    if status == 200:
+        assert json.loads(body)["best"] == "a"
+    assert thread_counts(port)["kvindex_lookup_thread_answered_total"] == before

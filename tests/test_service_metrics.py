@@ -6,6 +6,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from httpfixture import FakeEngine, serve_engine, vllm_metrics
@@ -166,17 +167,25 @@ def documented_metrics() -> set[str]:
     return set(re.findall(r"^\| `(kvindex_\w+)`", table, re.M))
 
 
-def test_every_metric_is_documented_and_every_documented_one_exists() -> None:
+def test_every_metric_is_documented_and_every_documented_one_exists(tmp_path: Path) -> None:
+    from tokenizer_fixture import build_tokenizer
+
+    from kvindex.runtime.tokenize import Tokenizers
+    from kvindex.service.lookups import Routing
+
     engine = FakeEngine()  # its /metrics read by kvindex: the kvindex_engine_* figures
     engine.metrics = vllm_metrics(waiting=1, running=2, kv=0.5, queries=10, hits=5)
+
+    def app(pub: Publisher, engine_url: str) -> Any:
+        fleet = Fleet([InstanceSpec("m", pub.endpoint, pub.replay_endpoint, http=engine_url)])
+        tokenizers = Tokenizers(fleet)  # a local one: its prefix cache's figures
+        tokenizers.add("m", str(build_tokenizer(tmp_path / "tok")))
+        return create_app(fleet, routing=Routing.of(fleet, tokenizers))
+
     with (
         Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub,
         serve_engine(engine) as engine_url,
-        TestClient(
-            create_app(
-                Fleet([InstanceSpec("m", pub.endpoint, pub.replay_endpoint, http=engine_url)])
-            )
-        ) as client,
+        TestClient(app(pub, engine_url)) as client,
     ):
         pub.publish([BlockStored([1], None, list(range(4)), 4)])
         assert wait_until(

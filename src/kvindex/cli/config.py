@@ -116,6 +116,7 @@ SERVER_KEYS = (
         "sub_hwm",
         "discovery_interval",
         "tokenizer",
+        "tokenizer_cache_mb",
         "discover",
         "dns_server",
         "lookup_thread",
@@ -149,6 +150,7 @@ class Settings:
     discovery_interval: float | None = None
     # `MODEL=PATH|vllm`: how each model's prompts become token ids (lookups by text)
     tokenizers: list[str] = field(default_factory=list)
+    tokenizer_cache_mb: float | None = None  # each local tokenizer's prefix cache (None: 64)
     # The routing score's weights by name (`kvindex.runtime.routing.Weights.of`), checked;
     # the ones not given keep their defaults.
     weights: dict[str, float] = field(default_factory=dict)
@@ -179,6 +181,8 @@ def load_settings(args: argparse.Namespace) -> Settings:
     if getattr(args, "discovery_interval", None) is not None:
         settings.discovery_interval = args.discovery_interval
     settings.tokenizers += getattr(args, "tokenizer", None) or []
+    if getattr(args, "tokenizer_cache_mb", None) is not None:
+        settings.tokenizer_cache_mb = args.tokenizer_cache_mb
     for given in getattr(args, "weights", None) or []:
         settings.weights.update(given)
     if getattr(args, "prediction_ttl", None) is not None:
@@ -250,6 +254,11 @@ def read_config(path: Path) -> Settings:
         if not isinstance(listed, list) or not all(isinstance(t, str) for t in listed):
             raise UsageError(f'{path}: server.tokenizer must be a list of "MODEL=PATH|vllm"')
         settings.tokenizers = list(listed)
+    if "tokenizer_cache_mb" in server:
+        mb = server["tokenizer_cache_mb"]
+        if not isinstance(mb, int | float) or isinstance(mb, bool) or not 0 <= mb < 1 << 20:
+            raise UsageError(f"{path}: server.tokenizer_cache_mb must be a number of MiB (0: off)")
+        settings.tokenizer_cache_mb = float(mb)
     if "discover" in server:
         listed = server["discover"]
         if not isinstance(listed, list) or not all(isinstance(t, str) and t for t in listed):

@@ -121,6 +121,13 @@ def add_parser(subparsers: Any) -> None:
         "POST /tokenize (its spec's http=); repeatable",
     )
     p.add_argument(
+        "--tokenizer-cache-mb",
+        metavar="MIB",
+        type=_cache_mb,
+        help="memory for each local tokenizer's prefix cache: a text's already tokenized "
+        "prefix is not tokenized again (default 64; 0: off; docs/routing.md)",
+    )
+    p.add_argument(
         "--weights",
         metavar="NAME=VALUE[,...]",
         action="append",
@@ -325,7 +332,7 @@ def _routing(fleet: Fleet, settings: Settings) -> Routing:
 
     return Routing.of(
         fleet,
-        _tokenizers(fleet, settings.tokenizers),
+        _tokenizers(fleet, settings.tokenizers, settings.tokenizer_cache_mb),
         weights=Weights.of(settings.weights),
         predictions=Predictions(settings.prediction_ttl or DEFAULT_TTL),
     )
@@ -411,11 +418,24 @@ def _summary(instances: int, store_url: str, loaded: LoadResult) -> str:
     return summary
 
 
-def _tokenizers(fleet: Any, options: list[str]) -> Any:
-    """`--tokenizer MODEL=PATH|vllm` options, loaded (a bad one is a UsageError)."""
+def _cache_mb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1 << 20:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number of MiB, 0 or more")
+    return value
+
+
+def _tokenizers(fleet: Any, options: list[str], cache_mb: float | None = None) -> Any:
+    """`--tokenizer MODEL=PATH|vllm` options, loaded (a bad one is a UsageError), each
+    local one with a prefix cache of `cache_mb` MiB (None: the default, 64)."""
+    from kvindex.runtime.prefix_tokens import DEFAULT_MAX_BYTES
     from kvindex.runtime.tokenize import TokenizerError, Tokenizers, parse_tokenizer_option
 
-    tokenizers = Tokenizers(fleet)
+    size = DEFAULT_MAX_BYTES if cache_mb is None else int(cache_mb * (1 << 20))
+    tokenizers = Tokenizers(fleet, cache_bytes=size)
     try:
         for option in options:
             tokenizers.add(*parse_tokenizer_option(option))

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
+from kvindex.runtime.prefix_tokens import DEFAULT_MAX_BYTES, CacheStats, PrefixTokens, safe_markers
+
 if TYPE_CHECKING:
     from kvindex.runtime.fleet import Fleet
 
@@ -143,14 +145,17 @@ class LocalTokenizer:
         chat_template: str | dict[str, str] | None,
         special_tokens: dict[str, Any],
         source: str,
+        cache_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self._tokenizer = tokenizer
         self._templates = chat_template
         self._special = special_tokens
         self.source = source
+        self.prefixes = PrefixTokens(self._raw, _cacheable(tokenizer), cache_bytes)
+        self._wrap = _special_wrap(tokenizer) if self.prefixes.enabled else None
 
     @classmethod
-    def load(cls, path: str | Path) -> LocalTokenizer:
+    def load(cls, path: str | Path, cache_bytes: int = DEFAULT_MAX_BYTES) -> LocalTokenizer:
         """From a model directory (holding `tokenizer.json`) or a `tokenizer.json`; the
         chat template and special tokens from the files beside it."""
         try:
@@ -174,10 +179,25 @@ class LocalTokenizer:
         config = _read_json(folder / "tokenizer_config.json")
         special = _special_tokens(config, _read_json(folder / "special_tokens_map.json"))
         template = _chat_template(folder, config)
-        return cls(tokenizer, template, special, str(file))
+        return cls(tokenizer, template, special, str(file), cache_bytes)
 
     def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+        """The prompt's ids, through the prefix cache (`kvindex.runtime.prefix_tokens`):
+        special tokens, where asked for, are what the tokenizer's post-processor adds
+        around any text (found at load; without such a fixed wrap, a full encoding)."""
+        if not add_special_tokens:
+            return self.prefixes.encode(prompt)
+        if self._wrap is None:
+            ids: list[int] = self._tokenizer.encode(prompt, add_special_tokens=True).ids
+            return ids
+        before, after = self._wrap
+        return [*before, *self.prefixes.encode(prompt), *after]
+
+    def cache_stats(self) -> CacheStats:
+        return self.prefixes.stats()
+
+    def _raw(self, text: str) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
         return ids
 
     def encode_chat(self, chat: Chat) -> list[int]:
@@ -229,6 +249,33 @@ class LocalTokenizer:
             raise
         except Exception as exc:  # the template's own raise_exception, or a bad variable
             raise TokenizeFailed(422, f"the chat template refused the messages: {exc}") from None
+
+
+def _cacheable(tokenizer: Any) -> dict[str, int]:
+    """The markers the prefix cache may cut at; none (no cache) for a tokenizer that
+    truncates or pads (an encoding's length is then not its text's)."""
+    if getattr(tokenizer, "truncation", None) or getattr(tokenizer, "padding", None):
+        return {}
+    return safe_markers(tokenizer)
+
+
+def _special_wrap(tokenizer: Any) -> tuple[list[int], list[int]] | None:
+    """The ids the post-processor puts before and after any text (BOS, EOS...), if the
+    same for several probes; None if it depends on the text."""
+    wraps = set()
+    for probe in ("a", "hello world", " x\n\ny ", "0"):
+        raw = tokenizer.encode(probe, add_special_tokens=False).ids
+        full = tokenizer.encode(probe, add_special_tokens=True).ids
+        at = next(
+            (i for i in range(len(full) - len(raw) + 1) if full[i : i + len(raw)] == raw), None
+        )
+        if not raw or at is None:
+            return None
+        wraps.add((tuple(full[:at]), tuple(full[at + len(raw) :])))
+    if len(wraps) != 1:
+        return None
+    before, after = wraps.pop()
+    return list(before), list(after)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -630,9 +677,10 @@ class Tokenizers:
     `fleet` gives the engine tokenizer its URLs: the `http=` of the model's instances,
     the live ones first."""
 
-    def __init__(self, fleet: Fleet | None = None) -> None:
+    def __init__(self, fleet: Fleet | None = None, cache_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self._fleet = fleet
         self._by_model: dict[str, Tokenizer] = {}
+        self.cache_bytes = cache_bytes  # each local tokenizer's prefix cache
 
     def add(self, model: str, source: str) -> Tokenizer:
         """`source` is a path (a local tokenizer, loaded now) or `vllm`."""
@@ -642,9 +690,17 @@ class Tokenizers:
         if source == ENGINE:
             tokenizer = EngineTokenizer(model, lambda: self._engine_urls(model))
         else:
-            tokenizer = LocalTokenizer.load(source)
+            tokenizer = LocalTokenizer.load(source, self.cache_bytes)
         self._by_model[model] = tokenizer
         return tokenizer
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        """Each local tokenizer's prefix cache, by model."""
+        return {
+            model: t.cache_stats()
+            for model, t in sorted(self._by_model.items())
+            if isinstance(t, LocalTokenizer)
+        }
 
     def models(self) -> dict[str, str]:
         """Each model with a tokenizer, and its kind (`local` or `vllm`)."""

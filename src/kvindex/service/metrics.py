@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from kvindex.runtime import STATUS_ORDER, Fleet, InstanceView, StoreHealth
 from kvindex.runtime.engine_metrics import MetricsScraper
+from kvindex.runtime.prefix_tokens import CacheStats
 from kvindex.wire.tiers import tier_of
 
 __all__ = ["FleetCollector", "LookupMetrics", "ServiceMetrics"]
@@ -421,6 +422,34 @@ def _store_metrics(health: StoreHealth) -> Iterator[Metric]:
     yield info
 
 
+class TokenizerCaches(Collector):
+    """Each local tokenizer's prefix cache (`kvindex.runtime.prefix_tokens`), by model."""
+
+    def __init__(self, stats: Callable[[], dict[str, CacheStats]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        for name, doc, attr, kind in (
+            ("kvindex_tokenizer_cache_bytes", "Memory the prefix cache holds.", "bytes", "g"),
+            ("kvindex_tokenizer_cache_max_bytes", "Its bound (--tokenizer-cache-mb).",
+             "max_bytes", "g"),
+            ("kvindex_tokenizer_cache_entries", "Texts it holds the tokens of.", "entries", "g"),
+            ("kvindex_tokenizer_cache_hits", "Texts whose prefix it held.", "hits", "c"),
+            ("kvindex_tokenizer_cache_misses", "Texts tokenized whole.", "misses", "c"),
+            ("kvindex_tokenizer_cache_reused_tokens", "Tokens taken from it, not tokenized.",
+             "reused_tokens", "c"),
+            ("kvindex_tokenizer_cache_tokenized_tokens", "Tokens the tokenizer made.",
+             "tokenized_tokens", "c"),
+        ):  # fmt: skip
+            family = (GaugeMetricFamily if kind == "g" else CounterMetricFamily)(
+                name, doc, labels=["model"]
+            )
+            for model, stat in stats.items():
+                family.add_metric([model], float(getattr(stat, attr)))
+            yield family
+
+
 class ServiceMetrics:
     """The registry of one app: fleet state read at scrape time, lookup metrics, and the
     process's own (memory, CPU, file descriptors, GC, Python version)."""
@@ -430,6 +459,7 @@ class ServiceMetrics:
         fleet: Fleet,
         store: StoreHealthOf | None = None,
         engines: MetricsScraper | None = None,
+        tokenizer_caches: Callable[[], dict[str, CacheStats]] | None = None,
     ) -> None:
         # `*_created` series only double the output; this switch is process-wide.
         disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -437,6 +467,8 @@ class ServiceMetrics:
         self.lookups = LookupMetrics(self.registry)
         self.fleet_collector = FleetCollector(fleet, store, engines)
         self.registry.register(self.fleet_collector)
+        if tokenizer_caches is not None:
+            self.registry.register(TokenizerCaches(tokenizer_caches))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)

@@ -191,9 +191,12 @@ class Reconciler:
                 self._own(key, name, engine, "found again (its state kept)")
                 return
             self._remove(name)  # a stale generation restored from the store
+        # How it was found is set first: a view never shows the engine without it.
+        self._fleet.found[name] = engine.by
         try:
             self._fleet.add_instance(engine.spec)
         except (ValueError, KeyError, zmq.ZMQError) as exc:  # CapacityError, SpecError too
+            self._fleet.found.pop(name, None)
             why = str(exc)
             if self._refused.get(name) != why:
                 log.warning("%s (found by %s): not followed: %s", name, key, why)

@@ -47,7 +47,13 @@ class Proc:
     `background=True` starts it as a script's background job (SIGINT ignored)."""
 
     def __init__(
-        self, argv: list[str], cwd: Path = ROOT, *, group: bool = False, background: bool = False
+        self,
+        argv: list[str],
+        cwd: Path = ROOT,
+        *,
+        group: bool = False,
+        background: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.argv = argv
         self.proc = subprocess.Popen(
@@ -57,7 +63,7 @@ class Proc:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=child_env(),
+            env={**child_env(), **(env or {})},
             process_group=0 if group else None,
             preexec_fn=_as_background_job if background else _as_foreground_job,
         )
@@ -124,8 +130,12 @@ class Proc:
             self.proc.wait()
 
 
-def kvindex(*args: str, group: bool = False, background: bool = False) -> Proc:
-    return Proc([sys.executable, "-m", "kvindex", *args], group=group, background=background)
+def kvindex(
+    *args: str, group: bool = False, background: bool = False, env: dict[str, str] | None = None
+) -> Proc:
+    """`python -m kvindex ARGS`; `env`: variables added to the child's environment."""
+    argv = [sys.executable, "-m", "kvindex", *args]
+    return Proc(argv, group=group, background=background, env=env)
 
 
 def example(script: str, *args: str) -> Proc:

@@ -62,7 +62,8 @@ from pathlib import Path
 from typing import Any
 
 from kvindex.cli.common import UsageError
-from kvindex.security.curve import KeyFileError, read_public_key
+from kvindex.security.credentials import Credential, CredentialError, registry
+from kvindex.security.curve import KeyFileError, read_public_key, read_secret_key
 from kvindex.subscriber import InstanceSpec, SpecError
 from kvindex.subscriber.spec import DISCOVERY_SCHEMES
 
@@ -93,7 +94,10 @@ INSTANCE_KEYS = {
     "model",
     "http",
     "metrics",
+    "credential",
 }
+# [credentials.NAME]: the secrets API clients refer to by name (kvindex.security.credentials)
+CREDENTIAL_KEYS = {"api_key_file", "api_key_env", "client_key"}
 # [server] keys beside http and store: what `HttpOptions` takes (see cli/httpopts.py).
 _SECRET_KEYS = {
     "token_file",
@@ -157,6 +161,8 @@ class Settings:
     prediction_ttl: float | None = None  # None: the router's default (2 s)
     # Keep Dynamo's local block hashes in the compiled index (the peers' /query_by_hash)
     local_hashes: bool = False
+    # The operator's named secrets ([credentials.NAME]), which specs refer to by name
+    credentials: list[Credential] = field(default_factory=list)
     # `k8s:...` / `dns:...`: engines found rather than named (kvindex.runtime.finders)
     discover: list[str] = field(default_factory=list)
     dns_server: str | None = None  # IP[:PORT] asked for dns: (None: $KVINDEX_DNS_SERVER)
@@ -215,11 +221,16 @@ def read_config(path: Path) -> Settings:
         raise UsageError(f"can't read {path}: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path} is not valid TOML: {exc}") from None
-    unknown = set(data) - {"server", "instances", "routing", "store"}
+    unknown = set(data) - {"server", "instances", "routing", "store", "credentials"}
     if unknown:
-        raise UsageError(f"{path}: unknown key {sorted(unknown)[0]!r} (server, instances, routing)")
+        raise UsageError(
+            f"{path}: unknown key {sorted(unknown)[0]!r} (server, instances, routing, credentials)"
+        )
     server = _table(data.get("server", {}), f"{path}: [server]", SERVER_KEYS)
     settings = Settings()
+    settings.credentials = _credentials(data.get("credentials", {}), path)
+    # Defined before any instance is read: a spec's credential= must name one of them.
+    registry.replace(settings.credentials)
     settings.http = _string(server.get("http", DEFAULT_HTTP), f"{path}: server.http")
     store = server.get("store", data.get("store", DEFAULT_STORE))
     settings.store = _string(store, f"{path}: store")
@@ -432,9 +443,31 @@ def _config_instance(entry: dict[str, Any], where: str) -> InstanceSpec:
             model=_optional(entry, "model", where),
             http=_optional(entry, "http", where),
             metrics=_optional(entry, "metrics", where),
+            credential=_known_credential(entry, where),
         )
     except SpecError as exc:
         raise UsageError(f"{where}: {exc}") from None
+
+
+def _credentials(table: object, path: Path) -> list[Credential]:
+    """`[credentials.NAME]` tables: each an API key (file or variable) and/or a CURVE
+    client key file; checked now (a file that can't be read is a usage error at start)."""
+    if not isinstance(table, dict):
+        raise UsageError(f"{path}: [credentials] must hold tables ([credentials.NAME])")
+    found = []
+    for name, entry in table.items():
+        where = f"{path}: credentials.{name}"
+        fields = _table(entry, where, CREDENTIAL_KEYS)
+        values = {key: _string(value, f"{where}.{key}") for key, value in fields.items()}
+        try:
+            credential = Credential(name, **values)
+            credential.api_key()  # readable, one printable line (never shown)
+            if credential.client_key is not None:
+                read_secret_key(credential.client_key)
+        except (CredentialError, KeyFileError) as exc:
+            raise UsageError(f"{where}: {exc}") from None
+        found.append(credential)
+    return found
 
 
 def _optional(entry: dict[str, Any], key: str, where: str) -> str | None:
@@ -442,10 +475,18 @@ def _optional(entry: dict[str, Any], key: str, where: str) -> str | None:
     return None if value is None else _string(value, f"{where}.{key}")
 
 
+def _known_credential(entry: dict[str, Any], where: str) -> str | None:
+    name = _optional(entry, "credential", where)
+    if name is not None and name not in registry.names():
+        raise SpecError(f"credential {name!r} is not defined ([credentials.{name}])")
+    return name
+
+
 def _discovered_instance(entry: dict[str, Any], url: str, where: str) -> InstanceSpec:
     """An SGLang engine named by its URL: its publishers come from its /server_info, so
     only the API key's source may be given beside it."""
-    given = set(entry) - {"name", "endpoint", "api_key_env", "api_key_file", "model"}
+    allowed = {"name", "endpoint", "api_key_env", "api_key_file", "model", "credential"}
+    given = set(entry) - allowed
     if given:
         raise SpecError(
             f"'{sorted(given)[0]}' does not go with an SGLang URL (its /server_info says it)"
@@ -458,6 +499,9 @@ def _discovered_instance(entry: dict[str, Any], url: str, where: str) -> Instanc
         spec += f",api_key_file={_string(key_file, f'{where}.api_key_file')}"
     if "model" in entry:
         spec += f",model={_string(entry['model'], f'{where}.model')}"
+    credential = _known_credential(entry, where)
+    if credential is not None:
+        spec += f",credential={credential}"
     return InstanceSpec.parse(spec)
 
 

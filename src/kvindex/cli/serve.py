@@ -36,7 +36,7 @@ from kvindex.cli.common import (
 from kvindex.cli.config import DEFAULT_HTTP, DEFAULT_STORE, Settings
 from kvindex.cli.httpopts import add_http_arguments, http_options, warn_if_exposed
 from kvindex.cli.signals import Stop, stop_signals
-from kvindex.subscriber import CapacityError, InstanceSpec, Notice
+from kvindex.subscriber import CapacityError, InstanceSpec, Notice, SpecError
 
 if TYPE_CHECKING:
     import uvicorn
@@ -495,11 +495,20 @@ def _open_store(url: str, local_hashes: bool = False) -> tuple[Store, FleetIndex
 def _with_runtime_instances(
     configured: list[InstanceSpec], persisted: dict[str, str]
 ) -> list[InstanceSpec]:
-    """Configured instances, plus those added through the API before a restart."""
+    """Configured instances, plus those added through the API before a restart: held to
+    what a client may give now (a spec an older version took, naming a file of the host,
+    is dropped with a warning)."""
     names = {spec.name for spec in configured}
-    extra = [
-        InstanceSpec.parse(text) for name, text in sorted(persisted.items()) if name not in names
-    ]
+    extra = []
+    for name, text in sorted(persisted.items()):
+        if name in names:
+            continue
+        try:
+            extra.append(InstanceSpec.parse(text, from_client=True))
+        except SpecError as exc:
+            logging.getLogger("kvindex.serve").warning(
+                "instance %s from the store is not followed: %s (configure it instead)", name, exc
+            )
     return [*configured, *extra]
 
 

@@ -201,7 +201,11 @@ class MetricsScraper:
             reply = client.get(target.url)
             if reply.status_code != 200:
                 raise ValueError(f"HTTP {reply.status_code}")
-            ranks = parse_vllm_metrics(reply.text)
+            try:
+                ranks = parse_vllm_metrics(reply.text)
+            except ValueError as exc:  # its message may quote the page: the log's only
+                log.info("the metrics at %s don't parse: %s", target.url, str(exc)[:200])
+                raise ValueError("not Prometheus text") from None
         except (httpx.HTTPError, ValueError) as exc:
             target.failures += 1
             if target.error is None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ __all__ = [
     "Tokenizers",
     "parse_tokenizer_option",
 ]
+
+log = logging.getLogger(__name__)
 
 ENGINE = "vllm"  # `--tokenizer MODEL=vllm`: ask the instance's own POST /tokenize
 _SPECIAL_TOKENS = (
@@ -634,12 +637,17 @@ def _tokens(url: str, status: int, content: bytes) -> list[int]:
         data = json.loads(content)
     except (json.JSONDecodeError, UnicodeDecodeError):
         data = None
+    # A failed call's body stays in the log, never in the answer: `http=` may name any
+    # server the allow-list lets through, and its pages are not the client's to read.
     if 400 <= status < 500 and status not in (404, 405):  # no /tokenize there: not the request's
+        log.info("%s refused a /tokenize request (%d): %s", url, status, _said(data, content))
         raise TokenizeFailed(
-            422 if status == 422 else 400, f"the engine refused it: {_said(data, content)}"
+            422 if status == 422 else 400,
+            f"the engine refused it (HTTP {status}; its message is in kvindex's log)",
         )
     if status != 200 or not isinstance(data, dict):
-        raise TokenizeFailed(502, f"{url} answered {status}: {_said(data, content)}")
+        log.warning("%s answered /tokenize with %d: %s", url, status, _said(data, content))
+        raise TokenizeFailed(502, f"{url} answered {status}")
     tokens = data.get("tokens")
     if not isinstance(tokens, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens

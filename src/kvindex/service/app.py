@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -222,7 +224,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         return response
 
     async def internal(request: Request, exc: Exception) -> Response:
-        log.exception("error answering %s %s", request.method, request.url.path)
+        if _quotes_headers(exc):  # http.client's messages quote a header's value: a secret
+            frames = "".join(traceback.format_tb(exc.__traceback__))
+            log.error(
+                "error answering %s %s: %s (its message withheld: it quotes a header)\n%s",
+                request.method, request.url.path, type(exc).__name__, frames,
+            )  # fmt: skip
+        else:
+            log.exception("error answering %s %s", request.method, request.url.path)
         return _error(500, "internal error")
 
     async def bad_body(request: Request, exc: Exception) -> Response:
@@ -233,6 +242,18 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(HTTPException, http)
     app.add_exception_handler(Exception, internal)
+
+
+_HEADER_MODULES = (f"{os.sep}http{os.sep}client.py", f"{os.sep}urllib{os.sep}request.py")
+
+
+def _quotes_headers(exc: BaseException) -> bool:
+    """Whether an exception was raised by the HTTP client's header handling, whose
+    messages hold the header's value (an API key): its message must not reach the log."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.endswith(_HEADER_MODULES)
 
 
 def _document(app: FastAPI, guard: HttpGuard) -> None:

@@ -175,7 +175,7 @@ def _spec_of_register(body: RegisterRequest) -> InstanceSpec:
         rank=body.dp_rank,
         block_size=body.block_size,
         routing_group=None if body.routing_group == "default" else body.routing_group,
-    )
+    ).client_checked()
 
 
 def _register(fleet: Fleet, body: RegisterRequest, packed: bool) -> Response:

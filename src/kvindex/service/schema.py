@@ -483,14 +483,14 @@ def spec_of(raw: bytes) -> InstanceSpec:
     if "spec" in given:
         if given != {"spec"}:
             raise BadBody(400, "give either 'spec' or the fields (name, endpoint, ...), not both")
-        return InstanceSpec.parse(decode_body(raw, AddInstanceBySpec).spec)
+        return InstanceSpec.parse(decode_body(raw, AddInstanceBySpec).spec, from_client=True)
     if not {"name", "endpoint"} <= given:
         raise BadBody(400, "'name' and 'endpoint' are required (or a 'spec')")
     body: AddInstanceByFields = decode_body(raw, AddInstanceByFields)
     if body.endpoint.startswith(DISCOVERY_SCHEMES):  # an SGLang engine by its URL
         if given != {"name", "endpoint"}:
             raise BadBody(400, "an SGLang URL goes alone: its /server_info says the rest")
-        return InstanceSpec.parse(f"{body.name}={body.endpoint}")
+        return InstanceSpec.parse(f"{body.name}={body.endpoint}", from_client=True)
     try:
         return InstanceSpec(
             name=body.name,
@@ -498,7 +498,7 @@ def spec_of(raw: bytes) -> InstanceSpec:
             replay_endpoint=body.replay_endpoint or None,
             topic=body.topic or "",
             dp=1 if body.dp is None else body.dp,
-        )
+        ).client_checked()
     except ValueError as exc:
         raise SpecError(str(exc)) from None
 

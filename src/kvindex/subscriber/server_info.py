@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import msgspec
 
+from kvindex.security.credentials import (
+    CredentialError,
+    api_key_from_env,
+    read_key_file,
+    registry,
+)
 from kvindex.subscriber.spec import InstanceSpec, SpecError
 
 __all__ = [
@@ -86,25 +90,18 @@ class KvEventsDescriptor(msgspec.Struct, frozen=True):
 
 
 def api_key(spec: InstanceSpec) -> str | None:
-    """The engine's API key, from the environment variable or file the spec names."""
-    if spec.api_key_env is not None:
-        key = os.environ.get(spec.api_key_env)
-        if not key:
-            raise DiscoveryError(
-                Failure.API_KEY, f"api_key_env={spec.api_key_env}: ${spec.api_key_env} is not set"
-            )
-        return key
-    if spec.api_key_file is not None:
-        try:
-            key = Path(spec.api_key_file).read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = getattr(exc, "strerror", None) or exc
-            raise DiscoveryError(
-                Failure.API_KEY, f"can't read api_key_file={spec.api_key_file}: {reason}"
-            ) from None
-        if not key:
-            raise DiscoveryError(Failure.API_KEY, f"api_key_file={spec.api_key_file} is empty")
-        return key
+    """The engine's API key: the spec's credential's (kvindex.security.credentials), or
+    from the environment variable or file an operator's spec names. One printable line;
+    every failure a `DiscoveryError` naming the setting, never the contents."""
+    try:
+        if spec.credential is not None:
+            return registry.get(spec.credential).api_key()
+        if spec.api_key_env is not None:
+            return api_key_from_env(spec.api_key_env, f"api_key_env={spec.api_key_env}")
+        if spec.api_key_file is not None:
+            return read_key_file(spec.api_key_file, "api_key_file=")
+    except CredentialError as exc:
+        raise DiscoveryError(Failure.API_KEY, str(exc)) from None
     return None
 
 
@@ -129,12 +126,17 @@ def fetch_descriptor(spec: InstanceSpec, timeout: float = 3.0) -> KvEventsDescri
             how = "refused the API key" if key is not None else "wants an API key"
             raise DiscoveryError(
                 Failure.API_KEY,
-                f"{url} {how} (HTTP {exc.code}): give it with api_key_env= or api_key_file=",
+                f"{url} {how} (HTTP {exc.code}): give it with credential= (or, in serve's "
+                "config, api_key_env= or api_key_file=)",
             ) from None
         raise DiscoveryError(Failure.BAD_ANSWER, f"{url} answered HTTP {exc.code}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise DiscoveryError(Failure.DOWN, f"{url} does not answer: {reason}") from None
+    except ValueError:  # http.client's message quotes the header: never passed on
+        raise DiscoveryError(
+            Failure.API_KEY, f"{url}: the API key can't be sent (not a valid header value)"
+        ) from None
     if len(body) > _MAX_ANSWER:
         raise DiscoveryError(Failure.BAD_ANSWER, f"{url} answered more than {_MAX_ANSWER} bytes")
     return _descriptor(url, body)

@@ -20,6 +20,13 @@ the key itself: a command line is visible to every user of the machine): its pub
 are read from its `/server_info` (`kvindex.subscriber.server_info`). Until then the spec has
 no endpoint and no ranks (`pending`); `resolved` fills them in, and `render` keeps giving
 the URL, so a persisted spec is discovered again after a restart.
+
+A spec from an API client (`parse(..., from_client=True)`, `client_checked`) names no file,
+environment variable or key of the host: not `api_key_env=`, `api_key_file=`,
+`client_key=` or a `curve=` file, only `credential=NAME`, a secret the operator defined in
+serve's config file (kvindex.security.credentials); and no `ipc://` or `inproc://`
+endpoint (the host's own sockets). Where it may connect is checked by the engine
+allow-list (kvindex.security.engines).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvindex.security.credentials import CredentialError, registry
 from kvindex.security.curve import CurveClient, KeyFileError, is_key, read_public_key
 from kvindex.subscriber.messages import SourceKey
 
@@ -49,11 +57,16 @@ _OPTIONS = (
     "load",
     "routing_group",
     "block_size",
+    "credential",
 )
 _RANK_OPTION = re.compile(r"(rank|replay)@([0-9]{1,4})")
 _MODEL = re.compile(r"[^\s,=]{1,256}")
 _URL = re.compile(r"https?://[^\s,/]+(/[^\s,]*)?")
-_DISCOVERY_OPTIONS = ("api_key_env", "api_key_file", "model")
+_DISCOVERY_OPTIONS = ("api_key_env", "api_key_file", "model", "credential")
+# What only the operator may name: the host's files, environment and keys.
+_OPERATOR_OPTIONS = ("api_key_env", "api_key_file", "client_key")
+_CREDENTIAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_CLIENT_SCHEMES = ("tcp://",)  # an API client's ZMQ endpoints: never the host's own sockets
 # `sglang+http://HOST:PORT` (an IPv6 host in brackets), an optional trailing slash.
 _DISCOVER = re.compile(r"sglang\+(https?)://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})/?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
@@ -128,6 +141,9 @@ class InstanceSpec:
     # Tokens per block: as the engine advertised it (discovered engines) or `block_size=`.
     block_size: int | None = None
     routing_group: str | None = None  # the peers' routing group (None: "default")
+    # A secret the operator named in serve's config ([credentials.NAME]): an SGLang
+    # engine's API key, or (with curve=) our CURVE client key.
+    credential: str | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -136,6 +152,8 @@ class InstanceSpec:
                 "(starting with a letter or digit)"
             )
         self._check_discovery()
+        if self.credential is not None and not _CREDENTIAL.fullmatch(self.credential):
+            raise SpecError(f"credential={self.credential!r} is not a credential's name")
         if self.pending:
             self._check_router_fields()
             return  # no publisher known yet: nothing else to check
@@ -195,7 +213,11 @@ class InstanceSpec:
         if self.discover is None:
             if self.api_key_env is not None or self.api_key_file is not None:
                 raise SpecError("api_key_env= and api_key_file= go with NAME=sglang+http://...")
+            if self.credential is not None and self.curve is None:
+                raise SpecError("credential= goes with curve= (its client_key) or sglang+http://")
             return
+        if self.credential is not None and (self.api_key_env or self.api_key_file):
+            raise SpecError("give credential= or api_key_env=/api_key_file=, not both")
         if not _DISCOVER.fullmatch(self.discover):
             raise SpecError(
                 f"{self.discover!r} must look like sglang+http://HOST:PORT (or sglang+https)"
@@ -240,15 +262,60 @@ class InstanceSpec:
             return None
         if not is_key(self.curve):
             raise SpecError(f"curve= must be a Z85 public key (40 characters), got {self.curve!r}")
+        if self.client_key is not None and self.credential is not None:
+            raise SpecError("give client_key= or credential=, not both")
+        key_file, setting = self.client_key, "client_key="
+        if self.credential is not None:
+            try:
+                key_file = registry.get(self.credential).client_key
+            except CredentialError as exc:
+                raise SpecError(str(exc)) from None
+            if key_file is None:
+                raise SpecError(f"credential {self.credential} has no client_key")
+            setting = f"credential {self.credential}'s client_key"
         try:
-            return CurveClient.create(self.curve, self.client_key)
+            return CurveClient.create(self.curve, key_file)
         except KeyFileError as exc:
-            raise SpecError(str(exc)) from None
+            if self.credential is None:
+                raise SpecError(str(exc)) from None
+            raise SpecError(f"{setting} can't be used: {exc}") from None
+
+    def client_checked(self) -> InstanceSpec:
+        """This spec, if an API client may give it: no file, environment variable or key
+        of the host named (only a `credential=` the operator defined), no `ipc://` or
+        `inproc://` endpoint; SpecError otherwise, one line that reads nothing."""
+        for option in _OPERATOR_OPTIONS:
+            if getattr(self, option) is not None:
+                raise SpecError(
+                    f"{option}= names the server's own files or variables: an API client "
+                    "names a credential instead (credential=NAME, from serve's config file)"
+                )
+        for endpoint in self._endpoints():
+            if not endpoint.startswith(_CLIENT_SCHEMES):
+                raise SpecError(
+                    f"endpoint {endpoint!r}: an API client gives tcp://HOST:PORT endpoints only"
+                )
+        if self.credential is not None:
+            try:
+                credential = registry.get(self.credential)
+            except CredentialError as exc:
+                raise SpecError(str(exc)) from None
+            if self.discover is not None and not credential.has_api_key:
+                raise SpecError(f"credential {self.credential} holds no API key")
+        return self
+
+    def _endpoints(self) -> list[str]:
+        found = [self.endpoint, self.replay_endpoint, self.load_endpoint]
+        for _, endpoint, replay in self.extra_ranks:
+            found += [endpoint, replay]
+        return [e for e in found if e]
 
     @classmethod
-    def parse(cls, text: str) -> InstanceSpec:
+    def parse(cls, text: str, *, from_client: bool = False) -> InstanceSpec:
         """Parse `NAME=PUB_ENDPOINT[,replay=EP][,topic=T][,dp=N]` or
-        `NAME=sglang+http://HOST:PORT[,api_key_env=VAR|,api_key_file=PATH]`."""
+        `NAME=sglang+http://HOST:PORT[,api_key_env=VAR|,api_key_file=PATH|,credential=C]`.
+        `from_client`: a spec from an API client, held to `client_checked` (and `curve=`
+        the key itself, never a file) before anything is read."""
         name, sep, rest = text.partition("=")
         if not sep or not name or not rest:
             raise SpecError(
@@ -267,8 +334,10 @@ class InstanceSpec:
             if key in fields:
                 raise SpecError(f"option {key!r} given twice in {text!r}")
             fields[key] = value
+        if from_client:
+            _client_options(fields)
         if discovered:
-            return cls(
+            spec = cls(
                 name=name,
                 endpoint="",
                 dp=0,
@@ -276,7 +345,9 @@ class InstanceSpec:
                 api_key_env=fields.get("api_key_env"),
                 api_key_file=fields.get("api_key_file"),
                 model=fields.get("model") or None,
+                credential=fields.get("credential") or None,
             )
+            return spec.client_checked() if from_client else spec
         dp_text = fields.get("dp", "1")
         if not dp_text.isdigit():
             raise SpecError(f"dp must be a whole number, got {dp_text!r}")
@@ -286,7 +357,9 @@ class InstanceSpec:
         size_text = fields.get("block_size")
         if size_text is not None and not (size_text.isdigit() and len(size_text) < 10):
             raise SpecError(f"block_size must be a whole number, got {size_text!r}")
-        return cls(
+        if from_client:  # before any file is read (the spec's check reads client keys)
+            cls._client_endpoints(endpoint, fields)
+        spec = cls(
             name=name,
             endpoint=endpoint,
             replay_endpoint=fields.get("replay") or None,
@@ -302,7 +375,19 @@ class InstanceSpec:
             load_endpoint=fields.get("load") or None,
             block_size=None if size_text is None else int(size_text),
             routing_group=fields.get("routing_group") or None,
+            credential=fields.get("credential") or None,
         )
+        return spec.client_checked() if from_client else spec
+
+    @staticmethod
+    def _client_endpoints(endpoint: str, fields: dict[str, str]) -> None:
+        values = [endpoint, *(v for k, v in fields.items() if k in ("replay", "load"))]
+        values += [v for k, v in fields.items() if "@" in k]
+        for value in values:
+            if value and not value.startswith(_CLIENT_SCHEMES):
+                raise SpecError(
+                    f"endpoint {value!r}: an API client gives tcp://HOST:PORT endpoints only"
+                )
 
     def sources(self) -> list[SourceSpec]:
         """One publisher per DP rank (none while an engine named by its URL is pending)."""
@@ -344,6 +429,8 @@ class InstanceSpec:
                 text += f",api_key_file={self.api_key_file}"
             if self.model is not None:
                 text += f",model={self.model}"
+            if self.credential is not None:
+                text += f",credential={self.credential}"
             return text
         text = f"{self.name}={self.endpoint}"
         if self.replay_endpoint:
@@ -370,6 +457,8 @@ class InstanceSpec:
             text += f",routing_group={self.routing_group}"
         if self.block_size is not None:
             text += f",block_size={self.block_size}"
+        if self.credential is not None:
+            text += f",credential={self.credential}"
         return text
 
 
@@ -383,6 +472,21 @@ def _extra_ranks(fields: dict[str, str], text: str) -> tuple[tuple[int, str, str
         elif kind == "replay" and rank and f"rank@{rank}" not in fields:
             raise SpecError(f"replay@{rank}= needs rank@{rank}= in {text!r}")
     return tuple(sorted(out))
+
+
+def _client_options(fields: dict[str, str]) -> None:
+    """An API client's options name nothing of the host's: refused before any is read."""
+    for option in _OPERATOR_OPTIONS:
+        if option in fields:
+            raise SpecError(
+                f"{option}= names the server's own files or variables: an API client names a "
+                "credential instead (credential=NAME, from serve's config file)"
+            )
+    if "curve" in fields and not is_key(fields["curve"]):
+        raise SpecError(
+            "curve= from an API client is the server's public key itself (40 Z85 "
+            "characters), never a file"
+        )
 
 
 def _server_key(value: str) -> str:

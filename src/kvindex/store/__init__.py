@@ -34,7 +34,7 @@ def open_store(url: str) -> Store:
         if not path:
             raise StoreError(f"store URL {url!r} has no path (sqlite:///PATH)")
         return SQLiteStore(Path(path), WriterOptions(synchronous=_synchronous(url, query)))
-    if url.startswith("redis://"):
+    if url.startswith(("redis://", "redis+sentinel://")):
         from kvindex.store.redis import RedisStore
 
         return RedisStore(url)
@@ -62,7 +62,7 @@ def read_store(url: str) -> tuple[list[BlockRow], LoadResult]:
         path, _, query = url[len("sqlite:///") :].partition("?")
         _synchronous(url, query)  # a reader writes nothing: the option is only checked
         return current_rows(Path(path))
-    if url.startswith("redis://"):
+    if url.startswith(("redis://", "redis+sentinel://")):
         from kvindex.store.redis import current_rows as redis_rows
 
         return redis_rows(url)

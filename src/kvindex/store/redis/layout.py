@@ -25,6 +25,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import msgspec
+import redis
+from redis.sentinel import Sentinel
 
 from kvindex.store.base import StoreError
 from kvindex.store.rows import BlockRow
@@ -68,9 +70,10 @@ class IngestPolicy:
 
 @dataclass(frozen=True, slots=True)
 class RedisConfig:
-    """`redis://HOST:PORT/DB[?ingest=all|none|NAMES][&buffer=N][&compact=SECONDS]`."""
+    """`redis://HOST:PORT/DB[?ingest=all|none|NAMES][&buffer=N][&compact=SECONDS]`, or the
+    same behind Sentinel: `redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER/DB[?...]`."""
 
-    url: str  # what redis-py connects to (our options removed)
+    url: str  # what `client()` connects to (our options removed)
     ingest: IngestPolicy = field(default_factory=IngestPolicy)
     buffer: int = 200_000  # items held while Redis is away, before relying on replay
     compact: float = 2.0  # seconds between compactions
@@ -78,18 +81,26 @@ class RedisConfig:
     @classmethod
     def parse(cls, url: str) -> RedisConfig:
         parts = urlsplit(url)
-        if parts.scheme != "redis" or not parts.hostname:
+        sentinel = parts.scheme == SENTINEL_SCHEME
+        if parts.scheme not in ("redis", SENTINEL_SCHEME) or not parts.netloc:
             raise StoreError(f"store URL {url!r} must be redis://HOST:PORT/DB")
         try:
-            _ = parts.port
-            db = parts.path.strip("/") or "0"
-            if not db.isdigit():
-                raise ValueError(f"database {db!r} is not a number")
+            if sentinel:
+                master, db = _sentinel_path(parts.path)
+                _sentinels(parts.netloc)
+                path = f"/{master}/{db}"
+            else:
+                if not parts.hostname:
+                    raise ValueError("no host")
+                _ = parts.port
+                path = "/" + (parts.path.strip("/") or "0")
+                if not path[1:].isdigit():
+                    raise ValueError(f"database {path[1:]!r} is not a number")
             query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
             unknown = set(query) - _OPTIONS
             if unknown:
                 raise ValueError(f"unknown option {sorted(unknown)[0]!r} (ingest, buffer, compact)")
-            base = urlunsplit(("redis", parts.netloc, f"/{db}", "", ""))
+            base = urlunsplit((parts.scheme, parts.netloc, path, "", ""))
             return cls(
                 base,
                 IngestPolicy.parse(query.get("ingest", "all")),
@@ -101,9 +112,61 @@ class RedisConfig:
 
     @property
     def where(self) -> str:
-        """HOST:PORT/DB, without credentials, for messages."""
+        """HOST:PORT/DB (or Sentinel's master and sentinels), without credentials."""
         parts = urlsplit(self.url)
+        if parts.scheme == SENTINEL_SCHEME:
+            master, db = _sentinel_path(parts.path)
+            hosts = ",".join(f"{h}:{p}" for h, p in _sentinels(parts.netloc))
+            return f"master {master!r} (db {db}) of Sentinel {hosts}"
         return f"{parts.hostname}:{parts.port or 6379}{parts.path}"
+
+
+SENTINEL_SCHEME = "redis+sentinel"
+
+
+def _sentinel_path(path: str) -> tuple[str, int]:
+    master, _, db = path.strip("/").partition("/")
+    db = db or "0"
+    if not master or not db.isdigit():
+        raise ValueError("must be redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER/DB")
+    return master, int(db)
+
+
+def _sentinels(netloc: str) -> list[tuple[str, int]]:
+    """`[user:password@]HOST:PORT,HOST:PORT` -> [(host, port)] (26379 by default)."""
+    hosts = netloc.rpartition("@")[2]
+    out = []
+    for item in hosts.split(","):
+        host, sep, port = item.rpartition(":")
+        if not sep:
+            host, port = item, "26379"
+        host = host.strip("[]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"Sentinel address {item!r} must be HOST:PORT")
+        out.append((host, int(port)))
+    return out
+
+
+def client(url: str, **options: Any) -> redis.Redis:
+    """A client of `url` (RedisConfig.url): redis-py's own for `redis://`; for
+    `redis+sentinel://` one that asks the Sentinels for the master at each (re)connection
+    and drops a connection to a master that became a replica (a failover), so the next
+    command reaches the new master. `options`: redis-py's socket timeouts and the like."""
+    parts = urlsplit(url)
+    if parts.scheme != SENTINEL_SCHEME:
+        return redis.Redis.from_url(url, **options)
+    master, db = _sentinel_path(parts.path)
+    userinfo = parts.netloc.rpartition("@")[0]
+    username, _, password = userinfo.partition(":") if userinfo else ("", "", "")
+    timeouts = {k: v for k, v in options.items() if k.startswith("socket_")}
+    auth: dict[str, Any] = {}
+    if password:
+        auth["password"] = password
+    if username:
+        auth["username"] = username
+    sentinel = Sentinel(_sentinels(parts.netloc), sentinel_kwargs=timeouts, **auth)
+    master_client: redis.Redis = sentinel.master_for(master, db=db, **options)
+    return master_client
 
 
 # -- keys ------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from kvindex.store.protocol import (
 )
 from kvindex.store.redis.feed import SharedSubscriber
 from kvindex.store.redis.layout import Cursor, RedisConfig, render_id, tag
+from kvindex.store.redis.layout import client as redis_client
 from kvindex.store.redis.load import (
     advance,
     load_source,
@@ -87,7 +88,7 @@ class RedisStore(WorkerStore):
 
     def connect(self) -> redis.Redis:
         """A client, once Redis answered; a one-line StoreError if it does not."""
-        client = redis.Redis.from_url(self.config.url, socket_connect_timeout=3, socket_timeout=30)
+        client = redis_client(self.config.url, socket_connect_timeout=3, socket_timeout=30)
         try:
             client.ping()
         except redis.RedisError as exc:

@@ -64,6 +64,7 @@ from kvindex.store.redis.layout import (
     tag,
     untag,
 )
+from kvindex.store.redis.layout import client as redis_client
 from kvindex.store.redis.reader import SharedLogReader
 from kvindex.subscriber.messages import SourceKey
 
@@ -126,7 +127,7 @@ class RedisReachability:
 class Worker:
     def __init__(self, config: WorkerConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         self.config = config
-        self.client = redis.Redis.from_url(
+        self.client = redis_client(
             config.url, socket_timeout=10, socket_connect_timeout=2, health_check_interval=5
         )
         self.inbox = ctx.socket(zmq.PULL)

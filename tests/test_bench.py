@@ -189,6 +189,16 @@ def test_smoke_run_has_every_case_with_real_figures(smoke_run: Any) -> None:
         assert case["tokens_per_s"] == case["per_s"] * case["page_size"]
         assert case["bytes_per_token"] > 0
         assert case["gpu_tokens_per_instance"] == shapes[0]["gpu_tokens_per_instance"]
+    drain = data["drain"]  # queued first, then timed: C path and Python path, 1 and 2 workers
+    assert drain["workers"][:2] == [1, 2]
+    for name, run in drain["runs"].items():
+        assert run["mismatched_blocks"] == 0 and run["lost_batches"] == 0, name
+        assert run["batches"] == drain["batches"] and run["per_s"] > 0
+        assert run["batches_in_c"] == (run["batches"] if name.startswith("c-") else 0)
+    if "c-1" in drain["runs"]:
+        assert (
+            drain["runs"]["c-1"]["gil_us_per_batch"] < drain["runs"]["python-1"]["gil_us_per_batch"]
+        )
     warm = data["warm_restart"]
     assert warm["loaded_blocks"] == warm["blocks"] > 0 and warm["load_seconds"] > 0
     lookup = data["lookup"]

@@ -103,6 +103,6 @@ def test_the_c_ingest_entry_runs_apply_payloads_body_and_no_python() -> None:
     """The C ingest loop (_recv.c) calls in without the GIL, through `ingest_apply`: it
     must run the very RUN_NOGIL body apply_payload runs, and touch nothing of Python's."""
     text = FUNCTIONS["ingest_apply"]
-    assert "parse_and_apply(" in text
+    assert "parse_batch(" in text and "apply_sliced(" in text
     assert not re.search(r"\bPy[A-Z_]\w*", text)
     assert "INGEST_API" in FUNCTIONS["Core_ingest_api"]

@@ -130,6 +130,59 @@ def _page_shape_rows(results: dict[str, Any]) -> list[Row]:
     return out
 
 
+def _drain_rows(results: dict[str, Any]) -> list[Row]:
+    """The drain case (bench/drain.py): the C path beside the Python path, same run."""
+    drain = results.get("drain")
+    if not drain or "error" in drain or "runs" not in drain:
+        return []
+    runs = drain["runs"]
+    c1, py1 = runs.get("c-1"), runs.get("python-1")
+    if c1 is None or py1 is None:
+        return []
+    what = (
+        f"drain of {drain['block_events']:,} queued block events, {drain['instances']} publishers"
+    )
+    out: list[Row] = [
+        (
+            f"{what}: 1 worker, ordinary batches in C",
+            f"{_m(c1['per_s'])}, {c1['cpu_seconds_per_m_events']:.2f} CPU s/M events",
+            f"Python path {_m(py1['per_s'])}, {py1['cpu_seconds_per_m_events']:.2f} CPU s/M events",
+            "-",
+        )
+    ]
+    c2, py2 = runs.get("c-2"), runs.get("python-2")
+    if c2 is not None and py2 is not None:
+        out.append(
+            (
+                f"{what}: 2 workers vs 1 ({drain['cpus']} cores)",
+                f"{c2['per_s'] / c1['per_s']:.2f}x",
+                f"Python path {py2['per_s'] / py1['per_s']:.2f}x",
+                ">= 1.8x",
+            )
+        )
+    out.append(
+        (
+            "GIL held per ordinary batch on the ingest path (measured)",
+            f"{c1['gil_us_per_batch']:.2f} us",
+            f"Python path {py1['gil_us_per_batch']:.2f} us",
+            "<= 1 us",
+        )
+    )
+    amdahl = drain.get("c_amdahl")
+    if amdahl and c1.get("serial_fraction") is not None:
+        locked, gil = amdahl["16"]["gil_and_lock"], amdahl["64"]["gil_and_lock"]
+        out.append(
+            (
+                "ingest's serial part (GIL + the index's write lock), Amdahl at 16 / 64 cores",
+                f"{c1['serial_fraction']:.2f}: {locked:.1f}x / {gil:.1f}x",
+                f"GIL alone {c1['gil_fraction']:.3f}: {amdahl['16']['gil_only']:.1f}x / "
+                f"{amdahl['64']['gil_only']:.1f}x",
+                "-",
+            )
+        )
+    return out
+
+
 def _warm_rows(results: dict[str, Any]) -> list[Row]:
     warm = results.get("warm_restart")
     if not warm or "error" in warm:
@@ -223,7 +276,7 @@ def _e2e_rows(results: dict[str, Any]) -> list[Row]:
 
 
 def _error_rows(results: dict[str, Any]) -> list[Row]:
-    sections = ("ingest", "stores", "page_shapes", "warm_restart", "lookup")
+    sections = ("ingest", "stores", "page_shapes", "drain", "warm_restart", "lookup")
     return [
         (f"{name}: the section failed", f"error: {results[name]['error']}", "-", "-")
         for name in sections
@@ -234,7 +287,15 @@ def _error_rows(results: dict[str, Any]) -> list[Row]:
 def rows(results: dict[str, Any]) -> list[Row]:
     """(case, kvindex, baseline, target) for every case of a results dict."""
     out: list[Row] = _error_rows(results)
-    parts = (_ingest_rows, _store_rows, _page_shape_rows, _warm_rows, _lookup_rows, _e2e_rows)
+    parts = (
+        _ingest_rows,
+        _store_rows,
+        _page_shape_rows,
+        _drain_rows,
+        _warm_rows,
+        _lookup_rows,
+        _e2e_rows,
+    )
     for part in parts:
         out += part(results)
     return out

@@ -69,6 +69,7 @@ def run_suite(plan: Plan, workdir: Path, dynamo: bool = True, e2e: bool = True) 
     results["stores"] = _timed(results, "stores", lambda: _stores(plan, workloads, workdir))
     workloads.clear()
     results["page_shapes"] = _timed(results, "page_shapes", lambda: _page_shapes(plan))
+    results["drain"] = _timed(results, "drain", lambda: _drain(plan))
     _say(f"warm restart: {plan.warm_blocks:,} blocks")
     results["warm_restart"] = _timed(
         results,
@@ -121,8 +122,22 @@ def _page_shapes(plan: Plan) -> dict[str, Any]:
     return cases.page_shapes_case(out, plan.slices)
 
 
+def _drain(plan: Plan) -> dict[str, Any]:
+    """The drain case (bench/drain.py): the end-to-end ingest stream's size, queued first."""
+    from kvindex.bench.drain import drain_case
+
+    e2e = plan.e2e
+    spec = IngestSpec(e2e.ingest_instances, e2e.ingest_events, gpu_blocks=plan.gpu_blocks)
+    w = ingest_workload(spec)
+    _say(f"drain: {w.spec.instances} publishers, {w.events:,} block events queued, then timed")
+    return drain_case(w, rounds=e2e.ingest_runs)
+
+
 # In-process sections `--only` can run apart too.
-IN_PROCESS_ONLY: dict[str, Callable[[Plan], dict[str, Any]]] = {"page_shapes": _page_shapes}
+IN_PROCESS_ONLY: dict[str, Callable[[Plan], dict[str, Any]]] = {
+    "page_shapes": _page_shapes,
+    "drain": _drain,
+}
 
 
 def _stores(plan: Plan, keep: dict[int, IngestWorkload], workdir: Path) -> dict[str, Any]:

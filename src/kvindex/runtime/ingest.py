@@ -117,6 +117,9 @@ class IngestCounters:
     # apply, less the C loop's own time without the GIL. Per ordinary batch, it is what
     # bounds one process's ingest however many cores it has (docs/performance.md).
     gil_seconds: float = 0.0
+    # Of the C path's CPU time, the part applying under the index's write lock (sampled: 1
+    # batch in 16): the other part no two workers do at once, whatever the cores.
+    apply_locked_seconds: float = 0.0
 
 
 class IngestWorker:
@@ -272,7 +275,7 @@ class IngestWorker:
         counters = self.counters
         counters.slices += 1
         subscriber = self.subscriber
-        c_before = subscriber.c_seconds
+        c_before, locked_before = subscriber.c_seconds, subscriber.c_apply_seconds
         self._choose_path()
         items = subscriber.poll(timeout, max_messages=1024 if subscriber.in_c else 256)
         applied = subscriber.take_applied() if subscriber.in_c else []
@@ -295,6 +298,7 @@ class IngestWorker:
         if took > counters.longest_slice_seconds:
             counters.longest_slice_seconds = took
         counters.gil_seconds += time.thread_time() - cpu - (subscriber.c_seconds - c_before)
+        counters.apply_locked_seconds += subscriber.c_apply_seconds - locked_before
         return True
 
     def _choose_path(self) -> None:

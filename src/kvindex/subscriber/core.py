@@ -105,7 +105,7 @@ def _fast_receiver() -> Callable[[int, int], list[tuple[int, bytes | int]]] | No
 _recv_live = _fast_receiver()
 
 
-def _c_ingest() -> Callable[..., tuple[int, tuple[int, bytes | int] | None, float]] | None:
+def _c_ingest() -> Callable[..., tuple[int, tuple[int, bytes | int] | None, float, float]] | None:
     """`_recv.ingest_live` (the in-order path in C) where the C receive is used."""
     if _recv_live is None:
         return None
@@ -212,6 +212,7 @@ class Subscriber:
         self._applied: list[Applied] = []
         self._touched: set[SourceKey] = set()  # sources Python produced items for, this poll
         self.c_seconds = 0.0  # CPU time in the C loop without the GIL (GIL accounting)
+        self.c_apply_seconds = 0.0  # the part of it applying, under the index's write lock
         # Called with each `Unreachable`, `ReplayRefused` and `Discarded` notice too (they
         # are yielded as well): for a caller that applies items without reading notices,
         # e.g. to log them (`kvindex serve`). Each is rare: at most one a minute, or one per
@@ -633,13 +634,14 @@ class Subscriber:
         while limit > 0:
             chunk = min(limit, _DRAIN)
             try:
-                taken, stop, seconds = _ingest_live(
+                taken, stop, seconds, applying = _ingest_live(
                     address, inorder.sequencer, in_c.api, in_c.core, chunk
                 )
             except OSError as exc:
                 inorder.sync()
                 raise zmq.ZMQError(exc.errno) from None
             self.c_seconds += seconds
+            self.c_apply_seconds += applying
             limit -= taken
             if stop is not None:
                 inorder.disarm()

@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #define KV_INGEST_API_NAME "kvindex.index._core.INGEST_API"
-#define KV_INGEST_API_VERSION 1
+#define KV_INGEST_API_VERSION 2
 
 /* apply's answer */
 enum { KV_APPLY_NOMEM = -1, KV_APPLY_SLOW = 0, KV_APPLY_DONE = 1 };
@@ -24,9 +24,12 @@ typedef struct {
      * `ts` and `counts` (stored, removed, clears) set. KV_APPLY_SLOW: the fast parser does
      * not take it; nothing was applied (the Python path decides what it means).
      * KV_APPLY_NOMEM: out of memory, nothing applied. Takes the Core's write lock itself
-     * (in slices, as apply_payload does); must be called without the GIL. */
+     * (in slices, as apply_payload does); must be called without the GIL. `locked`, if not
+     * NULL: this thread's CPU seconds applying, under the write lock, are added to it (what
+     * no two ingest threads can do at once: Amdahl's serial part besides the GIL). The
+     * clock costs a system call: callers sample. */
     int (*apply)(void *core, uint32_t bit, const uint8_t *data, size_t len, double *ts,
-                 int64_t counts[3]);
+                 int64_t counts[3], double *locked);
 } kv_ingest_api;
 
 #endif

@@ -307,6 +307,26 @@ def test_one_case_runs_apart_into_the_last_results(
     assert "`python -m kvindex.bench --only routing`" in readme.read_text()
 
 
+def test_chat_lookup_runs_apart_exact_with_the_prefix_cache(
+    smoke_run: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """`--only chat_lookup` (issue 25): a chat's lookups by messages, by token ids with the
+    model and by token ids, every answer exact, the history served by the prefix cache."""
+    before, after, printed, _ = run_apart(smoke_run, tmp_path, monkeypatch, "chat_lookup")
+    case = after["e2e"].pop("e2e_chat_lookup")
+    assert "error" not in case, case
+    for kind in ("messages", "token_ids_model", "token_ids"):
+        assert case[kind]["wrong_answers"] == 0 and case[kind]["count"] > 0
+    cache = case["tokenizer_cache"]
+    assert cache["misses_total"] == case["chats"]  # each chat's first turn, then hits
+    assert cache["hits_total"] == case["chats"] * (case["turns"] - 1)
+    assert cache["bytes"] <= cache["max_bytes"]
+    assert "e2e POST /v1/lookup by chat messages" in printed
+    after["e2e"].pop("e2e_chat_lookup", None)
+    before["e2e"].pop("e2e_chat_lookup", None)
+    assert after == before
+
+
 def test_ingest_workers_run_apart_into_the_last_results(
     smoke_run: Any, tmp_path: Path, monkeypatch: Any
 ) -> None:

@@ -202,10 +202,12 @@ def _run_only(case: str, plan: Plan, out: Path) -> int:
     """One end-to-end case (`--only`), its results put into `out`'s, which keeps the rest
     of the last run and says which case ran apart, when and in which mode."""
     from kvindex.bench.e2e.cases import ingest_workers_case
+    from kvindex.bench.e2e.chat import chat_case
     from kvindex.bench.e2e.routing import routing_case
 
     cases: dict[str, Callable[[EndToEnd, Path], dict[str, Any]]] = {
         "routing": routing_case,
+        "chat_lookup": chat_case,
         "ingest_workers": ingest_workers_case,
     }
     results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {"e2e": {}}

@@ -18,8 +18,9 @@ rest's markers can't be matched to its text, the text is tokenized whole. Every 
 gives the ids a fresh tokenization gives (the property tests hold it over random texts and
 chat histories, byte-level BPE and SentencePiece-style tokenizers).
 
-Bounded: entries (a text, its ids as uint32, the token counts at its boundaries) are kept
-in LRU order within `max_bytes` (text and ids counted); `stats()` says the bytes held,
+Bounded: entries (a text, its ids, the token counts at its boundaries) are kept in LRU
+order within `max_bytes` (the text, 36 bytes a token id, the index keys counted);
+`stats()` says the bytes held,
 hits, misses and tokens reused (`/metrics`). Thread-safe.
 """
 
@@ -28,17 +29,24 @@ from __future__ import annotations
 import re
 import sys
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_BYTES", "CacheStats", "PrefixTokens", "safe_markers"]
+__all__ = ["DEFAULT_MAX_BYTES", "CacheStats", "Plan", "PrefixTokens", "safe_markers"]
 
 DEFAULT_MAX_BYTES = 64 << 20
 _INDEXED_EDGES = 4  # boundaries indexed per text: its first and last few
 _KEY_OVERHEAD = 120  # bytes an index key costs beside the text (dict slot, tuple)
+_TOKEN_BYTES = 36  # a kept token id: its list slot and, at worst, an int object of its own
+_WINDOW = 64  # characters before a prefix's end that its key hashes (then compared whole)
+
+
+def _key(text: str, end: int) -> tuple[int, int]:
+    """A prefix's index key: its length and a hash of its last characters (cheap for a
+    long text; a match is then compared whole)."""
+    return end, hash(text[max(0, end - _WINDOW) : end])
 
 
 def safe_markers(tokenizer: Any) -> dict[str, int]:
@@ -55,10 +63,25 @@ def safe_markers(tokenizer: Any) -> dict[str, int]:
 @dataclass(slots=True)
 class _Entry:
     text: str
-    ids: array[int]
+    ids: list[int]
     counts: list[int]  # tokens up to the end of each boundary of `text`, in order
-    keys: list[int] = field(default_factory=list)  # its index keys
+    keys: list[tuple[int, int]] = field(default_factory=list)  # its index keys
     size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """`PrefixTokens.plan`'s answer (see there)."""
+
+    text: str
+    bounds: list[tuple[int, int, int]]  # (start, end, marker id) of each marker in `text`
+    ids: list[int] | None  # the whole text's ids, found
+    rest: str  # what to tokenize: from the longest cached prefix's marker on, or all
+    found: tuple[_Entry, int, int] | None  # that prefix: (entry, boundary, its index there)
+
+    def missed(self) -> Plan:
+        """The plan of tokenizing it whole."""
+        return Plan(self.text, self.bounds, None, self.text, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +113,9 @@ class PrefixTokens:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
-        self._index: dict[int, list[tuple[_Entry, int, int]]] = {}  # hash -> (entry, end, i)
+        self._index: dict[tuple[int, int], list[tuple[_Entry, int]]] = {}  # key -> (entry, i)
         self._ends: dict[int, int] = {}  # prefix lengths indexed -> how many keys
-        self._whole: dict[int, list[_Entry]] = {}  # hash of a whole text -> its entries
+        self._whole: dict[tuple[int, int], list[_Entry]] = {}  # whole text's key -> entries
         self._bytes = 0
         self.hits = self.misses = self.reused = self.tokenized = 0
 
@@ -114,31 +137,51 @@ class PrefixTokens:
 
     def encode(self, text: str) -> list[int]:
         """`text`'s token ids, as the raw encoding gives them."""
+        plan = self.plan(text)
+        if plan.ids is not None:
+            return plan.ids
+        ids = self.complete(plan, self._encode(plan.rest))
+        if ids is None:
+            plan = plan.missed()
+            ids = self.complete(plan, self._encode(plan.rest))
+        assert ids is not None  # a missed plan always completes
+        return ids
+
+    def plan(self, text: str) -> Plan:
+        """What `text` needs: its ids (`ids`: found whole), or the part to tokenize
+        (`rest`: after the longest cached prefix, or all of it) for `complete`. An async
+        caller tokenizes `rest` where it likes (a long one off its event loop)."""
         if self._pattern is None or self.max_bytes <= 0:
-            return self._encode(text)
-        key = hash(text)
+            return Plan(text, [], None, text, None)
+        key = _key(text, len(text))
         with self._lock:
             same = next((e for e in self._whole.get(key, ()) if e.text == text), None)
             if same is not None:
                 self._entries.move_to_end(id(same))
                 self.hits += 1
                 self.reused += len(same.ids)
-                return same.ids.tolist()
+                return Plan(text, [], list(same.ids), "", None)
         bounds = [(m.start(), m.end(), self._ids[m.group()]) for m in self._pattern.finditer(text)]
         with self._lock:
             found = self._longest(text, bounds)
-        if found is not None:
-            ids = self._extend(text, bounds, *found)
-            if ids is not None:
-                return ids
-        ids = self._encode(text)
-        counts = self._counts(ids, 0, len(bounds))
-        with self._lock:
-            self.misses += 1
-            self.tokenized += len(ids)
-            if counts is not None:
-                self._insert(text, array("I", ids), counts, bounds)
-        return ids
+        if found is None:
+            return Plan(text, bounds, None, text, None)
+        return Plan(text, bounds, None, text[bounds[found[1]][0] :], found)
+
+    def complete(self, plan: Plan, rest: list[int]) -> list[int] | None:
+        """The text's ids from its plan and the rest's ids; None when the rest's tokens
+        don't start with its boundary's marker (then `plan.missed()`: tokenize it whole)."""
+        if self._pattern is None or self.max_bytes <= 0:
+            return rest
+        if plan.found is None:
+            counts = self._counts(rest, 0, len(plan.bounds))
+            with self._lock:
+                self.misses += 1
+                self.tokenized += len(rest)
+                if counts is not None:
+                    self._insert(plan.text, rest[:], counts, plan.bounds)
+            return rest
+        return self._extend(plan, rest, *plan.found)
 
     # -- the parts ----------------------------------------------------------------------
 
@@ -152,34 +195,35 @@ class PrefixTokens:
             end = bounds[i][1]
             if end not in ends:
                 continue
+            rows = self._index.get(_key(text, end))
+            if not rows:
+                continue
             prefix = text[:end]
-            for entry, e_end, e_i in self._index.get(hash(prefix), ()):
-                if e_end == end and entry.text.startswith(prefix):
+            for entry, e_i in rows:
+                if entry.text.startswith(prefix):
                     self._entries.move_to_end(id(entry))
                     return entry, i, e_i
         return None
 
     def _extend(
-        self, text: str, bounds: list[tuple[int, int, int]], entry: _Entry, i: int, e_i: int
+        self, plan: Plan, rest: list[int], entry: _Entry, i: int, e_i: int
     ) -> list[int] | None:
-        """The prefix's ids up to boundary `i`'s marker, and the rest tokenized from the
-        marker on; None when the rest's tokens don't start with the marker or its
-        markers can't be placed."""
-        start, _, marker = bounds[i]
+        """The prefix's ids up to boundary `i`'s marker, and the rest (tokenized from the
+        marker on); None when the rest's tokens don't start with the marker."""
+        marker = plan.bounds[i][2]
         kept = entry.counts[e_i] - 1  # the tokens before the marker
-        rest = self._encode(text[start:])
         if not rest or rest[0] != marker:
             return None
-        ids = entry.ids[:kept].tolist()
+        ids = entry.ids[:kept]
         ids.extend(rest)
-        counts = self._counts(rest, kept, len(bounds) - i)
+        counts = self._counts(rest, kept, len(plan.bounds) - i)
         with self._lock:
             self.hits += 1
             self.reused += kept
             self.tokenized += len(rest)
             if counts is not None:
                 whole = entry.counts[:e_i] + counts
-                self._insert(text, array("I", ids), whole, bounds)
+                self._insert(plan.text, ids[:], whole, plan.bounds)
         return ids
 
     def _counts(self, ids: list[int], offset: int, expect: int) -> list[int] | None:
@@ -190,21 +234,23 @@ class PrefixTokens:
         return counts if len(counts) == expect else None
 
     def _insert(
-        self, text: str, ids: array[int], counts: list[int], bounds: list[tuple[int, int, int]]
+        self, text: str, ids: list[int], counts: list[int], bounds: list[tuple[int, int, int]]
     ) -> None:
         if not bounds:
             return
         entry = _Entry(text, ids, counts)
-        self._whole.setdefault(hash(text), []).append(entry)
+        self._whole.setdefault(_key(text, len(text)), []).append(entry)
         picks = sorted({*range(min(_INDEXED_EDGES, len(bounds))),
                         *range(max(0, len(bounds) - _INDEXED_EDGES), len(bounds))})  # fmt: skip
         for i in picks:
+            if counts[i] <= 1:
+                continue  # a marker at the very start: nothing before it to reuse
             end = bounds[i][1]
-            key = hash(text[:end])
-            self._index.setdefault(key, []).append((entry, end, i))
+            key = _key(text, end)
+            self._index.setdefault(key, []).append((entry, i))
             entry.keys.append(key)
             self._ends[end] = self._ends.get(end, 0) + 1
-        entry.size = sys.getsizeof(text) + ids.itemsize * len(ids) + _KEY_OVERHEAD * len(picks)
+        entry.size = sys.getsizeof(text) + _TOKEN_BYTES * len(ids) + _KEY_OVERHEAD * len(picks)
         if entry.size > self.max_bytes:
             self._forget(entry)
             return
@@ -216,18 +262,19 @@ class PrefixTokens:
             self._forget(old)
 
     def _forget(self, entry: _Entry) -> None:
-        same = self._whole.get(hash(entry.text))
+        whole = _key(entry.text, len(entry.text))
+        same = self._whole.get(whole)
         if same is not None:
             same[:] = [e for e in same if e is not entry]
             if not same:
-                del self._whole[hash(entry.text)]
+                del self._whole[whole]
         for key in entry.keys:
             rows = self._index.get(key)
             if rows is None:
                 continue
             for row in [r for r in rows if r[0] is entry]:
                 rows.remove(row)
-                end = row[1]
+                end = key[0]
                 left = self._ends.get(end, 1) - 1
                 if left:
                     self._ends[end] = left

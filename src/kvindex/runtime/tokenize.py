@@ -208,9 +208,27 @@ class LocalTokenizer:
         return self.encode_prompt(text, add_special_tokens=chat.add_special_tokens)
 
     async def aencode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        if len(prompt) < _OFFLOAD_TO_THREAD:
-            return self.encode_prompt(prompt, add_special_tokens)
-        return await asyncio.to_thread(self.encode_prompt, prompt, add_special_tokens)
+        """As `encode_prompt`; what is left to tokenize after the prefix cache is tokenized
+        off the event loop when it is long."""
+        if add_special_tokens and self._wrap is None:
+            return await self._athread(self.encode_prompt, prompt, True)
+        plan = self.prefixes.plan(prompt)
+        ids = plan.ids
+        if ids is None:
+            ids = self.prefixes.complete(plan, await self._athread(self._raw, plan.rest))
+        if ids is None:
+            plan = plan.missed()
+            ids = self.prefixes.complete(plan, await self._athread(self._raw, plan.rest))
+        assert ids is not None  # a missed plan always completes
+        if not add_special_tokens or self._wrap is None:
+            return ids
+        before, after = self._wrap
+        return [*before, *ids, *after]
+
+    async def _athread(self, fn: Callable[..., list[int]], text: str, *more: Any) -> list[int]:
+        if len(text) < _OFFLOAD_TO_THREAD:
+            return fn(text, *more)
+        return await asyncio.to_thread(fn, text, *more)
 
     async def aencode_chat(self, chat: Chat) -> list[int]:
         text = self.render(chat)

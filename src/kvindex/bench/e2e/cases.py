@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvindex.bench.e2e.chat import chat_case
 from kvindex.bench.e2e.dynamo import standalone_status
 from kvindex.bench.e2e.ingest import ingest_cases, workers_case
 from kvindex.bench.e2e.lookup import LOAD_RATE, lookup_case
@@ -68,6 +69,7 @@ def run_e2e(plan: Plan, workdir: Path, dynamo: bool = True) -> dict[str, Any]:
     results["e2e_freshness"] = attempt(lambda: case_fresh(sizes, workdir))
     results["e2e_warm_restart"] = attempt(lambda: case_warm(sizes, workdir))
     results["e2e_routing"] = attempt(lambda: routing_case(sizes, workdir))
+    results["e2e_chat_lookup"] = chat_case(sizes, workdir)
     results["e2e_seconds"] = time.monotonic() - started
     return results
 

@@ -20,6 +20,7 @@ def table_rows(results: dict[str, Any]) -> list[Row]:
         _fresh_row(results.get("e2e_freshness", {})),
         _warm_row(results.get("e2e_warm_restart", {})),
         *_routing_rows(results.get("e2e_routing", {})),
+        _chat_row(results.get("e2e_chat_lookup", {})),
     ]
 
 
@@ -262,3 +263,29 @@ def _routing_rows(case: dict[str, Any]) -> list[Row]:
         )
     )
     return rows
+
+
+def _chat_row(case: dict[str, Any]) -> Row:
+    """A chat's lookup by messages (the tokenizer's prefix cache) beside its token ids."""
+    failed = _failed(case)
+    label = "e2e POST /v1/lookup by chat messages, turn >= 10, 8k-token history"
+    if failed:
+        return (label, failed, failed, "p50 <= 1.5x the lookup by token ids")
+
+    def side(kind: str) -> str:
+        phase = case[kind]
+        wrong = phase["wrong_answers"]
+        return _latency(phase) + (", exact" if wrong == 0 else f", {wrong} WRONG ANSWERS")
+
+    cache = case.get("tokenizer_cache", {})
+    hits, misses = cache.get("hits_total", 0), cache.get("misses_total", 0)
+    mine = (
+        f"{side('messages')} ({case['messages_vs_token_ids_model']:.2f}x with the model, "
+        f"{case['messages_vs_token_ids']:.2f}x the plain path; {case['tokens_p50']:,} tokens; "
+        f"prefix cache {hits:.0f} hits, {misses:.0f} misses)"
+    )
+    base = (
+        f"POST /v1/lookup, the same token ids with the model: {side('token_ids_model')}; "
+        f"plain path: {side('token_ids')}"
+    )
+    return (label, mine, base, "p50 <= 1.5x the lookup by token ids")

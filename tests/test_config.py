@@ -20,7 +20,7 @@ from test_http_security import self_signed
 
 from kvindex.cli import build_parser
 from kvindex.cli.common import UsageError
-from kvindex.cli.config import ROUTING_KEYS, SERVER_KEYS, load_settings
+from kvindex.cli.config import ROUTING_KEYS, SECURITY_KEYS, SERVER_KEYS, load_settings
 from kvindex.cli.httpopts import http_options
 from kvindex.security.curve import generate_keys
 
@@ -240,10 +240,13 @@ def test_every_serve_flag_has_a_config_key_and_is_documented() -> None:
         if action.option_strings and action.dest not in ("help", "config", "instance")
     }
     as_keys = {flag.removeprefix("--").removeprefix("no-").replace("-", "_") for flag in flags}
-    keys = {k.removesuffix("_file").removesuffix("_env") for k in SERVER_KEYS | ROUTING_KEYS}
+    keys = {
+        k.removesuffix("_file").removesuffix("_env")
+        for k in SERVER_KEYS | ROUTING_KEYS | SECURITY_KEYS
+    }
     assert as_keys - {"max_lookup_tokens"} <= keys and "max_lookup_tokens" in keys
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    for key in SERVER_KEYS | ROUTING_KEYS:
+    for key in SERVER_KEYS | ROUTING_KEYS | SECURITY_KEYS:
         assert f"| `{key}` |" in doc, key
     for flag in flags:
         assert f"`{flag}" in doc, flag

@@ -64,6 +64,7 @@ from typing import Any
 from kvindex.cli.common import UsageError
 from kvindex.security.credentials import Credential, CredentialError, registry
 from kvindex.security.curve import KeyFileError, read_public_key, read_secret_key
+from kvindex.security.engines import DEFAULT_SCHEMES, EngineHostError, EngineHosts
 from kvindex.subscriber import InstanceSpec, SpecError
 from kvindex.subscriber.spec import DISCOVERY_SCHEMES
 
@@ -133,6 +134,9 @@ SERVER_KEYS = (
     | _BOOL_KEYS
 )
 
+# [security]: where kvindex may connect for a client (kvindex.security.engines)
+SECURITY_KEYS = {"engine_hosts", "engine_schemes"}
+
 # [routing]: the score's weights, predictions, Dynamo's local hashes (the peers' /query_by_hash)
 ROUTING_KEYS = {"weights", "prediction_ttl", "local_hashes", "min_engines"}
 
@@ -163,6 +167,9 @@ class Settings:
     local_hashes: bool = False
     # The operator's named secrets ([credentials.NAME]), which specs refer to by name
     credentials: list[Credential] = field(default_factory=list)
+    # Engine hosts an API client's specs may name (None: serve's default, docs/security.md)
+    engine_hosts: list[str] | None = None
+    engine_schemes: list[str] | None = None  # None: tcp, http, https
     # `k8s:...` / `dns:...`: engines found rather than named (kvindex.runtime.finders)
     discover: list[str] = field(default_factory=list)
     dns_server: str | None = None  # IP[:PORT] asked for dns: (None: $KVINDEX_DNS_SERVER)
@@ -195,6 +202,8 @@ def load_settings(args: argparse.Namespace) -> Settings:
         settings.prediction_ttl = args.prediction_ttl
     if getattr(args, "local_hashes", False):
         settings.local_hashes = True
+    if getattr(args, "engine_hosts", None) is not None:
+        settings.engine_hosts = check_engine_hosts(args.engine_hosts, "--engine-hosts")
     settings.discover += getattr(args, "discover", None) or []
     if getattr(args, "min_engines", None) is not None:
         settings.min_engines = args.min_engines
@@ -221,14 +230,16 @@ def read_config(path: Path) -> Settings:
         raise UsageError(f"can't read {path}: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path} is not valid TOML: {exc}") from None
-    unknown = set(data) - {"server", "instances", "routing", "store", "credentials"}
+    unknown = set(data) - {"server", "instances", "routing", "store", "credentials", "security"}
     if unknown:
         raise UsageError(
-            f"{path}: unknown key {sorted(unknown)[0]!r} (server, instances, routing, credentials)"
+            f"{path}: unknown key {sorted(unknown)[0]!r} (server, instances, routing, "
+            "credentials, security)"
         )
     server = _table(data.get("server", {}), f"{path}: [server]", SERVER_KEYS)
     settings = Settings()
     settings.credentials = _credentials(data.get("credentials", {}), path)
+    _security(data.get("security", {}), path, settings)
     # Defined before any instance is read: a spec's credential= must name one of them.
     registry.replace(settings.credentials)
     settings.http = _string(server.get("http", DEFAULT_HTTP), f"{path}: server.http")
@@ -447,6 +458,35 @@ def _config_instance(entry: dict[str, Any], where: str) -> InstanceSpec:
         )
     except SpecError as exc:
         raise UsageError(f"{where}: {exc}") from None
+
+
+def _security(table: object, path: Path, settings: Settings) -> None:
+    """`[security]`: `engine_hosts` (names, *.SUFFIX, addresses, networks, "*") and
+    `engine_schemes` (of tcp, http, https)."""
+    security = _table(table, f"{path}: [security]", SECURITY_KEYS)
+    for key in SECURITY_KEYS & set(security):
+        value = security[key]
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise UsageError(f"{path}: security.{key} must be an array of strings")
+    if "engine_hosts" in security:
+        settings.engine_hosts = check_engine_hosts(security["engine_hosts"], f"{path}: security")
+    if "engine_schemes" in security:
+        schemes = security["engine_schemes"]
+        unknown = sorted(set(schemes) - set(DEFAULT_SCHEMES))
+        if unknown:
+            raise UsageError(
+                f"{path}: security.engine_schemes: {unknown[0]!r} is not one of "
+                f"{', '.join(DEFAULT_SCHEMES)}"
+            )
+        settings.engine_schemes = list(schemes)
+
+
+def check_engine_hosts(entries: list[str], where: str) -> list[str]:
+    """Engine host entries, each checked (a UsageError names the first bad one)."""
+    try:
+        return [EngineHosts.normalise(entry) for entry in entries]
+    except EngineHostError as exc:
+        raise UsageError(f"{where}.engine_hosts: {exc}") from None
 
 
 def _credentials(table: object, path: Path) -> list[Credential]:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from kvindex.index import FleetIndex
     from kvindex.runtime import Fleet
     from kvindex.runtime.finders import Reconciler
+    from kvindex.security.engines import EngineHosts
     from kvindex.service.lookupd import LookupThread
     from kvindex.service.lookups import Routing
     from kvindex.store import LoadResult, Store
@@ -157,8 +158,24 @@ def add_parser(subparsers: Any) -> None:
         "/v1/lookup requests without the GIL, Python the rest; off: Python answers every "
         "request (docs/performance.md)",
     )
+    p.add_argument(
+        "--engine-hosts",
+        metavar="HOSTS",
+        type=_host_list,
+        help="the hosts an API client's engine specs may name (comma-separated: names, "
+        "*.SUFFIX, IP addresses, networks such as 10.0.0.0/8, or '*' for any); the hosts of "
+        "configured engines are always allowed; default: those, plus the loopback when the "
+        "API listens on the loopback only (docs/security.md)",
+    )
     add_http_arguments(p)
     p.set_defaults(run=run)
+
+
+def _host_list(text: str) -> list[str]:
+    entries = [entry.strip() for entry in text.split(",") if entry.strip()]
+    if not entries:
+        raise argparse.ArgumentTypeError("must be host names, addresses or networks, by commas")
+    return entries
 
 
 # -- settings ----------------------------------------------------------------------------
@@ -238,6 +255,7 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     host, port = parse_http(settings.http)
     http = http_options(args, settings.http_options, bind_host=host)
     warn_if_exposed(host, http)
+    install_engine_hosts(settings, host)
     logging.basicConfig(level=logging.WARNING, format="kvindex serve: %(levelname)s %(message)s")
     # Ingest threads and the HTTP loop share the GIL: a lookup waiting for it would wait up
     # to a whole switch interval (5 ms by default) behind an ingest thread's Python work.
@@ -262,6 +280,32 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     finally:
         store.close()
     return 0
+
+
+def install_engine_hosts(settings: Settings, api_host: str) -> EngineHosts:
+    """The engine allow-list an API client's specs are held to (kvindex.security.engines):
+    the operator's list, or by default the loopback when the API listens on the loopback
+    only; plus every host a configured engine is on."""
+    from kvindex.security.engines import DEFAULT_SCHEMES, LOOPBACK, EngineHosts, engine_hosts
+
+    entries = list(settings.engine_hosts or [])
+    if settings.engine_hosts is None and _is_loopback(api_host):
+        entries += LOOPBACK
+    hosts = EngineHosts(entries, settings.engine_schemes or DEFAULT_SCHEMES)
+    for spec in settings.instances:
+        for found in spec.hosts():
+            hosts.add(found, "config")
+    engine_hosts.install(hosts)
+    return hosts
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _start_fleet(

@@ -28,6 +28,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.runtime.routing import Load
+from kvindex.security.engines import engine_hosts
 
 __all__ = ["EngineFigures", "MetricsScraper", "parse_vllm_metrics"]
 
@@ -182,7 +183,8 @@ class MetricsScraper:
 
     def scrape_once(self, client: httpx.Client) -> None:
         """One round: every target once."""
-        wanted = dict(self._targets())
+        # Each round asks the engine allow-list: a host dropped from it is scraped no more.
+        wanted = {name: url for name, url in self._targets() if engine_hosts.allows_url(url)}
         for name in list(self._state):
             if name not in wanted:
                 del self._state[name]

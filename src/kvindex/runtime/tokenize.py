@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import httpx
 
 from kvindex.runtime.prefix_tokens import DEFAULT_MAX_BYTES, CacheStats, PrefixTokens, safe_markers
+from kvindex.security.engines import engine_hosts
 
 if TYPE_CHECKING:
     from kvindex.runtime.fleet import Fleet
@@ -612,12 +613,13 @@ class EngineTokenizer:
             self._async = None
 
     def _targets(self) -> list[str]:
-        urls = self._urls()
+        # Each call asks the engine allow-list: a host dropped from it is called no more.
+        urls = [url for url in self._urls() if engine_hosts.allows_url(url)]
         if not urls:
             raise TokenizeFailed(
                 503,
                 f"no instance of model {self.model!r} has an http= URL to tokenize with "
-                "(its vLLM server, e.g. http=http://HOST:8000)",
+                "(its vLLM server, e.g. http=http://HOST:8000, on an allowed engine host)",
             )
         return [url.rstrip("/") + "/tokenize" for url in urls]
 

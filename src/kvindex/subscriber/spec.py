@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from kvindex.security.credentials import CredentialError, registry
 from kvindex.security.curve import CurveClient, KeyFileError, is_key, read_public_key
+from kvindex.security.engines import EngineHostError, engine_hosts
 from kvindex.subscriber.messages import SourceKey
 
 __all__ = ["DISCOVERY_SCHEMES", "InstanceSpec", "SourceSpec", "SpecError", "offset_endpoint"]
@@ -295,6 +297,16 @@ class InstanceSpec:
                 raise SpecError(
                     f"endpoint {endpoint!r}: an API client gives tcp://HOST:PORT endpoints only"
                 )
+        try:
+            for endpoint in self._endpoints():
+                engine_hosts.check_endpoint(endpoint)
+            for what, url in (("http=", self.http), ("metrics=", self.metrics)):
+                if url is not None:
+                    engine_hosts.check_url(url, what)
+            if self.base_url is not None:
+                engine_hosts.check_url(self.base_url, "the engine")
+        except EngineHostError as exc:
+            raise SpecError(str(exc)) from None
         if self.credential is not None:
             try:
                 credential = registry.get(self.credential)
@@ -303,6 +315,21 @@ class InstanceSpec:
             if self.discover is not None and not credential.has_api_key:
                 raise SpecError(f"credential {self.credential} holds no API key")
         return self
+
+    def hosts(self) -> list[str]:
+        """Every host this spec makes kvindex connect to (ZMQ endpoints, `http=`,
+        `metrics=`, an SGLang engine's URL): what an operator's spec adds to the engine
+        allow-list (kvindex.security.engines)."""
+        found = []
+        for endpoint in self._endpoints():
+            if endpoint.startswith("tcp://"):
+                host = endpoint[6:].rpartition(":")[0].rpartition(";")[2]
+                found.append(host.removeprefix("[").removesuffix("]"))
+        for url in (self.http, self.metrics, self.base_url):
+            name = urlsplit(url).hostname if url is not None else None
+            if name:
+                found.append(name)
+        return list(dict.fromkeys(h for h in found if h and h != "*"))
 
     def _endpoints(self) -> list[str]:
         found = [self.endpoint, self.replay_endpoint, self.load_endpoint]

@@ -1,0 +1,136 @@
+"""Issue 28, finding 4: an API client's spec makes kvindex connect only to engine hosts on
+the allow-list (kvindex.security.engines): endpoints, `http=`, `metrics=`, an SGLang URL,
+and every call of the tokenizer delegation and the metrics scraper. Real serve processes
+and a capture listener on 127.0.0.1."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from clitools import Proc, kvindex
+from netutil import free_port
+from test_secrets_from_clients import CaptureListener
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def listener() -> Iterator[CaptureListener]:
+    capture = CaptureListener()
+    yield capture
+    capture.close()
+
+
+def serve(*args: str) -> tuple[Proc, str]:
+    proc = kvindex("serve", "--store", "memory", "--http", "127.0.0.1:0", *args)
+    try:
+        line = proc.wait_for(proc.out, lambda s: "listening on" in s, timeout=30)
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc, line.split("listening on ")[1].split()[0]
+
+
+def stop(proc: Proc) -> None:
+    proc.interrupt()
+    assert proc.finish() == 0
+
+
+def test_metrics_and_http_to_a_host_off_the_list_are_refused(listener: CaptureListener) -> None:
+    # `metrics=` was fetched every scrape interval from any host and path a client named.
+    here = f"127.0.0.1:{listener.port}"
+    proc, url = serve("--engine-hosts", "10.0.0.0/8,vllm.example")
+    try:
+        with httpx.Client(base_url=url, timeout=10) as c:
+            for spec in [
+                f"a=tcp://10.0.0.5:5557,metrics=http://{here}/latest/meta-data",
+                f"a=tcp://10.0.0.5:5557,http=http://{here}",
+                f"a=tcp://{here}",
+                f"a=tcp://10.0.0.5:5557,replay=tcp://{here}",
+                f"a=sglang+http://{here}",
+                f"a=tcp://10.0.0.5:5557,http=http://[::ffff:127.0.0.1]:{listener.port}",
+                "a=tcp://10.0.0.5:5557,http=http://2130706433:8000",  # 127.0.0.1 by inet_aton
+                "a=tcp://10.0.0.5:5557,http=http://vllm.example.evil.test:8000",
+            ]:
+                r = c.post("/v1/instances", json={"spec": spec})
+                assert r.status_code == 400, (spec, r.text)
+                assert "not an engine host" in r.json()["error"], r.text
+            # a trailing `?` would make the `/tokenize` appended a query on the client's path
+            for spec in [
+                "a=tcp://10.0.0.5:5557,http=http://10.0.0.5:8000/admin?",
+                "a=tcp://10.0.0.5:5557,metrics=http://user@10.0.0.5:8000/m",
+                "a=tcp://10.0.0.5:5557,http=http://10.0.0.5:8000/x#frag",
+            ]:
+                r = c.post("/v1/instances", json={"spec": spec})
+                assert r.status_code == 400 and "query" in r.json()["error"], (spec, r.text)
+            r = c.post("/register", json={
+                "instance_id": 1, "dp_rank": 0, "endpoint": f"tcp://{here}",
+                "model_name": "m", "block_size": 16,
+            })  # fmt: skip
+            assert r.status_code == 400, r.text
+            allowed = "a=tcp://10.0.0.5:5557,http=http://vllm.example:8000"
+            assert c.post("/v1/instances", json={"spec": allowed}).status_code == 201
+            time.sleep(1.5)  # a scrape interval: nothing reaches the listener
+    finally:
+        stop(proc)
+    assert listener.connections == 0 and not listener.received
+
+
+def test_by_default_the_loopback_and_the_configured_engines_hosts_are_allowed() -> None:
+    configured = f"cfg=tcp://10.1.2.3:{free_port()},http=http://engine-0.internal:8000"
+    proc, url = serve("--instance", configured)
+    try:
+        with httpx.Client(base_url=url, timeout=10) as c:
+            for spec, status in [
+                (f"a=tcp://127.0.0.1:{free_port()}", 201),  # the API listens on the loopback
+                (f"b=tcp://10.1.2.3:{free_port()}", 201),  # a configured engine's host
+                (f"c=tcp://127.0.0.1:{free_port()},http=http://engine-0.internal:8000", 201),
+                (f"d=tcp://10.0.0.9:{free_port()}", 400),  # no configured engine there
+            ]:
+                r = c.post("/v1/instances", json={"spec": spec})
+                assert r.status_code == status, (spec, r.text)
+            # a name the operator did not configure is refused, as a host off the list is
+            r = c.post("/v1/instances", json={"spec": "e=tcp://db.internal:5432"})
+            assert r.status_code == 400
+    finally:
+        stop(proc)
+
+
+def test_serve_refuses_a_bad_engine_host_entry_in_one_line() -> None:
+    proc = kvindex("serve", "--store", "memory", "--http", "127.0.0.1:0", "--engine-hosts", "a b")
+    assert proc.finish(30) == 2 and len(proc.err) == 1 and "engine-hosts" in proc.err[0]
+
+
+def test_engine_hosts_entries_sources_and_call_time_checks(listener: CaptureListener) -> None:
+    from kvindex.runtime.tokenize import EngineTokenizer, TokenizeFailed
+    from kvindex.security.engines import EngineHosts, engine_hosts
+
+    hosts = EngineHosts(["10.0.0.0/8", "*.svc.cluster.local", "vllm-0"])
+    assert hosts.allows("10.2.3.4") and hosts.allows("[::ffff:10.2.3.4]")
+    assert hosts.allows("a.ns.svc.cluster.local") and hosts.allows("VLLM-0.")
+    assert not hosts.allows("svc.cluster.local.evil") and not hosts.allows("127.0.0.1")
+    assert not hosts.allows("167772161")  # 10.0.0.1 as one number: a name, not listed
+    hosts.add("10.9.9.9", "discovery")
+    hosts.add("pod-1.example", "discovery")
+    hosts.add("pod-1.example", "config")
+    hosts.remove("pod-1.example", "discovery")
+    assert hosts.allows("pod-1.example")  # the config still holds it
+    hosts.remove("pod-1.example", "config")
+    assert not hosts.allows("pod-1.example")
+    with pytest.raises(ValueError):
+        hosts.add("not a host")
+    # The tokenizer delegation asks the list at every call: a host dropped is not called.
+    here = f"http://127.0.0.1:{listener.port}"
+    engine_hosts.install(EngineHosts(["10.0.0.0/8"]))
+    try:
+        tok = EngineTokenizer("m", lambda: [here])
+        with pytest.raises(TokenizeFailed) as err:
+            tok.encode_prompt("hello")
+        assert err.value.status == 503 and "allowed engine host" in str(err.value)
+        tok.close()
+    finally:
+        engine_hosts.install(None)
+    assert listener.connections == 0

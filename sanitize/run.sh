@@ -29,7 +29,8 @@ reports=$out/reports
 rm -rf "$reports" && mkdir -p "$reports"
 
 if [ $# -eq 0 ]; then
-    set -- tests/test_core*.py tests/test_index*.py tests/test_subscriber.py tests/test_hostile.py
+    set -- tests/test_core*.py tests/test_index*.py tests/test_subscriber.py tests/test_hostile.py \
+        tests/test_lookupd.py
 fi
 status=0
 env LD_PRELOAD="$asan" PYTHONPATH="$out" \

@@ -201,14 +201,19 @@ def run(args: argparse.Namespace) -> int:
 def _run_only(case: str, plan: Plan, out: Path) -> int:
     """One end-to-end case (`--only`), its results put into `out`'s, which keeps the rest
     of the last run and says which case ran apart, when and in which mode."""
-    from kvindex.bench.e2e.cases import ingest_workers_case
+    from kvindex.bench.e2e.cases import ingest_workers_case, lookup_run
     from kvindex.bench.e2e.chat import chat_case
+    from kvindex.bench.e2e.dynamo import standalone_status
     from kvindex.bench.e2e.routing import routing_case
+
+    def lookup(sizes: EndToEnd, workdir: Path) -> dict[str, Any]:
+        return lookup_run(sizes, workdir, standalone_status())
 
     cases: dict[str, Callable[[EndToEnd, Path], dict[str, Any]]] = {
         "routing": routing_case,
         "chat_lookup": chat_case,
         "ingest_workers": ingest_workers_case,
+        "lookup": lookup,
     }
     results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {"e2e": {}}
     _say(f"only the {case} case, mode {plan.mode}; into {out}")

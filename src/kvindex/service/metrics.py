@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from kvindex.runtime import STATUS_ORDER, Fleet, InstanceView, StoreHealth
 from kvindex.runtime.engine_metrics import MetricsScraper
+from kvindex.runtime.heap import heap_bytes
 from kvindex.runtime.prefix_tokens import CacheStats
 from kvindex.wire.tiers import tier_of
 
@@ -450,6 +451,28 @@ class TokenizerCaches(Collector):
             yield family
 
 
+class HeapCollector(Collector):
+    """The heap by its allocators' own statistics (kvindex.runtime.heap), read at scrape."""
+
+    def collect(self) -> Iterator[Metric]:
+        heap = heap_bytes()
+        family = GaugeMetricFamily(
+            "kvindex_heap_bytes",
+            "Bytes live in each allocator: core (the compiled core's C), malloc (glibc's, "
+            "the core's included), pymalloc (Python's small objects); the heap in use is "
+            "malloc + pymalloc.",
+            labels=["allocator"],
+        )
+        for name, value in (
+            ("core", heap.core),
+            ("malloc", heap.malloc),
+            ("pymalloc", heap.pymalloc),
+        ):
+            if value is not None:
+                family.add_metric([name], value)
+        yield family
+
+
 class ServiceMetrics:
     """The registry of one app: fleet state read at scrape time, lookup metrics, and the
     process's own (memory, CPU, file descriptors, GC, Python version)."""
@@ -469,6 +492,7 @@ class ServiceMetrics:
         self.registry.register(self.fleet_collector)
         if tokenizer_caches is not None:
             self.registry.register(TokenizerCaches(tokenizer_caches))
+        self.registry.register(HeapCollector())
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)

@@ -31,7 +31,7 @@ from kvindex.bench.e2e.streams import SteadyStream, filled, steady_state, warm_i
 from kvindex.bench.plan import EndToEnd, Plan
 from kvindex.bench.workloads import FillSpec
 
-__all__ = ["TARGETS", "ingest_workers_case", "run_e2e"]
+__all__ = ["TARGETS", "ingest_workers_case", "lookup_run", "run_e2e"]
 
 FRESH_RATE = 100_000  # block events/s while freshness is measured
 
@@ -65,7 +65,7 @@ def run_e2e(plan: Plan, workdir: Path, dynamo: bool = True) -> dict[str, Any]:
     }
     results |= ingest_cases(work, sizes, workdir, peer)
     results["e2e_ingest_workers"] = attempt(lambda: workers_case(work, sizes, workdir))
-    results["e2e_lookup"] = attempt(lambda: _lookup(sizes, workdir, peer))
+    results["e2e_lookup"] = attempt(lambda: lookup_run(sizes, workdir, peer))
     results["e2e_freshness"] = attempt(lambda: case_fresh(sizes, workdir))
     results["e2e_warm_restart"] = attempt(lambda: case_warm(sizes, workdir))
     results["e2e_routing"] = attempt(lambda: routing_case(sizes, workdir))
@@ -74,7 +74,7 @@ def run_e2e(plan: Plan, workdir: Path, dynamo: bool = True) -> dict[str, Any]:
     return results
 
 
-def _lookup(sizes: EndToEnd, workdir: Path, peer: dict[str, Any]) -> dict[str, Any]:
+def lookup_run(sizes: EndToEnd, workdir: Path, peer: dict[str, Any]) -> dict[str, Any]:
     """The fill and the stream of the lookup case, then the case."""
     started = time.monotonic()
     fleet = filled(FillSpec(sizes.lookup_instances, sizes.lookup_blocks), sizes.prompts)

@@ -31,7 +31,14 @@ from typing import Any
 import msgspec
 
 from kvindex.bench.e2e.dynamo import standalone, worker_id
-from kvindex.bench.e2e.probes import counters, lookup_metric, rss_mib, wait_applied, wait_live
+from kvindex.bench.e2e.probes import (
+    counters,
+    heap_bytes,
+    lookup_metric,
+    rss_mib,
+    wait_applied,
+    wait_live,
+)
 from kvindex.bench.e2e.procs import Publishers, bench_child, child, publishers, serve
 from kvindex.bench.e2e.runs import attempt, summarize_ms
 from kvindex.bench.e2e.streams import Filled, SteadyStream, wire_events, write_items
@@ -57,6 +64,8 @@ class Indexer:
     rss: Callable[[], float | None]
     extra: Callable[[], dict[str, Any]]  # counters worth keeping, read at the end
     name: str = ""  # the variant measured (STARTS' key), for its logs
+    # the allocators' own statistics (kvindex.runtime.heap: core, malloc, pymalloc, total)
+    heap: Callable[[], dict[str, float]] = dict
 
 
 @dataclass(slots=True)
@@ -115,6 +124,9 @@ def _compare(out: dict[str, Any]) -> None:
         ours["loaded_p99_meets_target"] = ours["loaded"]["p99_ms"] <= TARGETS["loaded_p99_ms"]
     if ours.get("bytes_per_entry") and theirs.get("bytes_per_entry"):
         ours["memory_vs_dynamo"] = ours["bytes_per_entry"] / theirs["bytes_per_entry"]
+    if ours.get("heap_bytes_per_entry") and theirs.get("bytes_per_entry"):
+        # Dynamo's own allocator says nothing from outside: its resident set is the figure
+        ours["heap_vs_dynamo"] = ours["heap_bytes_per_entry"] / theirs["bytes_per_entry"]
 
 
 @contextmanager
@@ -139,6 +151,7 @@ def _kvindex(
             wait,
             lambda: rss_mib(srv.child.proc.pid),
             lambda: {"counters": counters(srv.url)},
+            heap=lambda: heap_bytes(srv.url),
         )
 
 
@@ -178,12 +191,12 @@ def _measure(
         sent = pub.burst(sizes.timeout, count=load.warmup)
         events = load.wire_warmup
         idx.wait(sent["next_seqs"], events)
-        rss_before = idx.rss()
+        rss_before, heap_before = idx.rss(), idx.heap()
         sent = pub.burst(sizes.timeout, file=files.fill)
         events += fleet.wire_events
         filled_at = idx.wait(sent["next_seqs"], events)
         time.sleep(0.5)  # let the allocator settle before reading the resident set
-        rss_after = idx.rss()
+        rss_after, heap_after = idx.rss(), idx.heap()
         idle = _lookups(idx, files, sizes, workdir, "idle")
         loaded = _lookups(idx, files, sizes, workdir, "loaded", pub, load)
         pub.child.send({"op": "stop"})
@@ -199,6 +212,10 @@ def _measure(
         "fill_blocks_per_s": fleet.entries / max(1e-9, filled_at - sent["t0"]),
         "rss_growth_mib": growth,
         "bytes_per_entry": None if growth is None else growth * 2**20 / fleet.entries,
+        # The same growth by the allocators' own statistics (what is live, not what the
+        # process kept): the heap in use, and the core's C within it.
+        "heap_bytes_per_entry": _per_entry(heap_before, heap_after, "total", fleet.entries),
+        "core_bytes_per_entry": _per_entry(heap_before, heap_after, "core", fleet.entries),
         "floor_idle": summarize_ms(idle["floor"]),
         "idle": summarize_ms(idle["latencies"], idle.get("in_service_mean_ms")),
         "loaded": summarize_ms(loaded["latencies"], loaded.get("in_service_mean_ms")),
@@ -211,6 +228,14 @@ def _measure(
         "exact": sum(wrong) == 0,
         **extra,
     }
+
+
+def _per_entry(
+    before: dict[str, float], after: dict[str, float], key: str, entries: int
+) -> float | None:
+    if key not in before or key not in after or not entries:
+        return None
+    return (after[key] - before[key]) / entries
 
 
 def _lookups(

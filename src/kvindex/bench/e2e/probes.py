@@ -23,6 +23,7 @@ __all__ = [
     "connect",
     "counters",
     "free_port",
+    "heap_bytes",
     "http_json",
     "instances",
     "lookup_metric",
@@ -196,6 +197,25 @@ def lookup_metric(url: str) -> tuple[float, float]:
             if line.startswith(f'kvindex_lookup_latency_seconds_{key}{{kind="tokens"}}'):
                 found[key] = float(line.rsplit(" ", 1)[1])
     return found["sum"], found["count"]
+
+
+def heap_bytes(url: str) -> dict[str, float]:
+    """serve's `kvindex_heap_bytes` by allocator (kvindex.runtime.heap), and their `total`
+    (malloc + pymalloc) when both are there."""
+    conn = connect(url)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith('kvindex_heap_bytes{allocator="'):
+            name = line.split('"')[1]
+            found[name] = float(line.rsplit(" ", 1)[1])
+    if "malloc" in found and "pymalloc" in found:
+        found["total"] = found["malloc"] + found["pymalloc"]
+    return found
 
 
 def rss_mib(pid: int) -> float | None:

@@ -257,22 +257,25 @@ def lookups_main(
     api: str, url: str, prompts_file: Path, count: int, gets: int, interval: float
 ) -> None:
     """`gets` empty GETs back to back, then `count` lookups, one every `interval` seconds
-    (lookup i asks prompt i % P), on one keep-alive connection (`probes.Client`)."""
+    (lookup i asks prompt i % P), each kind on its own keep-alive connection
+    (`probes.Client`), as a router's lookups and a health checker's probes come: serve's
+    lookup thread hands a connection that sent anything but lookups to Python for good."""
     prompts = msgspec.msgpack.decode(prompts_file.read_bytes(), type=list[list[int]])
-    client = Client(url)
+    client, probe = Client(url), Client(url)
     lookups = [client.prepare("POST", _LOOKUP[api], _body(api, p)) for p in prompts]
-    floor = client.prepare("GET", _FLOOR[api])
-    for prepared in lookups[:3]:  # warm the connection and the handlers up
+    floor = probe.prepare("GET", _FLOOR[api])
+    for prepared in lookups[:3]:  # warm the connections and the handlers up
         client.send(prepared)
-        client.send(floor)
+        probe.send(floor)
     say({"op": "ready"})
     sys.stdin.readline()  # go
     clock = time.perf_counter
     floor_times: list[float] = []
     for _ in range(gets):
         start = clock()
-        client.send(floor)
+        probe.send(floor)
         floor_times.append(clock() - start)
+    probe.close()
     latencies: list[float] = []
     answers: list[dict[str, int]] = []
     for i in paced_steps(count, interval):

@@ -180,9 +180,15 @@ def _memory_row(case: dict[str, Any], ours_failed: str | None, theirs_failed: st
     mine = per(ours, ours_failed)
     if "memory_vs_dynamo" in ours:
         mine += f", {ours['memory_vs_dynamo']:.2f}x Dynamo"
+    if not ours_failed and ours.get("heap_bytes_per_entry") is not None:
+        mine += f"; by the allocators' statistics {ours['heap_bytes_per_entry']:.0f} B"
+        if "heap_vs_dynamo" in ours:
+            mine += f", {ours['heap_vs_dynamo']:.2f}x Dynamo's RSS"
+        if ours.get("core_bytes_per_entry") is not None:
+            mine += f" (the core's C {ours['core_bytes_per_entry']:.0f} B)"
     return (
         f"e2e memory per (instance, block) entry: process RSS growth over a "
-        f"{entries / 1e6:.3g}M-entry fill",
+        f"{entries / 1e6:.3g}M-entry fill (and the heap's, by its allocators)",
         mine,
         f"Dynamo standalone {per(theirs, theirs_failed)}",
         "<= 1.0x Dynamo",

@@ -3,7 +3,7 @@
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvindex.index.base import LookupRow
+from kvindex.index.base import Layout, LookupRow
 from kvindex.wire import BlockHash
 
 class Core:
@@ -21,7 +21,7 @@ class Core:
         lora_name: str | None,
         cache_salt: str | None,
         layout: list[tuple[str, list[tuple[int, int]]]],
-        empty_rows: Callable[[int], list[LookupRow]],
+        empty_rows: Callable[[int, Layout], list[LookupRow]],
         row_type: type[LookupRow],
         own: dict[int, dict[int, bytes]] | None = None,
         /,
@@ -61,7 +61,7 @@ class Core:
         lora_name: str | None,
         block_size: int | None,
         layout: list[tuple[str, list[tuple[int, int]]]],
-        empty_rows: Callable[[int], list[LookupRow]],
+        empty_rows: Callable[[int, Layout], list[LookupRow]],
         row_type: type[LookupRow],
         /,
     ) -> list[LookupRow]: ...
@@ -69,6 +69,10 @@ class Core:
     def set_slice(self, hashes: int, /) -> None: ...
     def distinct(self, bits: Sequence[int], /) -> tuple[int, dict[str, int]]: ...
     def tier_of(self, medium: str, /) -> str: ...
+    # tests only: a batch applied in slices waits after each one (see module.c)
+    def pause_slices(self, on: bool, /) -> None: ...
+    def slices_paused(self) -> int: ...
+    def resume_slices(self) -> None: ...
 
 lookup_api: object  # a capsule: lookup_api.h's table, for kvindex.service._lookupd
 

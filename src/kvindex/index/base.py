@@ -93,7 +93,8 @@ class IndexBase(Generic[P]):
         self._by_bit: dict[int, P] = {}
         self._free_bits: list[int] = []
         self._layout: Layout | None = None
-        self._empty_rows: dict[int, list[LookupRow]] = {}
+        # The rows of instances matching nothing, per size, for one layout (by identity).
+        self._empty_rows: tuple[Layout | None, dict[int, list[LookupRow]]] = (None, {})
         self._decoder = BatchDecoder()
         self.rates = RateWindow(rate_window)
 
@@ -220,7 +221,7 @@ class IndexBase(Generic[P]):
         """One row per instance, by name; a publisher missing from `found` matched nothing
         (its row is shared between answers: rows are immutable)."""
         layout = self._layout or self._lay_out()
-        empty = self._empty_rows.get(default_size) or self._make_empty_rows(default_size)
+        empty = self._empty_for(default_size, layout)
         rows = []
         for (name, ranks), nothing in zip(layout, empty, strict=True):
             if len(ranks) == 1:
@@ -270,14 +271,21 @@ class IndexBase(Generic[P]):
                 by_name.setdefault(key.instance, []).append((key.rank, pub.bit))
             layout = [(name, sorted(ranks)) for name, ranks in sorted(by_name.items())]
             self._layout = layout
-            self._empty_rows = {}
         return layout
 
-    def _make_empty_rows(self, size: int) -> list[LookupRow]:
-        layout = self._layout or self._lay_out()
-        rows = [
-            LookupRow(name, 0, 0, size, ranks[0][0], {rank: 0 for rank, _ in ranks})
-            for name, ranks in layout
-        ]
-        self._empty_rows[size] = rows
+    def _empty_for(self, size: int, layout: Layout) -> list[LookupRow]:
+        """The shared rows of instances matching nothing, for `layout`: the one the answer
+        is shaped by, which a publisher joining or leaving on another thread may have
+        replaced as `self._layout` meanwhile (issue 27 point 5)."""
+        shaped_by, by_size = self._empty_rows
+        if shaped_by is not layout:
+            by_size = {}
+            self._empty_rows = (layout, by_size)
+        rows = by_size.get(size)
+        if rows is None:
+            rows = [
+                LookupRow(name, 0, 0, size, ranks[0][0], {rank: 0 for rank, _ in ranks})
+                for name, ranks in layout
+            ]
+            by_size[size] = rows
         return rows

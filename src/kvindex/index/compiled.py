@@ -280,9 +280,6 @@ class CompiledIndex(IndexBase[_Pub]):
         own = self._own_keys(token_ids, keys)
         return self._core.lookup_json(token_ids, lora_name, cache_salt, slots, statuses, own)
 
-    def _empty_for(self, size: int) -> list[LookupRow]:
-        return self._empty_rows.get(size) or self._make_empty_rows(size)
-
     def lookup_local_hashes(
         self,
         hashes: Sequence[int],

@@ -662,6 +662,7 @@ source_t *source_get(core_t *c, uint32_t bit, int make) {
         return NULL;
     s->used = 1;
     s->bit = bit;
+    s->serial = ++c->serials;
     map_init(&s->extra);
     map_init(&s->refs);
     map_init(&s->where);
@@ -1468,9 +1469,24 @@ static int unsplit(const source_t *s, const op_t *op) {
     return 0;
 }
 
+/* Whether a slice may chain from `node`: none, or a live node the source holds, or a
+ * live root (a chain whose blocks found no place yet). */
+static int cursor_live(const core_t *c, const source_t *s, uint32_t node) {
+    if (node == NODE_NONE)
+        return 1;
+    if (node >= c->nnodes || node_freed(c, node))
+        return 0;
+    return holds(c, node, s->bit) || map_find((map_t *)&c->root_ns, node, 0) != NULL;
+}
+
 int apply_slice(core_t *c, source_t *s, scratch_t *sc, apply_cursor *cur, uint32_t budget) {
+    if (cur->started && cur->serial != s->serial)
+        return 1; /* removed meanwhile, its bit another's now: the rest was the removed one's */
     if (cur->started && cur->epoch != s->epoch)
         cur->node = NODE_NONE; /* cleared meanwhile (not by ingest): the chain's start gone */
+    if (cur->started && !cursor_live(c, s, cur->node))
+        cur->node = NODE_NONE; /* never expected: a freed node must not be chained from */
+    cur->serial = s->serial;
     cur->started = 1;
     for (; cur->op < sc->nops; cur->op++, cur->done = 0) {
         const op_t *op = &sc->ops[cur->op];

@@ -92,6 +92,7 @@ typedef struct {
     source_stats stats;
     uint32_t epoch; /* cleared this many times (apply_slice: a chain's start gone) */
     uint32_t unit;  /* the hash block size its partial-block entries show (0: none) */
+    uint64_t serial; /* never reused (core_t.serials): a batch's later slices check it */
 } source_t;
 
 typedef struct {
@@ -202,6 +203,7 @@ typedef struct {
      * answered outside Python (lookup_api.h) checks that the instances' bits it was given
      * are still the core's. */
     uint64_t sources_gen;
+    uint64_t serials;   /* sources made so far: each one's serial */
     interner strings;   /* media and spec kinds: a few, kept for the index's life */
     interner names;     /* namespaces' adapters and salts (freed with their last one) */
     interner bytes;     /* bytes hashes (freed when no pool holds them) */
@@ -256,6 +258,7 @@ typedef struct {
     uint32_t op, done; /* the next op, and how many of its hashes are applied */
     uint32_t node;     /* a stored op's next slice hangs from here (NODE_NONE: no place) */
     uint32_t epoch;    /* the source's after the last slice */
+    uint64_t serial;   /* the source's the first slice was applied to */
     uint8_t started;
     int64_t stored, removed, clears; /* what the batch brought, added when it is done */
 } apply_cursor;

@@ -57,6 +57,13 @@ typedef struct {
     struct spare *spares;
     int ready;
     uint32_t slice; /* hashes applied under one write lock at most: APPLY_SLICE, or set_slice's */
+    /* Tests only (pause_slices): a batch's applying thread waits between two slices, with
+     * neither the lock nor the GIL, until resume_slices; so a test can remove or add
+     * publishers exactly there (issue 27 point 1). */
+    pthread_mutex_t pause_lock;
+    pthread_cond_t pause_cond;
+    int pause_on, paused;
+    uint64_t resumes;
 } CoreObject;
 
 typedef struct spare {
@@ -125,6 +132,8 @@ static int Core_init(CoreObject *self, PyObject *args, PyObject *kwargs) {
         return -1;
     }
     pthread_mutex_init(&self->spares_lock, NULL); /* a default mutex: can't fail on Linux */
+    pthread_mutex_init(&self->pause_lock, NULL);
+    pthread_cond_init(&self->pause_cond, NULL);
     self->spares = NULL;
     self->slice = APPLY_SLICE;
     self->ready = 1;
@@ -147,6 +156,8 @@ static void Core_dealloc(CoreObject *self) {
             free(s);
         }
         pthread_mutex_destroy(&self->spares_lock);
+        pthread_mutex_destroy(&self->pause_lock);
+        pthread_cond_destroy(&self->pause_cond);
         pthread_rwlock_destroy(&self->lock);
         core_free(&self->core);
         self->ready = 0;
@@ -285,12 +296,24 @@ static int apply_one_slice(CoreObject *self, void *ctx) {
 /* Apply a parsed batch a slice at a time, the write lock let go between two: glibc's
  * rwlock (reader-preferring) hands it to the readers waiting. A RUN_NOGIL body. 1:
  * applied; 0: out of memory. */
+/* Between two slices, when a test asked (pause_slices): wait, holding nothing. */
+static void slice_pause(CoreObject *self) {
+    if (!__atomic_load_n(&self->pause_on, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&self->pause_lock);
+    uint64_t seen = self->resumes;
+    self->paused++;
+    while (self->pause_on && self->resumes == seen)
+        pthread_cond_wait(&self->pause_cond, &self->pause_lock);
+    self->paused--;
+    pthread_mutex_unlock(&self->pause_lock);
+}
+
 static int apply_sliced(CoreObject *self, void *ctx) {
     apply_ctx *a = ctx;
     int res;
-    do
-        res = core_locked(self, 1, apply_one_slice, a);
-    while (res == 0);
+    while ((res = core_locked(self, 1, apply_one_slice, a)) == 0)
+        slice_pause(self);
     a->counts[0] = a->cur.stored;
     a->counts[1] = a->cur.removed;
     a->counts[2] = a->cur.clears;
@@ -934,6 +957,27 @@ static PyObject *make_row(CoreObject *self, PyObject *row_type, PyObject *name, 
     return row;
 }
 
+/* Whether `layout` has the shape make_rows reads without checks: a list of (name, [(rank,
+ * bit), ...]) with one pair at least, ranks and bits ints. 0 with a TypeError set. */
+static int layout_ok(PyObject *layout) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(layout); i++) {
+        PyObject *entry = PyList_GET_ITEM(layout, i);
+        int ok = PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 2 &&
+                 PyList_Check(PyTuple_GET_ITEM(entry, 1)) &&
+                 PyList_GET_SIZE(PyTuple_GET_ITEM(entry, 1)) > 0;
+        for (Py_ssize_t k = 0; ok && k < PyList_GET_SIZE(PyTuple_GET_ITEM(entry, 1)); k++) {
+            PyObject *pair = PyList_GET_ITEM(PyTuple_GET_ITEM(entry, 1), k);
+            ok = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2 &&
+                 PyLong_Check(PyTuple_GET_ITEM(pair, 0)) && PyLong_Check(PyTuple_GET_ITEM(pair, 1));
+        }
+        if (!ok) {
+            PyErr_SetString(PyExc_TypeError, "a layout is [(name, [(rank, bit), ...]), ...]");
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* The answer's rows (base.IndexBase._rows): one per instance of `layout` ([(name,
  * [(rank, bit), ...]), ...] by name), the shared empty row of `empty` where nothing
  * matched, else a new row for the instance's best rank. */
@@ -1343,7 +1387,11 @@ static int lookup_rows(CoreObject *self, lookup_ctx *x) {
         PyErr_NoMemory();
         return -1;
     }
-    PyObject *empty = PyObject_CallFunction(x->empty_rows, "I", x->w.default_size);
+    if (!layout_ok(x->layout))
+        return -1;
+    /* The empty rows of the layout passed: the index's own may be replaced meanwhile by a
+     * publisher joining or leaving (issue 27 point 5). */
+    PyObject *empty = PyObject_CallFunction(x->empty_rows, "IO", x->w.default_size, x->layout);
     if (empty != NULL &&
         (!PyList_Check(empty) || PyList_GET_SIZE(empty) != PyList_GET_SIZE(x->layout))) {
         PyErr_SetString(PyExc_ValueError, "empty rows do not match the layout");
@@ -2429,7 +2477,42 @@ static PyObject *Core_tier_of(CoreObject *self, PyObject *medium) {
     return PyUnicode_FromString(TIER_NAMES[x.tier]);
 }
 
+/* pause_slices(on): tests only. On: a batch applied in slices waits after each slice
+   until resume_slices() (or pause_slices(False)); slices_paused() says how many wait. */
+static PyObject *Core_pause_slices(CoreObject *self, PyObject *on) {
+    uint8_t flag;
+    if (!core_ready(self) || !flag_arg(on, &flag))
+        return NULL;
+    pthread_mutex_lock(&self->pause_lock);
+    __atomic_store_n(&self->pause_on, flag, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&self->pause_cond);
+    pthread_mutex_unlock(&self->pause_lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_slices_paused(CoreObject *self, PyObject *Py_UNUSED(unused)) {
+    if (!core_ready(self))
+        return NULL;
+    pthread_mutex_lock(&self->pause_lock);
+    int paused = self->paused;
+    pthread_mutex_unlock(&self->pause_lock);
+    return PyLong_FromLong(paused);
+}
+
+static PyObject *Core_resume_slices(CoreObject *self, PyObject *Py_UNUSED(unused)) {
+    if (!core_ready(self))
+        return NULL;
+    pthread_mutex_lock(&self->pause_lock);
+    self->resumes++;
+    pthread_cond_broadcast(&self->pause_cond);
+    pthread_mutex_unlock(&self->pause_lock);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Core_methods[] = {
+    {"pause_slices", (PyCFunction)Core_pause_slices, METH_O, NULL},
+    {"slices_paused", (PyCFunction)Core_slices_paused, METH_NOARGS, NULL},
+    {"resume_slices", (PyCFunction)Core_resume_slices, METH_NOARGS, NULL},
     {"apply_payload", (PyCFunction)(void (*)(void))Core_apply_payload, METH_FASTCALL, NULL},
     {"apply_ops", (PyCFunction)(void (*)(void))Core_apply_ops, METH_FASTCALL, NULL},
     {"clear", (PyCFunction)(void (*)(void))Core_clear, METH_FASTCALL, NULL},

@@ -134,3 +134,40 @@ def test_engine_hosts_entries_sources_and_call_time_checks(listener: CaptureList
     finally:
         engine_hosts.install(None)
     assert listener.connections == 0
+
+
+def test_engines_discovery_finds_join_the_list_while_they_are_found() -> None:
+    # Issue 24's finders add engines directly; their hosts must be on the list for as
+    # long as they are found (their http= is scraped and asked to tokenize), no longer.
+    import asyncio
+
+    from kvindex.runtime import Fleet
+    from kvindex.runtime.finders.reconcile import Found, FoundBy, Reconciler
+    from kvindex.security.engines import EngineHosts, engine_hosts
+    from kvindex.subscriber import InstanceSpec
+
+    hosts = EngineHosts(["10.0.0.0/8"])
+    hosts.add("10.20.0.1", "config")  # an operator's engine on a host a pod shares
+    engine_hosts.install(hosts)
+    fleet = Fleet(ingest_workers=1)
+    reconciler = Reconciler(fleet)
+    asyncio.run(fleet.start())
+    try:
+        port = free_port()
+        found = {}
+        for ip in ("172.16.0.7", "10.20.0.1"):
+            spec = InstanceSpec(
+                f"pods@{ip}", f"tcp://{ip}:{port}", http=f"http://pod-{ip[-1]}.ns.svc:8000"
+            )
+            found[spec.name] = Found(spec, FoundBy("dns", "dns:pods:1", f"{ip}:{port}"))
+        reconciler.replace("dns:pods", found)
+        assert set(fleet.specs) == set(found)
+        assert hosts.allows("172.16.0.7") and hosts.allows("pod-7.ns.svc")
+        assert engine_hosts.allows_url("http://pod-7.ns.svc:8000/metrics")
+        reconciler.replace("dns:pods", {})
+        assert not fleet.specs
+        assert not hosts.allows("172.16.0.7") and not hosts.allows("pod-7.ns.svc")
+        assert hosts.allows("10.20.0.1")  # still the operator's
+    finally:
+        engine_hosts.install(None)
+        asyncio.run(fleet.stop())

@@ -34,6 +34,7 @@ import msgspec
 import zmq
 
 from kvindex.runtime.finders.common import FinderThread
+from kvindex.security.engines import engine_hosts
 from kvindex.subscriber import InstanceSpec, Status
 
 __all__ = ["FleetChange", "Found", "FoundBy", "Reconciler"]
@@ -205,6 +206,10 @@ class Reconciler:
         self._own(key, name, engine, f"found by {key} at {engine.by.address}")
 
     def _own(self, key: str, name: str, engine: Found, why: str) -> None:
+        # Its hosts join the engine allow-list (its http= is scraped and asked to tokenize)
+        # for as long as discovery holds it.
+        for host in engine.spec.hosts():
+            engine_hosts.add(host, f"discovery:{name}")
         self._refused.pop(name, None)
         self._conflicts.discard(name)
         self._owned[name] = (key, engine)
@@ -215,6 +220,8 @@ class Reconciler:
     def _drop(self, name: str, why: str) -> None:
         _, engine = self._owned.pop(name)
         self._remove(name)
+        for host in engine.spec.hosts():
+            engine_hosts.remove(host, f"discovery:{name}")
         self.removed += 1
         self._note(name, "removed", why, engine.by)
 

@@ -32,7 +32,7 @@ PURE_TESTS := tests/test_index.py tests/test_index_model.py tests/test_core.py \
 	tests/test_wire.py tests/test_fuzz.py tests/test_sglang_interop.py \
 	tests/test_subscriber.py tests/test_hostile.py \
 	tests/test_vllm_releases.py tests/test_interop_releases.py tests/interop \
-	tests/test_runtime_membership.py
+	tests/test_runtime_membership.py tests/test_membership_stress.py
 
 test: $(CORE_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import redis
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_store_sqlite import (
@@ -32,12 +35,14 @@ from test_store_sqlite import (
 )
 
 from kvindex.index import FleetIndex
+from kvindex.runtime import MembershipChange
 from kvindex.store import StoreError, open_store
 from kvindex.store.base import LoadResult
 from kvindex.store.mirror import Mirror
 from kvindex.store.redis import RedisStore, current_rows
 from kvindex.store.redis.append import Appender
 from kvindex.store.redis.compact import Compactor
+from kvindex.store.redis.feed import SharedSubscriber
 from kvindex.store.redis.layout import (
     STATUS,
     ZERO,
@@ -46,6 +51,7 @@ from kvindex.store.redis.layout import (
     cp_key,
     decode_rows,
     log_key,
+    pack,
     row_field,
     row_value,
     snap_key,
@@ -55,7 +61,7 @@ from kvindex.store.redis.layout import (
 from kvindex.store.redis.reader import SharedLogReader
 from kvindex.store.redis.worker import register_instance
 from kvindex.store.rows import BlockRow
-from kvindex.subscriber import Delivery, Restarted, SourceKey
+from kvindex.subscriber import Delivery, InstanceSpec, Restarted, SourceKey
 from kvindex.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from kvindex.wire.publisher import encode_batch
 
@@ -423,3 +429,68 @@ def test_a_compaction_cut_off_midway_loses_nothing_from_the_snapshot(server: Any
     finally:
         cut.close()
         proxy.close()
+
+
+def test_an_instance_removed_and_added_again_in_one_group_keeps_its_new_batches(
+    server: Any,
+) -> None:
+    """The worker forgot an instance's queued batches when it applied the removal, after
+    taking the whole group: the batches of the instance added again right after (in the
+    same group) went with it, and its new log stayed empty. Now the removal forgets what
+    came before it only."""
+    client = redis.Redis.from_url(server.url)
+    client.flushdb()
+    store = RedisStore(server.url)
+    store.load(FleetIndex())
+    store.start()
+    spec = InstanceSpec.parse("c=tcp://127.0.0.1:1")
+    c = SourceKey("c")
+
+    def batches(first: int) -> None:
+        for seq in range(5):
+            payload = encode_batch([BlockStored([first + seq], None, [seq] * BS, BS)])
+            store.record(Delivery(c, seq, decode_batch(payload), payload=payload))
+
+    try:
+        store.save_instance(spec)
+        batches(0)
+        store.sync()
+        store.remove_instance("c")  # and at once again, with its engine's replay from 0
+        store.save_instance(spec)
+        batches(100)
+        store.sync()
+    finally:
+        store.close()
+    assert client.hget(cp_key(c), "n") == b"5"
+    index = FleetIndex()
+    RedisStore(server.url).load(index)
+    assert index.block_hashes("c") == set(range(100, 105))
+
+
+def test_a_replica_that_ingests_nothing_wakes_on_the_feed_at_once() -> None:
+    """The feed socket (other replicas' entries, forwarded by the worker) was not in the
+    Subscriber's poller: a replica with no publisher of its own took it only when its
+    idle wait ran out, one membership change per wait, so under churn it fell far behind.
+    Now an entry wakes the poll at once."""
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("inproc://feed-wakes")
+    push.connect("inproc://feed-wakes")
+    sub = SharedSubscriber(IngestPolicy.parse("none"), lambda _report: None, {}, {})
+    wake_r, wake_w = os.pipe()
+    sub.wake_on(wake_r)  # as an ingest worker has it
+    sub.connect_feed(pull)
+    try:
+        sub.poll(0)
+        spec = InstanceSpec.parse("r=tcp://127.0.0.1:1")
+        push.send_multipart([pack(["a", "r", spec.render(), False, "1-0"])])
+        start = time.monotonic()
+        sub.poll(5.0)
+        assert time.monotonic() - start < 1.0
+        assert sub.membership_changes() == [MembershipChange("r", spec)]
+    finally:
+        sub.close()
+        push.close(linger=0)
+        pull.close(linger=0)
+        os.close(wake_r)
+        os.close(wake_w)

@@ -330,7 +330,9 @@ class Fleet:
         with self._members:
             items = worker.subscriber.add_instance(spec)
             self._publish(worker, spec)
-        if spec.discover is not None:
+        # Its /server_info is read again by whoever subscribes to it: not by a replica
+        # that only applies another one's log of it (that one re-registers it when it moves).
+        if spec.discover is not None and spec.name in worker.subscriber.instances:
             self.discovery.track(spec)
         for item in items:  # a replay from 0 for a late join, applied here
             worker.apply(item)

@@ -105,7 +105,11 @@ class SharedSubscriber(Subscriber):
         return {s: remote[s].pos if s in remote else ZERO for s in self.sources()}
 
     def connect_feed(self, sock: zmq.Socket[bytes]) -> None:
+        """The worker's socket of other replicas' entries: `poll` wakes on it too (else a
+        replica that ingests nothing took it only once per idle wait, and one membership
+        change per wait: far behind under churn)."""
         self._feed = sock
+        self._poller.register(sock, zmq.POLLIN)
 
     # -- membership ---------------------------------------------------------------------
 

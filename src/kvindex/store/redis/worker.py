@@ -295,6 +295,10 @@ class Worker:
             elif isinstance(message, StatusReport):
                 self.status.update(message.report)
             elif isinstance(message, SaveInstance | RemoveInstance):
+                if isinstance(message, RemoveInstance):
+                    # What is queued of it goes with it now: the items that follow are an
+                    # instance of that name added again (registered before they are sent).
+                    self.appender.forget(message.name)
                 self.membership.append(message)
             elif message.kind == "stop":
                 self.waiting.append((message.kind, message.token))
@@ -330,7 +334,6 @@ class Worker:
             self.appender.forget_source(source)
 
     def _remove(self, name: str) -> None:
-        self.appender.forget(name)
         spec = cast(bytes | None, self.client.hget(INSTANCES, name))
         sources = sources_of(spec.decode()) if spec else [SourceKey(name)]
         keys = [INSTANCES, CTL, STATUS, *_keys_of(sources)]

@@ -38,6 +38,7 @@ def test_serve_scores_and_predicts_with_the_weights_and_ttl_it_is_given(tmp_path
                 scored = client.post("/v1/lookup", json={"token_ids": [1] * 32, "score": True})
                 assert scored.json()["weights"] == {  # the flag's queue over the file's
                     "prefix": 3.0, "queue": 0.25, "running": 1.0, "kv": 0.0, "predicted": 1.0,
+                    "backlog": 0.0,
                     "tiers": {"gpu": 1.0, "cpu": 0.5, "disk": 0.5, "external": 0.5},
                 }  # fmt: skip
                 routed = client.post("/v1/route", json={"token_ids": list(range(32))}).json()

@@ -23,7 +23,12 @@ def add_parser(sub: Any) -> None:
     )
     add_arguments(p)
     p.set_defaults(run=run)
-    cases = p.add_subparsers(dest="bench_case", metavar="CASE", required=False)
+    cases = p.add_subparsers(
+        dest="bench_case",
+        metavar="CASE",
+        required=False,
+        help="one case on its own (routing: the routing A/B); without it, the whole suite",
+    )
     routing = cases.add_parser(
         "routing",
         help="replay a trace through modeled vLLM engines once per routing policy",

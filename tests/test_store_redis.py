@@ -175,6 +175,48 @@ def test_appends_are_idempotent_by_seq(server: Any) -> None:
     assert second.stats.conflicts == 4
 
 
+def test_a_replica_that_lost_a_range_does_not_hide_another_replicas_batches(
+    server: Any,
+) -> None:
+    """Item 16: two replicas ingest one publisher; the first lost seqs 1..3 (its SUB
+    dropped them, the replay could not bring them), the second has them. The first's
+    lost mark, logged first, won: the second's real batches were skipped as duplicates,
+    the log said `lost` for batches one replica holds. Now a lost range waits a moment
+    (LOST_HOLD) and the real batches logged meanwhile win; the mark then covers nothing."""
+    h = Harness(server.url)
+    payloads = [encode_batch([BlockStored([i], None, [i] * BS, BS)]) for i in range(5)]
+    first = h.appender
+    first.lost_hold = 0.5
+    first.batch(A, 0, payloads[0])
+    first.lost(A, 1, 3)
+    first.batch(A, 4, payloads[4])
+    assert not first.flush(h.client)  # the lost range and what follows it wait
+    assert h.entries(A) == [b"b"]
+    second = Appender(1000, h.reader.spec)
+    for seq, payload in enumerate(payloads):
+        second.batch(A, seq, payload)
+    second.flush(h.client)
+    time.sleep(0.6)
+    assert first.flush(h.client)
+    assert h.entries(A) == [b"b"] * 5
+    assert h.client.hget(cp_key(A), "l") == b"0"
+
+
+def test_a_range_nobody_has_is_logged_lost_after_the_hold(server: Any) -> None:
+    h = Harness(server.url)
+    h.appender.lost_hold = 0.2
+    h.appender.batch(A, 0, encode_batch([BlockStored([0], None, [0] * BS, BS)]))
+    h.appender.lost(A, 1, 3)
+    h.appender.batch(A, 4, encode_batch([BlockStored([4], None, [4] * BS, BS)]))
+    h.appender.flush(h.client)
+    held = h.appender.held_for()
+    assert held is not None and 0 < held <= 0.2
+    time.sleep(0.25)
+    assert h.appender.flush(h.client)
+    assert h.entries(A) == [b"b", b"l", b"b"]
+    assert h.client.hget(cp_key(A), "l") == b"3"
+
+
 def test_gap_without_replay_is_logged_as_lost(server: Any) -> None:
     h = Harness(server.url)
     h.batch(A, BlockStored([1], None, [1] * BS, BS))

@@ -44,6 +44,12 @@ log = logging.getLogger(__name__)
 
 RUN = 200  # items per script call: a script blocks Redis while it runs
 TAKE = 4_000  # items per pipeline
+# A range this replica lost waits this long before it is logged (and what follows it of
+# that publisher with it): another replica that has the real batches logs them first, and
+# the lost mark then covers only what nobody had (else the mark won, and the real
+# batches were skipped as duplicates: the replicas differed, and one from itself after a
+# restart).
+LOST_HOLD = 1.0
 
 
 @dataclass(slots=True)
@@ -57,6 +63,7 @@ class Item:
     b: str
     payload: bytes = b""
     prev: str = ""
+    at: float = 0.0  # when a lost range was queued (see LOST_HOLD)
 
     def args(self) -> list[Any]:
         return [self.kind, self.a, self.b, self.prev, self.payload]
@@ -85,6 +92,7 @@ class Appender:
     short: set[SourceKey] = field(default_factory=set)  # batches dropped since the last flush
     diverged: set[SourceKey] = field(default_factory=set)  # see APPEND
     stats: AppendStats = field(default_factory=AppendStats)
+    lost_hold: float = LOST_HOLD
     # Instances whose appends Redis refused as unregistered, said once until one lands.
     unregistered: set[str] = field(default_factory=set)
 
@@ -102,7 +110,7 @@ class Appender:
 
     def lost(self, source: SourceKey, first: int, last: int) -> None:
         self.mine[source] = (last + 1, "")
-        self.queue.append(Item(source, "l", first, str(last)))
+        self.queue.append(Item(source, "l", first, str(last), at=time.monotonic()))
 
     def restart(self, source: SourceKey) -> None:
         where, digest = self.mine.get(source, (0, ""))
@@ -125,16 +133,42 @@ class Appender:
     # -- to Redis -----------------------------------------------------------------------
 
     def flush(self, client: redis.Redis) -> bool:
-        """Append what is queued; returns True once the queue is empty and no log is short."""
+        """Append what is queued (but lost ranges younger than `lost_hold`, and what
+        follows each of its publisher); returns True once the queue is empty and no log
+        is short."""
         script = client.register_script(APPEND)
-        while self.queue:
-            self._flush_some(client, script)
+        self.queue, held = self._hold_lost()
+        try:
+            while self.queue:
+                self._flush_some(client, script)
+        finally:
+            self.queue.extend(held)  # each publisher's items stay in their order
         for source in list(self.short):
             self.short.discard(source)
             where = self.mine.get(source)
             if where is not None:
                 self._fill_to(client, script, source, where[0])
         return not self.queue
+
+    def held_for(self) -> float | None:
+        """Seconds until the first lost range held back may be logged (None: none)."""
+        ats = [item.at for item in self.queue if item.kind == "l" and item.at]
+        if not ats:
+            return None
+        return max(0.0, min(ats) + self.lost_hold - time.monotonic())
+
+    def _hold_lost(self) -> tuple[deque[Item], deque[Item]]:
+        """The queue split in what may go now and what waits (see LOST_HOLD): a lost
+        range too young, and every item of its publisher after it."""
+        ready: deque[Item] = deque()
+        held: deque[Item] = deque()
+        holding: set[SourceKey] = set()
+        now = time.monotonic()
+        for item in self.queue:
+            if item.kind == "l" and item.at and now - item.at < self.lost_hold:
+                holding.add(item.source)
+            (held if item.source in holding else ready).append(item)
+        return ready, held
 
     def _flush_some(self, client: redis.Redis, script: Any) -> None:
         taken = [self.queue.popleft() for _ in range(min(TAKE, len(self.queue)))]

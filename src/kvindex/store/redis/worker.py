@@ -192,7 +192,7 @@ class Worker:
         self.appender.flush(self.client)
         self._commit()
         self._answer(("sync",))
-        block = IDLE_BLOCK_MS if not self.appender.queue and not self._inbox_ready() else None
+        block = self._block_ms()
         if self.reader.step(self.client, block):
             # The mirror holds no reference cycles: what it keeps need never be scanned by
             # the cyclic GC again (a fifth of the mirror's time otherwise).
@@ -201,6 +201,16 @@ class Worker:
         if self.compactor.due() or any(k == "compact" for k, _ in self.waiting):
             self.compactor.compact(self.client)
             self._answer(("compact",))
+
+    def _block_ms(self) -> int | None:
+        """How long the next read of the logs may wait: not at all with work queued
+        (but lost ranges held back: until the first may go, at most the idle wait)."""
+        if self._inbox_ready():
+            return None
+        if not self.appender.queue:
+            return IDLE_BLOCK_MS
+        held = self.appender.held_for()
+        return None if held is None else max(1, min(IDLE_BLOCK_MS, int(held * 1000)))
 
     def _commit(self) -> None:
         """Tell the service what is in Redis now (everything taken, once the queue is
@@ -240,6 +250,7 @@ class Worker:
     def _finish(self) -> None:
         """Stop: flush and compact if Redis lets us within a few seconds."""
         deadline = time.monotonic() + 5
+        self.appender.lost_hold = 0.0  # nothing waits any more
         while time.monotonic() < deadline:
             if self.link.ready(self.client):
                 try:

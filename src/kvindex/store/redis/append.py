@@ -212,6 +212,7 @@ class Appender:
         Redis restarted empty or was flushed. The second loses every append from then on:
         say it loudly, once per instance until its appends land again."""
         self.stats.unregistered += count
+        self.short.add(source)  # fetched again from the publisher once it is registered
         name = source.instance
         if name in self.unregistered or self.spec_of(name) is None:
             return  # said already, or removed (the registry this replica read says so)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -91,6 +92,20 @@ class Compactor:
             raise
         self.compactions += 1
         return True
+
+    def rewrite(self, client: redis.Redis, sources: Iterable[SourceKey]) -> list[SourceKey]:
+        """Write the mirror's whole snapshot of each of `sources` now, lock or not (a
+        Redis that lost them: see Worker._refill); each write is still one transaction
+        that yields to a newer snapshot. Returns the publishers written."""
+        written = []
+        for source in sources:
+            cursor, src = self.cursors.get(source), self.mirror.sources.get(source)
+            if cursor is None or src is None:
+                continue
+            self.mirror.snapshot_of[source] = None  # whole
+            if self._write(client, source, cursor, src, set(), True):
+                written.append(source)
+        return written
 
     def _write(
         self,

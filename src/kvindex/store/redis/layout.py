@@ -498,6 +498,17 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', 10000, '*', 'op', 'x', 'name', ARGV[1
 return 1
 """
 
+# Puts back a publisher's checkpoint that Redis lost (see Worker._refill), unless the log
+# already stands there or further (another replica refilled it, or appended since): a
+# checkpoint never moves back. KEYS: cp. ARGV: next seq, digest, lost (decimal strings).
+RESTORE_CP = """
+local n = redis.call('HGET', KEYS[1], 'n') or '0'
+local want = ARGV[1]
+if #n > #want or (#n == #want and n >= want) then return 0 end
+redis.call('HSET', KEYS[1], 'n', want, 'd', ARGV[2], 'l', ARGV[3])
+return 1
+"""
+
 # Takes or renews the compaction lock. KEYS: compactor. ARGV: owner, milliseconds.
 LOCK = """
 local holder = redis.call('GET', KEYS[1])

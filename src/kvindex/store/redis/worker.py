@@ -53,6 +53,8 @@ from kvindex.store.redis.layout import (
     INSTANCES,
     REGISTER,
     REMOVE,
+    RESTORE_CP,
+    SENTINEL_SCHEME,
     STATUS,
     IngestPolicy,
     cp_key,
@@ -93,8 +95,10 @@ class WorkerConfig:
 class RedisReachability:
     """Whether Redis answers, and when to try again if it does not."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_pause: float = 2.0) -> None:
+        self.max_pause = max_pause
         self.up = True
+        self.came_back = False  # set when Redis answers again (the worker checks what it lost)
         self.pause = 0.1
         self.retry_at = 0.0
         self.outages = 0
@@ -107,7 +111,7 @@ class RedisReachability:
         self.up = False
         self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         self.retry_at = time.monotonic() + self.pause
-        self.pause = min(self.pause * 2, 2.0)
+        self.pause = min(self.pause * 2, self.max_pause)
 
     def ready(self, client: redis.Redis) -> bool:
         if self.up:
@@ -121,6 +125,7 @@ class RedisReachability:
             return False
         log.warning("Redis is back")
         self.up, self.pause, self.error = True, 0.1, ""
+        self.came_back = True
         return True
 
 
@@ -147,7 +152,10 @@ class Worker:
         for key, (next_seq, digest) in config.mine.items():
             self.appender.mine[untag(key)] = (next_seq, "" if digest is None else str(digest))
         self.compactor = Compactor(self.mirror, self.reader.cursors, config.compact)
-        self.link = RedisReachability()
+        # Behind Sentinel a new master is there the moment it is promoted, and asking the
+        # Sentinels is cheap: try every 0.5 s at most rather than 2 s.
+        sentinel = config.url.startswith(SENTINEL_SCHEME + "://")
+        self.link = RedisReachability(0.5 if sentinel else 2.0)
         self.loaded = False
         self.waiting: list[tuple[str, int]] = []  # sync/compact/stop requests
         self.taken = 0  # the last group taken from the service
@@ -158,6 +166,9 @@ class Worker:
         self.membership: list[SaveInstance | RemoveInstance] = []  # not yet in Redis
         self.beat = 0
         self.reported = 0.0
+        self.refills = 0  # times Redis lacked what this replica holds and was written back
+        self.refilled_sources = 0
+        self._unregistered_seen = 0
 
     def _forward(self, frames: list[bytes]) -> None:
         self.outbox.send_multipart(frames, copy=False)
@@ -187,6 +198,11 @@ class Worker:
             self.reader.load(self.client, served, parse_id(self.config.ctl))
             self._resume_appends()
             self.loaded = True
+            self.link.came_back = False
+        elif self.link.came_back or self.appender.stats.unregistered > self._unregistered_seen:
+            self.link.came_back = False
+            self._unregistered_seen = self.appender.stats.unregistered
+            self._refill()
         self._apply_membership()
         self._publish_status()
         self.appender.flush(self.client)
@@ -330,6 +346,39 @@ class Worker:
                 self._remove(change.name)
             self.membership.pop(0)
 
+    def _refill(self) -> None:
+        """Redis answers again, or refused an append as unregistered: if it lacks what this
+        replica holds (it restarted empty, was flushed, or a failover lost the writes
+        asynchronous replication had not carried), write it back: the fleet registered
+        again, each publisher's snapshot from the mirror and its checkpoint, and appends
+        resumed from there (the seqs past it that the mirror had not read yet are fetched
+        again from the publisher's replay buffer, as after any gap: see Appender)."""
+        registered = {n.decode() for n in cast(list[bytes], self.client.hkeys(INSTANCES))}
+        unknown = [name for name in self.reader.specs if name not in registered]
+        behind = []
+        for source, cursor in self.reader.cursors.items():
+            stands = cast(bytes | None, self.client.hget(cp_key(source), "n"))
+            if cursor.next_seq > (int(stands) if stands else 0):
+                behind.append(source)
+        if not unknown and not behind:
+            return
+        log.warning(
+            "Redis lacks %d instance(s) and %d publisher log(s) this replica holds (restarted "
+            "empty, flushed, or a failover lost writes): writing them back",
+            len(unknown),
+            len(behind),
+        )
+        for name in unknown:
+            self._register(name, self.reader.specs[name])
+        written = self.compactor.rewrite(self.client, behind)
+        for source in written:
+            cursor = self.reader.cursors[source]
+            digest = "" if cursor.digest is None else str(cursor.digest)
+            args = [str(cursor.next_seq), digest, str(cursor.lost)]
+            self.client.eval(RESTORE_CP, 1, cp_key(source), *args)
+        self.refills += 1
+        self.refilled_sources += len(written)
+
     def _publish_status(self) -> None:
         if not self.status:
             return
@@ -380,6 +429,8 @@ class Worker:
             "forwarded": r.forwarded,
             "resyncs": r.resyncs,
             "compactions": self.compactor.compactions,
+            "refills": self.refills,
+            "refilled_publishers": self.refilled_sources,
             "ingest": self.config.ingest,
         }
 

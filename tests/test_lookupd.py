@@ -126,7 +126,7 @@ def test_the_thread_answers_what_python_answers(
                         assert status == 200
                         assert headers["content-type"] == "application/json"
                         assert body == fleet.lookup_json(tokens, **names)[0], (tokens, names)
-            answered, handed, stale, _ = thread.counts()
+            answered, handed, stale, _, _ = thread.counts()
             assert (answered, handed, stale) == (asked, 0, 0)
             thread.read_samples()
             assert thread.metrics.totals[0] == asked
@@ -230,7 +230,7 @@ def test_moved_publishers_are_handed_over() -> None:
             sock.sendall(request)
             assert wait_until(lambda: thread.counts()[1] == 1, 10)
             taken = thread.server.take()
-            assert len(taken) == 1 and taken[0][1] == request
+            assert len(taken) == 1 and taken[0][1:] == (request, False)
             os.close(taken[0][0])
             assert thread.counts()[2] == 1  # stale
             thread.refresh()
@@ -295,22 +295,46 @@ def test_serve_answers_in_the_thread_and_hands_over_the_rest(
         sock.sendall(lookup_request(tokens, **auth))
         status, _, answer = read_response(sock, pending)
         assert status == 200 and json.loads(answer)["best"] == "a"
-        # the same connection, another path: Python's from here on, in order
+        # the same connection, another path and a lookup pipelined behind it: Python
+        # answers both, in order, then gives the connection back
         sock.sendall(
             b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" + lookup_request(tokens, **auth)
         )
         assert read_response(sock, pending)[0] == 200
         assert read_response(sock, pending)[2] == answer
+        given_back = "kvindex_lookup_thread_given_back_total"
+        assert wait_until(lambda: thread_counts(port)[given_back] > before[given_back], 10)
+        sock.sendall(lookup_request(tokens, **auth))  # the thread's again
+        assert read_response(sock, pending)[2] == answer
     after = thread_counts(port)
-    assert (
-        after["kvindex_lookup_thread_answered_total"]
-        - before["kvindex_lookup_thread_answered_total"]
-        == 1
-    )
+    answered = "kvindex_lookup_thread_answered_total"
+    assert after[answered] - before[answered] == 2
     handed = "kvindex_lookup_thread_handed_over_total"
-    assert after[handed] - before[handed] >= 1  # the metrics scrape is handed over too
+    assert after[handed] - before[handed] >= 1  # the metrics scrapes are handed over too
     requests = 'kvindex_lookup_requests_total{kind="tokens"}'
-    assert after[requests] - before[requests] == 2  # the thread's answer counted too
+    assert after[requests] - before[requests] == 3  # the thread's answers counted too
+
+
+def test_a_connection_that_never_looks_up_stays_with_python(
+    served: tuple[Proc, int, list[int]],
+) -> None:
+    """Handed over, given back, handed over again with nothing answered by the thread:
+    Python keeps it, rather than passing it back and forth at every request."""
+    _, port, _ = served
+    before = thread_counts(port)
+    with connect(port) as sock:
+        pending = bytearray()
+        for _ in range(5):
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert read_response(sock, pending)[0] == 200
+            time.sleep(0.05)  # given back, if it is, before the next
+    after = thread_counts(port)
+    given_back = "kvindex_lookup_thread_given_back_total"
+    handed = "kvindex_lookup_thread_handed_over_total"
+    # this connection: over, back, over, then kept (5 and 4 if it bounced each time);
+    # the scrape after it: once over; the scrape before it: given back after it counted
+    assert after[handed] - before[handed] == 2 + 1
+    assert 1 <= after[given_back] - before[given_back] <= 1 + 1
 
 
 @pytest.mark.parametrize(

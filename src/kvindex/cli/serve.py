@@ -582,7 +582,9 @@ async def _serve(
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
     if server.started and not server.should_exit and lookups is not None:
-        lookups.start(_protocol_factory(server))
+        lookups.start(
+            _protocol_factory(server, lookups.returning(server.config.http_protocol_class))
+        )
     if server.started and not server.should_exit:
         print(f"kvindex serve: listening on {url} ({summary})", flush=True)
         # What exists now (the app, the warm-loaded state) lives as long as the process:
@@ -596,14 +598,16 @@ async def _serve(
         sock.close()
 
 
-def _protocol_factory(server: uvicorn.Server) -> Callable[[], asyncio.Protocol]:
-    """uvicorn's protocol for one connection, as its server makes them (`startup`)."""
+def _protocol_factory(server: uvicorn.Server, cls: type[Any]) -> Callable[[], asyncio.Protocol]:
+    """`cls` (uvicorn's protocol or a subclass) for one connection, as uvicorn's server
+    makes its protocols (`startup`)."""
     config = server.config
 
     def protocol() -> asyncio.Protocol:
-        return config.http_protocol_class(  # type: ignore[call-arg]
+        made: asyncio.Protocol = cls(
             config=config, server_state=server.server_state, app_state=server.lifespan.state
         )
+        return made
 
     return protocol
 

@@ -9,7 +9,8 @@
  * response written as uvicorn's protocol writes it (kvindex/service/fastpath.py). The
  * first request it is not sure of hands the whole connection to Python -- its socket and
  * the bytes read so far -- and uvicorn's protocol (with every limit of the service) reads
- * it from there, for good. A request that has not arrived whole within `handoff_after`
+ * it from there; once that request is answered and nothing more of the connection is
+ * pending, Python gives it back (`adopt`). A request that has not arrived whole within `handoff_after`
  * seconds is handed over too (the service's body deadline then applies), and an idle
  * connection is closed after `keep_alive` seconds, as uvicorn's.
  *
@@ -74,6 +75,7 @@ typedef struct conn {
     double started; /* when the pending request's first byte came; 0: none pending */
     double active;  /* the last byte read or written */
     int handing;    /* hand it to Python once the output is out */
+    int adopted;    /* given back by Python (`adopt`) and not answered here since */
     struct conn *prev, *next;
 } conn_t;
 
@@ -81,6 +83,7 @@ typedef struct handoff {
     int fd;
     char *data;
     size_t len;
+    int bounced; /* given back and handed over again before any answer here: Python keeps it */
     struct handoff *next;
 } handoff_t;
 
@@ -114,9 +117,11 @@ typedef struct {
     pthread_mutex_t mu;
     ctx_t *ctx;
     handoff_t *handoffs, **handoff_tail;
+    int *adopted; /* sockets Python gives back (`adopt`), for the thread to take */
+    size_t nadopted, adopted_cap;
     sample_t *ring;
     size_t ring_start, ring_len;
-    unsigned long long answered, handed, stale, dropped;
+    unsigned long long answered, handed, stale, dropped, returned;
     /* the thread's own */
     conn_t *conns;
     char date_line[64];
@@ -158,6 +163,7 @@ static void hand_off(ServerObject *s, conn_t *c) {
     h->fd = c->fd;
     h->data = c->in;
     h->len = c->in_len;
+    h->bounced = c->adopted;
     c->in = NULL;
     conn_close(s, c, 0);
     pthread_mutex_lock(&s->mu);
@@ -438,6 +444,7 @@ static int process(ServerObject *s, conn_t *c) {
             c->handing = 1;
             break;
         }
+        c->adopted = 0;
         size_t used = r.head + r.body_len;
         memmove(c->in, c->in + used, c->in_len - used);
         c->in_len -= used;
@@ -498,6 +505,28 @@ static void on_readable(ServerObject *s, conn_t *c) {
     process(s, c);
 }
 
+/* A connection served from now on (its socket non-blocking); closed if it can't be. */
+static conn_t *conn_add(ServerObject *s, int fd) {
+    conn_t *c = calloc(1, sizeof *c);
+    if (c == NULL) {
+        close(fd);
+        return NULL;
+    }
+    c->fd = fd;
+    c->active = now_s();
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
+    if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+        close(fd);
+        free(c);
+        return NULL;
+    }
+    c->next = s->conns;
+    if (s->conns)
+        s->conns->prev = c;
+    s->conns = c;
+    return c;
+}
+
 static void on_accept(ServerObject *s) {
     for (;;) {
         int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
@@ -508,23 +537,31 @@ static void on_accept(ServerObject *s) {
         }
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* as asyncio's */
-        conn_t *c = calloc(1, sizeof *c);
-        if (c == NULL) {
-            close(fd);
-            continue;
-        }
-        c->fd = fd;
-        c->active = now_s();
-        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
-        if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
-            close(fd);
-            free(c);
-            continue;
-        }
-        c->next = s->conns;
-        if (s->conns)
-            s->conns->prev = c;
-        s->conns = c;
+        conn_add(s, fd);
+    }
+}
+
+/* The connections Python gave back (`adopt`): served here again from their next byte. */
+static void on_wake(ServerObject *s) {
+    uint64_t count;
+    (void)!read(s->wake_fd, &count, sizeof count);
+    pthread_mutex_lock(&s->mu);
+    size_t n = s->nadopted;
+    int fds[64];
+    if (n > 64)
+        n = 64; /* the rest at the next wake (one is due: the eventfd stays set) */
+    memcpy(fds, s->adopted, n * sizeof(int));
+    memmove(s->adopted, s->adopted + n, (s->nadopted - n) * sizeof(int));
+    s->nadopted -= n;
+    if (s->nadopted) {
+        uint64_t one = 1;
+        (void)!write(s->wake_fd, &one, sizeof one);
+    }
+    pthread_mutex_unlock(&s->mu);
+    for (size_t i = 0; i < n; i++) {
+        conn_t *c = conn_add(s, fds[i]);
+        if (c != NULL)
+            c->adopted = 1;
     }
 }
 
@@ -558,7 +595,9 @@ static void *serve(void *arg) {
             void *tag = evs[i].data.ptr;
             if (tag == &LISTEN_TAG) {
                 on_accept(s);
-            } else if (tag != &WAKE_TAG) {
+            } else if (tag == &WAKE_TAG) {
+                on_wake(s);
+            } else {
                 conn_t *c = tag;
                 if (evs[i].events & EPOLLOUT)
                     process(s, c);
@@ -730,6 +769,11 @@ static PyObject *Server_stop(ServerObject *s, PyObject *Py_UNUSED(unused)) {
         pthread_join(s->thread, NULL);
         Py_END_ALLOW_THREADS
         s->running = 0;
+        pthread_mutex_lock(&s->mu);
+        for (size_t i = 0; i < s->nadopted; i++) /* given back as it stopped: idle ones */
+            close(s->adopted[i]);
+        s->nadopted = 0;
+        pthread_mutex_unlock(&s->mu);
     }
     if (s->epfd >= 0) {
         close(s->epfd);
@@ -813,8 +857,9 @@ static PyObject *Server_set_answer(ServerObject *s, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* take() -> [(fd, bytes read), ...]: the connections handed to Python since the last call
-   (each socket is the caller's now). */
+/* take() -> [(fd, bytes read, bounced), ...]: the connections handed to Python since the
+   last call (each socket is the caller's now); `bounced`: one given back that came again
+   before this thread answered anything on it (Python should keep it). */
 static PyObject *Server_take(ServerObject *s, PyObject *Py_UNUSED(unused)) {
     uint64_t count;
     if (s->handoff_fd >= 0)
@@ -827,7 +872,9 @@ static PyObject *Server_take(ServerObject *s, PyObject *Py_UNUSED(unused)) {
     PyObject *out = PyList_New(0);
     while (h != NULL) {
         handoff_t *next = h->next;
-        PyObject *item = out ? Py_BuildValue("(iy#)", h->fd, h->data ? h->data : "", (Py_ssize_t)h->len) : NULL;
+        PyObject *item = out ? Py_BuildValue("(iy#O)", h->fd, h->data ? h->data : "", (Py_ssize_t)h->len,
+                                             h->bounced ? Py_True : Py_False)
+                             : NULL;
         if (item == NULL || PyList_Append(out, item) < 0) {
             close(h->fd); /* nobody can serve it now */
             Py_CLEAR(out);
@@ -838,6 +885,34 @@ static PyObject *Server_take(ServerObject *s, PyObject *Py_UNUSED(unused)) {
         h = next;
     }
     return out;
+}
+
+/* adopt(fd): a connection handed to Python comes back, idle between two requests (the
+   caller gives up `fd`: the thread closes it). False when the thread is not running
+   (the fd is still the caller's then). */
+static PyObject *Server_adopt(ServerObject *s, PyObject *arg) {
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    if (!s->running || __atomic_load_n(&s->stopping, __ATOMIC_ACQUIRE))
+        Py_RETURN_FALSE;
+    pthread_mutex_lock(&s->mu);
+    if (s->nadopted == s->adopted_cap) {
+        size_t cap = s->adopted_cap ? s->adopted_cap * 2 : 16;
+        int *more = realloc(s->adopted, cap * sizeof(int));
+        if (more == NULL) {
+            pthread_mutex_unlock(&s->mu);
+            return PyErr_NoMemory();
+        }
+        s->adopted = more;
+        s->adopted_cap = cap;
+    }
+    s->adopted[s->nadopted++] = (int)fd;
+    s->returned++;
+    pthread_mutex_unlock(&s->mu);
+    uint64_t one = 1;
+    (void)!write(s->wake_fd, &one, sizeof one);
+    Py_RETURN_TRUE;
 }
 
 /* samples() -> [(seconds, hit), ...]: each answer's time (the walk and the JSON, as the
@@ -867,12 +942,13 @@ static PyObject *Server_samples(ServerObject *s, PyObject *Py_UNUSED(unused)) {
     return out;
 }
 
-/* counts() -> (answered, handed over, stale, samples dropped) since the start. */
+/* counts() -> (answered, handed over, stale, samples dropped, given back) since the start. */
 static PyObject *Server_counts(ServerObject *s, PyObject *Py_UNUSED(unused)) {
     pthread_mutex_lock(&s->mu);
     unsigned long long a = s->answered, h = s->handed, st = s->stale, d = s->dropped;
+    unsigned long long r = s->returned;
     pthread_mutex_unlock(&s->mu);
-    return Py_BuildValue("(KKKK)", a, h, st, d);
+    return Py_BuildValue("(KKKKK)", a, h, st, d, r);
 }
 
 /* fileno() -> the descriptor that is readable when connections wait to be taken. */
@@ -892,6 +968,9 @@ static void Server_dealloc(ServerObject *s) {
         free(h->data);
         free(h);
     }
+    for (size_t i = 0; i < s->nadopted; i++)
+        close(s->adopted[i]);
+    free(s->adopted);
     server_release(s);
     if (s->api != NULL)
         pthread_mutex_destroy(&s->mu);
@@ -920,6 +999,7 @@ static PyMethodDef Server_methods[] = {
     {"stop", (PyCFunction)Server_stop, METH_NOARGS, NULL},
     {"set_answer", (PyCFunction)Server_set_answer, METH_VARARGS, NULL},
     {"take", (PyCFunction)Server_take, METH_NOARGS, NULL},
+    {"adopt", (PyCFunction)Server_adopt, METH_O, NULL},
     {"samples", (PyCFunction)Server_samples, METH_NOARGS, NULL},
     {"counts", (PyCFunction)Server_counts, METH_NOARGS, NULL},
     {"fileno", (PyCFunction)Server_fileno, METH_NOARGS, NULL},

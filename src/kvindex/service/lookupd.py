@@ -5,8 +5,9 @@ the GIL behind the ingest threads' Python work: a switch interval or more. The C
 `_lookupd.c` owns the listening socket instead: it answers every `POST /v1/lookup` of the
 plain shape whose headers it fully understands and the guard admits (the core's walk and
 JSON answer under its read lock, lookup_api.h), and hands any other connection -- its
-socket and the bytes read so far -- to uvicorn's protocol here, which serves it from then
-on with every rule and limit of the service (the fast path of fastpath.py included). So
+socket and the bytes read so far -- to uvicorn's protocol here, which serves it with every
+rule and limit of the service (the fast path of fastpath.py included), and gives it back
+once that is answered and nothing more of it is pending (`returning`). So
 the thread never takes the GIL, and answers exactly what the Python path answers
 (tests/test_lookupd.py holds the two to identical bytes).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -159,7 +161,7 @@ class LookupThread:
                 self._loop.remove_reader(self.server.fileno())
             self._take(stopping=True)
         self.running = False
-        for fd, _ in self.server.take():  # no loop to serve them on
+        for fd, _, _ in self.server.take():  # no loop to serve them on
             socket.socket(fileno=fd).close()
         self.read_samples()
 
@@ -180,9 +182,62 @@ class LookupThread:
         for seconds, hit in self.server.samples():
             observe("tokens", seconds, hit, compiled=True)
 
-    def counts(self) -> tuple[int, int, int, int]:
-        """(answered, handed over, stale, samples dropped) since the start."""
+    def counts(self) -> tuple[int, int, int, int, int]:
+        """(answered, handed over, stale, samples dropped, given back) since the start."""
         return self.server.counts()
+
+    def returning(self, base: type[Any]) -> type[Any]:
+        """`base` (uvicorn's httptools protocol, as serve configures it) for the
+        connections handed over: once a response is complete and nothing more of the
+        connection is pending (no request begun, none pipelined, every byte written), the
+        connection goes back to the thread, which reads its next request."""
+        thread = self
+
+        class Returning(base):  # type: ignore[misc,valid-type]
+            _begun = 0  # requests whose first byte came and whose last has not
+            _kept = False  # never given back (see _take)
+
+            def on_message_begin(self) -> None:
+                self._begun += 1
+                super().on_message_begin()
+
+            def on_message_complete(self) -> None:
+                self._begun -= 1
+                super().on_message_complete()
+
+            def on_response_complete(self) -> None:
+                super().on_response_complete()
+                thread._give_back(self)
+
+        Returning.__name__ = Returning.__qualname__ = f"Returning{base.__name__}"
+        return Returning
+
+    def _give_back(self, protocol: Any) -> None:
+        transport = protocol.transport
+        cycle = protocol.cycle
+        if (
+            not self.running
+            or protocol._kept
+            or protocol._begun
+            or protocol.pipeline
+            or transport.is_closing()
+            or transport.get_write_buffer_size()
+            or (cycle is not None and not cycle.response_complete)
+            or (cycle is not None and not cycle.keep_alive)
+        ):
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return
+        fd = os.dup(sock.fileno())
+        # Nothing is read between here and the thread's next read (this is the loop's
+        # thread): bytes that came meanwhile wait in the socket for it.
+        transport.pause_reading()
+        if not self.server.adopt(fd):
+            os.close(fd)
+            transport.resume_reading()
+            return
+        transport.abort()  # the dup keeps the connection: the thread serves it now
 
     def _tick(self) -> None:
         try:
@@ -196,11 +251,15 @@ class LookupThread:
         self.refresh()  # a stale answer is one reason to hand over: the next is right
         loop, protocol = self._loop, self._protocol
         assert loop is not None and protocol is not None
-        for fd, data in self.server.take():
+        for fd, data, bounced in self.server.take():
             sock = socket.socket(fileno=fd)
 
-            def handed(data: bytes = data) -> asyncio.Protocol:
-                return _Handed(protocol(), data, stopping)
+            def handed(data: bytes = data, bounced: bool = bounced) -> asyncio.Protocol:
+                inner = protocol()
+                # Back and over again with nothing answered in C: its requests are not
+                # lookups (a health checker's, say); it stays here, not bounced each time.
+                inner._kept = bounced  # type: ignore[attr-defined]
+                return _Handed(inner, data, stopping)
 
             task = asyncio.ensure_future(loop.connect_accepted_socket(handed, sock))
             self._tasks.add(task)
@@ -219,7 +278,7 @@ class LookupThreadCollector(Collector):
         self.thread = thread
 
     def collect(self) -> Iterator[Metric]:
-        answered, handed, stale, dropped = self.thread.counts()
+        answered, handed, stale, dropped, returned = self.thread.counts()
         for name, text, value in (
             ("kvindex_lookup_thread_answered", "Lookups the C lookup thread answered.", answered),
             (
@@ -228,6 +287,12 @@ class LookupThreadCollector(Collector):
                 "take: another path, a refused or odd header, a body not of the plain shape, "
                 "a slow request, the instances moved).",
                 handed,
+            ),
+            (
+                "kvindex_lookup_thread_given_back",
+                "Connections given back to the C lookup thread once Python had answered "
+                "the request it handed over.",
+                returned,
             ),
             (
                 "kvindex_lookup_thread_stale",

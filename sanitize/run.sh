@@ -14,6 +14,10 @@
 #    exit code a test ignores still fails the run.
 # 3. Runs sanitize/churn.py under valgrind's memcheck on the ordinary build: a second
 #    opinion on uninitialised reads, and a definite-leak count of blocks our C allocated.
+# 4. ThreadSanitizer (gcc, build/tsan): the in-order path in C on ingest threads while other
+#    threads read the index, and the C sequencer's differential streams
+#    (tests/test_ingest_c.py, tests/test_inorder.py). Reports go to build/tsan/reports;
+#    libzmq's own hand-offs are suppressed (sanitize/tsan.supp says why).
 #
 # LeakSanitizer records one frame above malloc, so sanitize/lsan.supp can name who
 # called malloc: CPython and the libraries it loads are suppressed, our C never is.
@@ -30,7 +34,7 @@ rm -rf "$reports" && mkdir -p "$reports"
 
 if [ $# -eq 0 ]; then
     set -- tests/test_core*.py tests/test_index*.py tests/test_subscriber.py tests/test_hostile.py \
-        tests/test_lookupd.py
+        tests/test_lookupd.py tests/test_inorder.py tests/test_ingest_c.py
 fi
 status=0
 env LD_PRELOAD="$asan" PYTHONPATH="$out" \
@@ -53,6 +57,29 @@ if [ "$status" -ne 0 ]; then
     exit "$status"
 fi
 echo "sanitize: no ASan, UBSan or LeakSanitizer report"
+
+tsan_out=build/tsan
+bash fuzz/build.sh "$tsan_out" gcc "-fsanitize=thread -g -O1"
+tsan_reports=$tsan_out/reports
+rm -rf "$tsan_reports" && mkdir -p "$tsan_reports"
+tsan_status=0
+env LD_PRELOAD="$(gcc -print-file-name=libtsan.so)" PYTHONPATH="$tsan_out" \
+    TSAN_OPTIONS="suppressions=$PWD/sanitize/tsan.supp:log_path=$PWD/$tsan_reports/tsan:report_signal_unsafe=0" \
+    "$python" -m pytest -q -p no:cacheprovider tests/test_ingest_c.py tests/test_inorder.py ||
+    tsan_status=$?
+if ls "$tsan_reports"/* >/dev/null 2>&1; then
+    for f in "$tsan_reports"/*; do
+        echo "== $f"
+        head -c 20000 "$f"
+    done
+    echo "make sanitize: ThreadSanitizer reports above" >&2
+    exit 1
+fi
+if [ "$tsan_status" -ne 0 ]; then
+    echo "make sanitize: the tests failed under ThreadSanitizer (exit $tsan_status)" >&2
+    exit "$tsan_status"
+fi
+echo "sanitize: no ThreadSanitizer report"
 
 if command -v valgrind >/dev/null; then
     # CPython has valgrind false positives of its own (int.from_bytes...): the log is

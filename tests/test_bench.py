@@ -357,6 +357,20 @@ def test_page_shapes_run_apart_into_the_last_results(
     assert all(c["mismatched_blocks"] == 0 and c["per_s"] > 0 for c in shapes["cases"])
 
 
+def test_drain_runs_apart_into_the_last_results(
+    smoke_run: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """`--only drain` measures the drain again (failed before: the option did not take
+    it) and replaces that section only."""
+    before, after, printed, _ = run_apart(smoke_run, tmp_path, monkeypatch, "drain")
+    drain = after.pop("drain")
+    before.pop("drain")
+    assert "error" not in drain, drain
+    assert after == before
+    assert all(run["mismatched_blocks"] == 0 for run in drain["runs"].values())
+    assert "GIL held per ordinary batch" in printed
+
+
 def test_readme_without_markers_is_refused(smoke_run: Any, tmp_path: Path) -> None:
     out, _, _ = smoke_run
     readme = tmp_path / "README.md"

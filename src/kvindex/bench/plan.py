@@ -152,9 +152,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-e2e", action="store_true", help="leave out the end-to-end cases")
     parser.add_argument(
         "--only",
-        choices=["routing", "ingest_workers", "lookup", "page_shapes", "routing_ab", "chat_lookup"],
+        choices=[
+            "routing",
+            "ingest_workers",
+            "lookup",
+            "page_shapes",
+            "drain",
+            "routing_ab",
+            "chat_lookup",
+        ],
         help="run only this case (the routing, ingest-workers or lookup end-to-end case, or the "
-        "in-process page shapes) and put its results into --out's existing ones "
+        "in-process page shapes or drain) and put its results into --out's existing ones "
         "(the table and README then show it beside the last full run's); routing_ab: "
         "the routing policies' A/B (`kvindex bench routing`), into routing_ab.json beside --out",
     )

@@ -733,3 +733,31 @@ def test_partial_hits_are_vllms() -> None:
     for index in feed(hybrid_stream(plan, HYBRID_KINDS[0])):
         (row,) = index.lookup(tokens)
         assert (row.matched_tokens, row.block_size, row.by_group) == (24, UNIT, {0: 6, 1: 6})
+
+
+def _with_unknown_field(raw_value: bytes) -> bytes:
+    """A batch of one BlockStored whose last field is unknown, its value `raw_value`."""
+    event = {"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2, 3, 4]}
+    event |= {"block_size": 4, "zz": 0}
+    payload = msgspec.msgpack.encode([1.0, [event], 0])
+    return payload.replace(b"\xa2zz\x00", b"\xa2zz" + raw_value)
+
+
+@pytest.mark.parametrize(
+    "raw_value",
+    [
+        b"\xdf\x80\x00\x00\x00",
+        b"\xdf\xff\xff\xff\xff",
+        b"\xdd\xff\xff\xff\xff",
+        b"\xdf\x00\x00\x00\x03",
+    ],
+)
+def test_a_huge_map_or_array_count_is_refused_by_both(raw_value: bytes) -> None:
+    """Issue 27 point 2: an unknown field's map of 2^31 entries or more was skipped as if
+    whole (2 * n counted in 32 bits wrapped to 0): the compiled index applied the batch
+    that the reference refuses as truncated. Both refuse it now (fuzz/corpus has it)."""
+    payload = _with_unknown_field(raw_value)
+    for index in (ReferenceIndex(), CompiledIndex()):
+        with pytest.raises(WireError, match="truncated"):
+            index.apply_payload(SourceKey("a"), payload)
+        assert (index.entries(), index.sources()) == (0, [])

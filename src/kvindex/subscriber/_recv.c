@@ -97,11 +97,74 @@ static PyObject *available(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(ready);
 }
 
+/* Tests only (fail_after): the n-th receive from now fails with this errno, as if
+ * libzmq had said so (a signal's EINTR can't be timed from a test). */
+static long fail_countdown;
+static int fail_errno;
+
+/* zmq_msg_recv without waiting, EINTR retried (a signal arriving mid-call: the rest of a
+ * multipart message is there, and pyzmq retries it too). 0, or -1 with *err set. */
+static int recv_frame(zmq_msg *m, void *sock, int *err) {
+    for (;;) {
+        long n = __atomic_load_n(&fail_countdown, __ATOMIC_RELAXED);
+        if (n > 0 && __atomic_sub_fetch(&fail_countdown, 1, __ATOMIC_RELAXED) == 0) {
+            *err = fail_errno;
+        } else if (zmq_msg_recv_(m, sock, ZMQ_DONTWAIT_) >= 0) {
+            return 0;
+        } else {
+            *err = zmq_errno_();
+        }
+        if (*err != EINTR)
+            return -1;
+    }
+}
+
+/* An error met after messages were read in the same call: those are returned, and the
+ * error raised on the socket's next call (issue 27 point 6). Read and written with the
+ * GIL held; a few sockets per process at most. */
+#define PENDING 64
+static struct {
+    uintptr_t sock;
+    int err;
+} pending[PENDING];
+
+static int pending_take(uintptr_t sock) {
+    for (int i = 0; i < PENDING; i++)
+        if (pending[i].sock == sock) {
+            pending[i].sock = 0;
+            return pending[i].err;
+        }
+    return 0;
+}
+
+static int pending_put(uintptr_t sock, int err) {
+    for (int i = 0; i < PENDING; i++)
+        if (pending[i].sock == 0) {
+            pending[i].sock = sock;
+            pending[i].err = err;
+            return 1;
+        }
+    return 0; /* full: raise now */
+}
+
+/* fail_after(n, errno): tests only; see fail_countdown. */
+static PyObject *fail_after(PyObject *self, PyObject *args) {
+    (void)self;
+    long n;
+    int err;
+    if (!PyArg_ParseTuple(args, "li", &n, &err))
+        return NULL;
+    fail_errno = err;
+    __atomic_store_n(&fail_countdown, n, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
 /* recv_live(socket_address, limit) -> [(seq, payload), ...]
 
    Up to `limit` whole messages, fewer if the socket has no more now. A message that is not
    [topic, 8-byte seq, payload] comes as (-1, number of frames): the caller counts it as
-   malformed. An error other than "no message now" raises OSError after what was read. */
+   malformed. An error other than "no message now" ends the call with what was read, and
+   raises OSError on the socket's next call (at once if nothing was read). */
 static PyObject *recv_live(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long address;
@@ -113,6 +176,11 @@ static PyObject *recv_live(PyObject *self, PyObject *args) {
         return NULL;
     }
     void *sock = (void *)(uintptr_t)address;
+    int pending_err = pending_take((uintptr_t)address);
+    if (pending_err != 0) {
+        errno = pending_err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
     PyObject *out = PyList_New(0);
     if (out == NULL)
         return NULL;
@@ -123,12 +191,14 @@ static PyObject *recv_live(PyObject *self, PyObject *args) {
         PyObject *payload = NULL;
         for (;;) {
             zmq_msg_init_(&msg);
-            if (zmq_msg_recv_(&msg, sock, ZMQ_DONTWAIT_) < 0) {
-                int err = zmq_errno_();
+            int err;
+            if (recv_frame(&msg, sock, &err) < 0) {
                 zmq_msg_close_(&msg);
-                if (frames == 0 && (err == EAGAIN || err == EINTR))
+                if (frames == 0 && err == EAGAIN)
                     return out; /* nothing more now */
                 Py_XDECREF(payload);
+                if (PyList_GET_SIZE(out) > 0 && pending_put((uintptr_t)address, err))
+                    return out; /* what was read; the error on the next call */
                 Py_DECREF(out);
                 errno = err;
                 return PyErr_SetFromErrno(PyExc_OSError);
@@ -413,10 +483,9 @@ static int read_message(void *sock, zmq_msg *pay, int *frames, uint64_t *seq, in
     for (;;) {
         zmq_msg *m = *frames == 2 ? pay : &msg;
         zmq_msg_init_(m);
-        if (zmq_msg_recv_(m, sock, ZMQ_DONTWAIT_) < 0) {
-            *err = zmq_errno_();
+        if (recv_frame(m, sock, err) < 0) {
             zmq_msg_close_(m);
-            if (*frames == 0 && (*err == EAGAIN || *err == EINTR))
+            if (*frames == 0 && *err == EAGAIN)
                 return 0;
             if (*frames > 2)
                 zmq_msg_close_(pay);
@@ -564,6 +633,7 @@ static PyObject *ingest_live(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"available", available, METH_NOARGS, "Whether pyzmq's libzmq was found."},
     {"recv_live", recv_live, METH_VARARGS, "Many live messages off a SUB socket."},
+    {"fail_after", fail_after, METH_VARARGS, "Tests only: the n-th receive fails."},
     {"ingest_live", ingest_live, METH_VARARGS, "The in-order path in C (see _recv.c)."},
     {NULL, NULL, 0, NULL},
 };

@@ -909,7 +909,9 @@ static PyObject *shared_dict(CoreObject *self, int kind, uint32_t blocks) {
         Py_CLEAR(d);
     Py_XDECREF(key);
     Py_XDECREF(value);
-    if (d != NULL && slot != NULL) {
+    /* PyDict_New may have run a collection that let another lookup fill the slot
+     * meanwhile: that one stays, this one is only returned (it was leaked before). */
+    if (d != NULL && slot != NULL && *slot == NULL) {
         Py_INCREF(d);
         *slot = d;
     }

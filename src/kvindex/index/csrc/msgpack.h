@@ -267,7 +267,12 @@ static int mp_skip_depth(mp_reader *r, int depth) {
     if ((t & 0xf0) == 0x80 || t == 0xde || t == 0xdf) {
         if (!mp_map(r, &n))
             return 0;
-        for (uint32_t i = 0; i < 2 * n; i++)
+        /* Counted in 64 bits: 2 * n in 32 wrapped to 0 for n >= 2^31, and such a map was
+         * skipped as if complete. Each key and value takes a byte at least. */
+        uint64_t items = 2 * (uint64_t)n;
+        if (items > (uint64_t)(r->end - r->p))
+            return 0;
+        for (uint64_t i = 0; i < items; i++)
             if (!mp_skip_depth(r, depth + 1))
                 return 0;
         return 1;

@@ -49,6 +49,7 @@ COMMANDS = (
     "stats",
     "store",
     "bench",
+    "doctor",
 )
 
 

@@ -519,6 +519,10 @@ class Router:
             rows,
         )
 
+    def seen_block_size(self, instance: str) -> int | None:
+        """The block size the instance's lookup answers showed (None: none matched yet)."""
+        return self._sizes.get(instance)
+
     def load(self, instance: str) -> Mapping[int, Load] | None:
         """The instance's load per DP rank, from the first source that knows it."""
         for source in self.loads:

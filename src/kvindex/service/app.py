@@ -44,7 +44,13 @@ from kvindex.security.http import HttpGuard
 from kvindex.service.dashboard import install_dashboard
 from kvindex.service.docs import install_docs
 from kvindex.service.fastpath import LookupAnswerer, LookupFastPath
-from kvindex.service.lookups import Routing, decode_any_lookup, install_route, lookup_answer
+from kvindex.service.lookups import (
+    Routing,
+    decode_any_lookup,
+    install_doctor,
+    install_route,
+    lookup_answer,
+)
 from kvindex.service.metrics import ServiceMetrics
 from kvindex.service.middleware import BodyLimit, CompleteAllow, LookupPriority
 from kvindex.service.peers import install_peers
@@ -176,6 +182,7 @@ def create_app(
         errors=[400, 404, 409, 413, 422, 502, 503],
     )
     install_route(app, routing, metrics, route_doc)
+    install_doctor(app, routing, metrics)
     install_peers(app, routing, metrics)
     # GET /, its assets, /v1/dashboard/*
     install_dashboard(app, fleet, routing.scraper, guard.max_streams)

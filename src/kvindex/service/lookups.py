@@ -147,6 +147,21 @@ def _json_error(status: int, message: str) -> Response:
     return Response(error_body(message), status, media_type="application/json")
 
 
+def install_doctor(app: FastAPI, routing: Routing, metrics: ServiceMetrics) -> None:
+    """`GET /v1/doctor`: what is mis-wired between kvindex and its engines
+    (`kvindex.runtime.doctor`), one finding per engine and check."""
+    from kvindex.runtime.doctor import DoctorReport, chat_template_findings, diagnose, report
+    from kvindex.service.schema import operation_doc
+
+    @app.get("/v1/doctor", **operation_doc(DoctorReport))
+    async def doctor() -> Response:
+        """Each check's finding per engine (`ok`, `problem` with its fix, or `note`);
+        `ok` is false when any problem was found (docs/operations.md#doctor)."""
+        findings = diagnose(routing.fleet, routing.scraper, routing.router, metrics.lookups.totals)
+        findings += await chat_template_findings(routing.fleet, routing.tokenizers)
+        return Response(encode(report(findings)), media_type="application/json")
+
+
 def install_route(
     app: FastAPI, routing: Routing, metrics: ServiceMetrics, doc: dict[str, Any]
 ) -> None:

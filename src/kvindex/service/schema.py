@@ -19,6 +19,7 @@ import msgspec
 from kvindex.index.multimodal import MMFeature
 from kvindex.runtime import InstanceMatch, InstanceView, LookupAnswer, RankMatch, RankView
 from kvindex.runtime.discovery import DiscoveryView
+from kvindex.runtime.doctor import DoctorReport, Finding
 from kvindex.runtime.finders import FleetChange, FoundBy
 from kvindex.runtime.routing import RouteAnswer, ScoredAnswer
 from kvindex.subscriber import InstanceSpec, SpecError, Status
@@ -513,6 +514,7 @@ def error_body(message: str) -> bytes:
 ANSWERS: tuple[type[Any], ...] = (
     ErrorAnswer, HealthAnswer, InstancesAnswer, InstanceAnswer, BlocksAnswer, LookupAnswer,
     InstanceMatch, RankMatch, ScoredAnswer, RouteAnswer, QueryAnswer, PeerInstance, PeerStatus,
+    DoctorReport, Finding,
 )  # fmt: skip
 REQUESTS: tuple[type[Any], ...] = (
     LookupRequest, PromptLookupRequest, ChatLookupRequest, HashLookupRequest,

@@ -254,8 +254,9 @@ typedef struct {
     int has_last_live;
     uint64_t last_live;
     uint32_t bit; /* the publisher's bit in the core */
-    /* The digests of the batches delivered since armed, a ring of `kept` (seq, crc). */
-    uint32_t kept;
+    /* The digests of the batches delivered since armed, a ring of `kept` (seq, crc), its
+     * arrays grown as it fills (`cap`): a quiet publisher keeps a few, not `kept`. */
+    uint32_t kept, cap;
     uint64_t *ring_seq;
     uint32_t *ring_crc;
     uint64_t pushed;
@@ -277,12 +278,9 @@ static int Sequencer_init(SequencerObject *self, PyObject *args, PyObject *kwarg
     }
     free(self->ring_seq);
     free(self->ring_crc);
-    self->ring_seq = malloc(sizeof(uint64_t) * kept);
-    self->ring_crc = malloc(sizeof(uint32_t) * kept);
-    if (self->ring_seq == NULL || self->ring_crc == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    self->ring_seq = NULL;
+    self->ring_crc = NULL;
+    self->cap = 0;
     self->kept = kept;
     self->armed = 0;
     self->pushed = 0;
@@ -301,7 +299,28 @@ static inline int in_order(const SequencerObject *s, uint64_t seq) {
     return s->armed && seq == s->next_seq && !(s->has_last_live && seq <= s->last_live);
 }
 
-/* Record the delivery of the batch due (state.py's on_live + _deliver, plain state). */
+/* Room in the ring for the next digest: the arrays grown (doubling, up to `kept`) while it
+   has not wrapped yet. 0: out of memory (the batch is then left to Python). No GIL needed. */
+static int ring_room(SequencerObject *s) {
+    if (s->pushed >= s->kept || s->pushed < s->cap)
+        return 1;
+    uint32_t cap = s->cap ? s->cap * 2 : 16;
+    if (cap > s->kept)
+        cap = s->kept;
+    uint64_t *seqs = realloc(s->ring_seq, sizeof(uint64_t) * cap);
+    if (seqs == NULL)
+        return 0;
+    s->ring_seq = seqs;
+    uint32_t *crcs = realloc(s->ring_crc, sizeof(uint32_t) * cap);
+    if (crcs == NULL)
+        return 0;
+    s->ring_crc = crcs;
+    s->cap = cap;
+    return 1;
+}
+
+/* Record the delivery of the batch due (state.py's on_live + _deliver, plain state); the
+   caller made room (ring_room). */
 static inline void take_in_order(SequencerObject *s, uint64_t seq, uint32_t crc, double now) {
     uint64_t at = s->pushed++ % s->kept;
     s->ring_seq[at] = seq;
@@ -373,6 +392,10 @@ static PyObject *Sequencer_offer(SequencerObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Ky*d", &seq, &payload, &now))
         return NULL;
     int take = in_order(self, seq);
+    if (take && !ring_room(self)) {
+        PyBuffer_Release(&payload);
+        return PyErr_NoMemory();
+    }
     if (take)
         take_in_order(self, seq, digest_of(payload.buf, (size_t)payload.len), now);
     PyBuffer_Release(&payload);
@@ -572,8 +595,8 @@ static PyObject *ingest_live(PyObject *self, PyObject *args) {
             stopped = 1;
             break;
         }
-        if (!in_order(s, seq)) {
-            stopped = 1;
+        if (!in_order(s, seq) || !ring_room(s)) {
+            stopped = 1; /* not the batch due (or no memory for its digest): Python's */
             break;
         }
         const uint8_t *data = zmq_msg_data_(&pay);

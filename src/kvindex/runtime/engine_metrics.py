@@ -11,6 +11,12 @@ keeps per DP rank (vLLM's `engine` label) what routing and operators need:
 | KV-cache usage (0-1) | `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before 0.10) |
 | prefix-cache queries, hits (tokens) | `vllm:prefix_cache_{queries,hits}_total` (`gpu_` before) |
 | pool capacity (blocks), block size | `vllm:cache_config_info`'s `num_gpu_blocks`, `block_size` |
+| awake or asleep | `vllm:engine_sleep_state{sleep_state="awake"}` (1 awake, 0 asleep) |
+
+An engine put to sleep (level 1 or 2) has discarded its KV cache, but its queued
+`AllBlocksCleared` goes out only when it runs a step again; `on_sleep(instance, rank,
+awake)` hands every reading of the sleep state to whoever acts on it (the Fleet marks the
+rank's blocks gone at once: `Fleet.sleep_state`).
 
 The hit rate is the hits over the queries between two scrapes (and since the engine
 started). It is a `LoadSource` for the routing score (`kvindex.runtime.routing`).
@@ -40,6 +46,7 @@ _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
 _HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 _CACHE_INFO = "vllm:cache_config_info"
+_SLEEP_STATE = "vllm:engine_sleep_state"
 
 
 @dataclass(slots=True)
@@ -53,6 +60,7 @@ class EngineFigures:
     hits: float | None = None
     capacity_blocks: int | None = None  # the GPU pool (num_gpu_blocks)
     block_size: int | None = None
+    awake: bool | None = None  # vllm:engine_sleep_state{sleep_state="awake"}; None: not said
     hit_rate: float | None = None  # over the last scrape interval
     scraped_at: float = 0.0  # time.monotonic()
 
@@ -96,6 +104,8 @@ def parse_vllm_metrics(text: str) -> dict[int, EngineFigures]:
             elif name == _CACHE_INFO:
                 figures.capacity_blocks = _int(sample.labels.get("num_gpu_blocks"))
                 figures.block_size = _int(sample.labels.get("block_size"))
+            elif name == _SLEEP_STATE and sample.labels.get("sleep_state") == "awake":
+                figures.awake = sample.value >= 0.5
     return ranks
 
 
@@ -132,6 +142,8 @@ class MetricsScraper:
         self._thread: threading.Thread | None = None
         self._rounds = 0
         self._round_done = threading.Condition()
+        # Each rank's sleep state as read (instance, rank, awake), on the scraper's thread.
+        self.on_sleep: Callable[[str, int, bool], None] | None = None
 
     # -- LoadSource --------------------------------------------------------------------
 
@@ -193,6 +205,10 @@ class MetricsScraper:
             if target is None or target.url != url:
                 target = self._state[name] = _Target(url)
             self._scrape(client, target)
+            if self.on_sleep is not None and target.error is None:
+                for rank, figures in list(target.ranks.items()):
+                    if figures.awake is not None:
+                        self.on_sleep(name, rank, figures.awake)
         with self._round_done:
             self._rounds += 1
             self._round_done.notify_all()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -63,7 +64,7 @@ from kvindex.subscriber import (
     need_of_instances,
 )
 from kvindex.subscriber.engine_load import LoadFollower
-from kvindex.wire import BlockHash
+from kvindex.wire import AllBlocksCleared, BlockHash, EventBatch
 
 __all__ = [
     "DuplicateInstance",
@@ -249,6 +250,9 @@ class Fleet:
         self.load = LoadFollower()  # SGLang's load streams, on a thread of their own
         # How engines found by --discover were found (set by runtime.finders.Reconciler)
         self.found: dict[str, FoundBy] = {}
+        # DP ranks whose engine says it sleeps, their blocks marked gone (sleep_state)
+        self._asleep: dict[SourceKey, int | None] = {}  # -> the seq applied when it slept
+        self.sleep_resets = 0
         self.add_link_hook(self._link_trouble)
 
     def _init_answer_caches(self) -> None:
@@ -365,6 +369,7 @@ class Fleet:
             self._specs_version += 1
             worker.subscriber.remove_instance(name)
             worker.lag = {k: v for k, v in worker.lag.items() if k.instance != name}
+            self._asleep = {k: v for k, v in self._asleep.items() if k.instance != name}
         self.discovery.forget(name)
         self.load.forget(name)
         self.found.pop(name, None)
@@ -431,6 +436,47 @@ class Fleet:
             log.warning("%s: its load stream is not followed: %s", spec.name, exc)
             self.load.forget(spec.name)
 
+    # -- engines asleep -----------------------------------------------------------------
+
+    def sleep_state(self, instance: str, rank: int, awake: bool) -> None:
+        """What an engine's `/metrics` says of one DP rank's sleep (the scraper's
+        `on_sleep`). Asleep: vLLM discarded its KV cache, and the `AllBlocksCleared` it
+        queued goes out only when it runs a step again, so its blocks are marked gone now
+        (the same clear, applied at the rank's current seq: the index then holds what the
+        engine will say it holds), once per sleep, counted and said in the log; the rank
+        shows `asleep` until it sends a batch again or says it is awake."""
+        source = SourceKey(instance, rank)
+        if awake:
+            self._asleep.pop(source, None)
+            return
+        with self._members:
+            worker = self._owner.get(instance)
+            if worker is None or source in self._asleep or source not in self._ranks[instance]:
+                return
+            self._asleep[source] = self.index.source_state(source)[0]
+        worker.call(lambda: self._clear_asleep(source))
+        self.sleep_resets += 1
+        log.warning("%r: the engine sleeps (vllm:engine_sleep_state): its blocks are gone", source)
+
+    def _clear_asleep(self, source: SourceKey) -> None:
+        """On the owning worker's thread: the rank's blocks cleared, its seq kept."""
+        if source not in self.index.sources(source.instance):
+            return  # nothing applied yet: nothing held
+        seq, ts = self.index.source_state(source)
+        with self._guard():
+            self.index.apply(source, EventBatch(ts or time.time(), [AllBlocksCleared()]), seq)
+        self._drop_counts(source.instance)
+
+    def _asleep_or(self, source: SourceKey, status: Status) -> Status:
+        """A live rank marked asleep shows `asleep` until a batch past the one it slept at
+        is applied (it works again: the queued clear, then its new blocks)."""
+        if source not in self._asleep:
+            return status
+        if self.index.source_state(source)[0] != self._asleep.get(source, None):
+            self._asleep.pop(source, None)
+            return status
+        return Status.ASLEEP if status is Status.LIVE else status
+
     def _link_trouble(self, notice: Notice) -> None:
         if isinstance(notice, Unreachable):  # its publishers may have moved
             self.discovery.reread(notice.source.instance, f"can't follow rank {notice.source.rank}")
@@ -475,7 +521,8 @@ class Fleet:
             worker = self._owner.get(name)
             if ranks is None or worker is None:
                 raise UnknownInstance(name)
-            return worst_status(worker.subscriber.status(source) for source in ranks)
+            status_of = worker.subscriber.status
+            return worst_status(self._asleep_or(source, status_of(source)) for source in ranks)
 
     def instance_views(self) -> list[InstanceView]:
         """Every instance followed now (one removed while this runs is left out)."""
@@ -525,7 +572,7 @@ class Fleet:
         applied_seq, _ = self.index.source_state(source)
         return RankView(
             rank=source.rank,
-            status=worker.subscriber.status(source),
+            status=self._asleep_or(source, worker.subscriber.status(source)),
             last_seq=applied_seq if applied_seq is not None else stats.last_seq,
             gaps=stats.gaps,
             received=stats.received,
@@ -736,10 +783,21 @@ class Fleet:
         if cached is not None and cached[0] is slots:
             return cached[1]
         readers: list[StatusReader] = [
-            (self._owner[name].subscriber.status, self._ranks[name]) for name in sorted(self._specs)
+            (self._status_reader(self._owner[name].subscriber.status), self._ranks[name])
+            for name in sorted(self._specs)
         ]
         self._status_readers = (slots, readers)
         return readers
+
+    def _status_reader(
+        self, status_of: Callable[[SourceKey], Status]
+    ) -> Callable[[SourceKey], Status]:
+        """A rank's status as lookups show it: its link's, or `asleep` (sleep_state)."""
+
+        def read(source: SourceKey) -> Status:
+            return self._asleep_or(source, status_of(source))
+
+        return read
 
     def _answer(
         self, rows: list[LookupRow], by_tokens: bool, model: str | None = None
@@ -834,6 +892,8 @@ class Fleet:
         go, and the hooks see it, one at a time."""
         if isinstance(item, Delivery | DecodeFailed | Restarted):
             self._drop_counts(item.source.instance)
+            if isinstance(item, Delivery):  # it works again: awake
+                self._asleep.pop(item.source, None)
         if isinstance(item, Restarted) or (isinstance(item, Connection) and not item.connected):
             self.discovery.reread(item.instance, item.describe())
         for hook in self.on_item:

@@ -37,6 +37,7 @@ __all__ = [
 # Worst last: an instance reports the worst status among its DP ranks.
 STATUS_ORDER: tuple[Status, ...] = (
     Status.LIVE,
+    Status.ASLEEP,
     Status.REPLAYING,
     Status.CONNECTING,
     Status.INCOMPLETE,

@@ -50,6 +50,7 @@ class Routing:
     @classmethod
     def of(cls, fleet: Fleet, tokenizers: Tokenizers | None = None, **router: Any) -> Routing:
         scraper = MetricsScraper(lambda: _metrics_targets(fleet))
+        scraper.on_sleep = fleet.sleep_state  # an engine asleep: its blocks are gone
         return cls(
             fleet,
             # The engines' own load streams first (SGLang's, pushed), then their /metrics.

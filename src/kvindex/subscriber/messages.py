@@ -226,6 +226,9 @@ class Status(enum.StrEnum):
     LIVE = "live"
     INCOMPLETE = "incomplete"
     DOWN = "down"
+    # The engine says it sleeps (its /metrics): its GPU blocks are gone until it sends
+    # again. Never a link's status: the Fleet sets it (see Fleet.sleep_state).
+    ASLEEP = "asleep"
 
 
 @dataclass(slots=True)

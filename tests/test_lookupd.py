@@ -28,15 +28,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from netutil import wait_until
 from prometheus_client import CollectorRegistry
-from test_core import BASE, build, event_plan, feed, prompt_of
+from test_core import BASE, block_hash, build, event_plan, feed, prompt_of
 from test_fastpath import NAMES, fleet_over
 
 from kvindex.index import COMPILED
 from kvindex.security.http import HttpGuard
-from kvindex.service import lookupd
+from kvindex.service import fastpath, lookupd
 from kvindex.service.metrics import LookupMetrics
 from kvindex.subscriber import SourceKey, Status
 from kvindex.wire import BlockStored, EventBatch
+from kvindex.wire.hashes import render_hash
 from kvindex.wire.publisher import Publisher
 
 pytestmark = [
@@ -130,6 +131,112 @@ def test_the_thread_answers_what_python_answers(
             assert (answered, handed, stale) == (asked, 0, 0)
             thread.read_samples()
             assert thread.metrics.totals[0] == asked
+    finally:
+        fleet.close()
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.lookups = LookupMetrics(CollectorRegistry())
+
+
+def ask(thread: Any, port: int, request: bytes) -> bytes | None:
+    """The thread's answer's body, or None when it handed the request to Python."""
+    handed = thread.counts()[1]
+    with connect(port) as sock:
+        sock.sendall(request)
+        sock.settimeout(0.05)
+        pending = bytearray()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if thread.counts()[1] > handed:
+                for fd, _, _ in thread.server.take():
+                    os.close(fd)
+                return None
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            assert chunk, "closed without an answer"
+            pending += chunk
+            if b"\r\n\r\n" in pending:
+                sock.settimeout(10)
+                status, _, body = read_response(sock, pending)
+                assert status == 200
+                return body
+    raise AssertionError("neither answered nor handed over")
+
+
+def hashes_request(body: bytes) -> bytes:
+    head = "POST /v1/lookup/hashes HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    return head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+hash_texts = st.one_of(
+    st.integers(-(2**63), 2**64 - 1).map(str),
+    st.integers(0, 10**19).map(lambda v: "00" + str(v)),  # leading zeros
+    st.binary(min_size=1, max_size=40).map(bytes.hex),
+    st.binary(min_size=1, max_size=8).map(lambda b: b.hex().upper()),
+    st.text("0123456789abcdef-", max_size=24),
+    st.sampled_from(["-0", "-", "", "18446744073709551616", "-9223372036854775809", "x"]),
+)
+
+
+@st.composite
+def hashes_bodies(draw: st.DrawFn, known: list[str]) -> bytes:
+    texts = draw(st.lists(st.one_of(st.sampled_from(known), hash_texts), max_size=12))
+    separators = draw(st.sampled_from([(",", ":"), (", ", ": "), (" ,", " : ")]))
+    fields: dict[str, Any] = {"block_hashes": texts}
+    if draw(st.integers(0, 9)) == 0:
+        fields["other"] = 1  # unknown fields: the route refuses
+    return json.dumps(fields, separators=separators).encode()
+
+
+def test_hash_lookups_are_answered_as_python_answers() -> None:
+    """`POST /v1/lookup/hashes`: every body the thread takes gets the bytes Python's fast
+    path gives it; the plain ones are all taken; the others go to Python."""
+    plan = [("store", s, p, v, 0, 3, ns, pool, form, False)
+            for s, p, v, ns, pool, form in [(0, 0, 0, 0, 0, 0), (1, 1, 1, 1, 2, 1),
+                                            (2, 2, 0, 0, 3, 2), (3, 0, 1, 2, 5, 0)]]  # fmt: skip
+    _, fast = feed(build(plan))
+    fleet = fleet_over(fast, {"c": Status.DOWN})
+    answerer = fastpath.LookupAnswerer(fleet, _Metrics(), 1 << 20)  # type: ignore[arg-type]
+    known = sorted({render_hash(h) for name in fast.instances() for h in fast.block_hashes(name)})
+    chains = [
+        [render_hash(block_hash(prompt_of(p, v), n, ns, signed)) for n in range(5)]
+        for p in range(3)
+        for v in range(2)
+        for ns in range(3)
+        for signed in (False, True)
+    ]
+    assert known, "the plan stored nothing"
+    try:
+        with thread_over(fleet) as (thread, port):
+            # what a router sends: the stored chains, whole and cut, and nothing
+            hits = 0
+            for texts in [*chains, *(c[:2] for c in chains), [], ["12", known[0]]]:
+                body = json.dumps({"block_hashes": texts}).encode()
+                got = ask(thread, port, hashes_request(body))
+                assert got is not None, body
+                assert got == answerer.answer(fastpath.HASHES_PATH, body)
+                hits += json.loads(got)["best"] is not None
+            assert hits > 0
+
+            taken: list[bool] = []
+
+            @settings(max_examples=150, deadline=None)
+            @given(hashes_bodies(known))
+            def each(body: bytes) -> None:
+                got = ask(thread, port, hashes_request(body))
+                expected = answerer.answer(fastpath.HASHES_PATH, body)
+                taken.append(got is not None)
+                if got is not None:  # never a body Python would not answer so
+                    assert got == expected, body
+
+            each()
+            assert sum(taken) > len(taken) // 5  # the plain ones (most) are the thread's
+            thread.read_samples()
+            assert "hashes" in thread.metrics._children  # counted as kind hashes
     finally:
         fleet.close()
 

@@ -155,8 +155,8 @@ def add_parser(subparsers: Any) -> None:
         "--lookup-thread",
         choices=("on", "off"),
         help="on (the default): a C thread on the listening socket answers plain POST "
-        "/v1/lookup requests without the GIL, Python the rest; off: Python answers every "
-        "request (docs/performance.md)",
+        "/v1/lookup and /v1/lookup/hashes requests without the GIL, Python the rest; off: "
+        "Python answers every request (docs/performance.md)",
     )
     p.add_argument(
         "--engine-hosts",

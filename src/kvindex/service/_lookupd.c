@@ -5,7 +5,8 @@
  * /v1/lookup` over HTTP/1.1, the plain body shape (answer.h's parse_lookup_body), every
  * header one it understands and the guard's rules met (the Host on the allowed list or an
  * IPv4 literal, the bearer token when one is set, the body within its limit) -- it answers
- * itself: the core's walk and JSON answer under its read lock (lookup_api.h), the HTTP
+ * itself (and `POST /v1/lookup/hashes` of its plain shape, answer.h's parse_hashes_body):
+ * the core's walk and JSON answer under its read lock (lookup_api.h), the HTTP
  * response written as uvicorn's protocol writes it (kvindex/service/fastpath.py). The
  * first request it is not sure of hands the whole connection to Python -- its socket and
  * the bytes read so far -- and uvicorn's protocol (with every limit of the service) reads
@@ -89,7 +90,7 @@ typedef struct handoff {
 
 typedef struct {
     float seconds;
-    uint8_t hit;
+    uint8_t hit, hashes; /* hashes: a lookup by block hashes, else by tokens */
 } sample_t;
 
 typedef struct {
@@ -243,6 +244,7 @@ enum { REQ_INCOMPLETE, REQ_HANDOFF, REQ_OK };
 
 typedef struct {
     size_t head, body_len;
+    int hashes; /* POST /v1/lookup/hashes, else POST /v1/lookup */
 } request_t;
 
 /* The request at the start of c->in, if this thread takes it (see the top). */
@@ -253,9 +255,15 @@ static int parse_request(ServerObject *s, conn_t *c, request_t *r) {
     if (end == NULL)
         return n >= s->head_limit ? REQ_HANDOFF : REQ_INCOMPLETE;
     static const char LINE[] = "POST /v1/lookup HTTP/1.1\r\n";
-    if ((size_t)(end - p) + 2 < sizeof LINE - 1 || memcmp(p, LINE, sizeof LINE - 1) != 0)
+    static const char HASHES[] = "POST /v1/lookup/hashes HTTP/1.1\r\n";
+    size_t head = (size_t)(end - p) + 2, line_len;
+    if (head >= sizeof LINE - 1 && memcmp(p, LINE, sizeof LINE - 1) == 0)
+        r->hashes = 0, line_len = sizeof LINE - 1;
+    else if (head >= sizeof HASHES - 1 && memcmp(p, HASHES, sizeof HASHES - 1) == 0)
+        r->hashes = 1, line_len = sizeof HASHES - 1;
+    else
         return REQ_HANDOFF;
-    const char *line = p + sizeof LINE - 1, *stop = end + 2;
+    const char *line = p + line_len, *stop = end + 2;
     int lengths = 0, hosts = 0, auths = 0, authorized = s->token == NULL;
     size_t length = 0;
     while (line < stop) {
@@ -332,7 +340,7 @@ static const char *date_line(ServerObject *s) {
     return s->date_line;
 }
 
-static void add_sample(ServerObject *s, double seconds, int hit) {
+static void add_sample(ServerObject *s, double seconds, int hit, int hashes) {
     /* under s->mu */
     size_t at = (s->ring_start + s->ring_len) % RING;
     if (s->ring_len == RING) { /* Python has not read for long: the oldest goes */
@@ -343,13 +351,17 @@ static void add_sample(ServerObject *s, double seconds, int hit) {
     }
     s->ring[at].seconds = (float)seconds;
     s->ring[at].hit = (uint8_t)hit;
+    s->ring[at].hashes = (uint8_t)hashes;
 }
 
 /* The answer to the request `r` at the start of c->in appended to c->out: 1; 0 when
  * Python must answer it (a body not of the plain shape, the instances moved, no memory). */
 static int answer(ServerObject *s, conn_t *c, const request_t *r) {
     lookup_body_t body;
-    int parsed = s->api->parse_tokens(c->in + r->head, r->body_len, s->max_items, &body);
+    hashes_body_t hashes;
+    int parsed = r->hashes
+                     ? s->api->parse_hashes(c->in + r->head, r->body_len, s->max_items, &hashes)
+                     : s->api->parse_tokens(c->in + r->head, r->body_len, s->max_items, &body);
     if (parsed != PARSE_OK)
         return 0;
     pthread_mutex_lock(&s->mu);
@@ -361,15 +373,20 @@ static int answer(ServerObject *s, conn_t *c, const request_t *r) {
     jbuf_t json = {0};
     double start = now_s(), seconds = 0;
     if (x != NULL) {
-        res = s->api->answer_tokens(s->core, &body, x->slots, x->n, x->gen, &json, &hit);
+        res = r->hashes
+                  ? s->api->answer_hashes(s->core, &hashes, x->slots, x->n, x->gen, &json, &hit)
+                  : s->api->answer_tokens(s->core, &body, x->slots, x->n, x->gen, &json, &hit);
         seconds = now_s() - start;
     }
-    s->api->body_free(&body);
+    if (r->hashes)
+        s->api->hashes_free(&hashes);
+    else
+        s->api->body_free(&body);
     pthread_mutex_lock(&s->mu);
     int unused = x != NULL && --x->refs == 0;
     if (res == LOOKUP_ANSWERED) {
         s->answered++;
-        add_sample(s, seconds, hit);
+        add_sample(s, seconds, hit, r->hashes);
     } else if (res == LOOKUP_STALE) {
         s->stale++;
     }
@@ -915,8 +932,8 @@ static PyObject *Server_adopt(ServerObject *s, PyObject *arg) {
     Py_RETURN_TRUE;
 }
 
-/* samples() -> [(seconds, hit), ...]: each answer's time (the walk and the JSON, as the
-   service's lookup histogram measures) since the last call. */
+/* samples() -> [(seconds, hit, kind), ...]: each answer's time (the walk and the JSON, as
+   the service's lookup histogram measures) since the last call; kind: tokens or hashes. */
 static PyObject *Server_samples(ServerObject *s, PyObject *Py_UNUSED(unused)) {
     pthread_mutex_lock(&s->mu);
     size_t n = s->ring_len, start = s->ring_start;
@@ -932,7 +949,8 @@ static PyObject *Server_samples(ServerObject *s, PyObject *Py_UNUSED(unused)) {
         return PyErr_NoMemory();
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out && i < n; i++) {
-        PyObject *item = Py_BuildValue("(dO)", (double)copy[i].seconds, copy[i].hit ? Py_True : Py_False);
+        PyObject *item = Py_BuildValue("(dOs)", (double)copy[i].seconds, copy[i].hit ? Py_True : Py_False,
+                                       copy[i].hashes ? "hashes" : "tokens");
         if (item == NULL)
             Py_CLEAR(out);
         else

@@ -2,13 +2,14 @@
 
 Under a busy ingest a lookup answered in Python (kvindex.service.fastpath) first waits for
 the GIL behind the ingest threads' Python work: a switch interval or more. The C thread of
-`_lookupd.c` owns the listening socket instead: it answers every `POST /v1/lookup` of the
-plain shape whose headers it fully understands and the guard admits (the core's walk and
-JSON answer under its read lock, lookup_api.h), and hands any other connection -- its
-socket and the bytes read so far -- to uvicorn's protocol here, which serves it with every
-rule and limit of the service (the fast path of fastpath.py included), and gives it back
-once that is answered and nothing more of it is pending (`returning`). So
-the thread never takes the GIL, and answers exactly what the Python path answers
+`_lookupd.c` owns the listening socket instead: it answers every `POST /v1/lookup` (and
+`POST /v1/lookup/hashes`) of the plain shape whose headers it fully understands and the
+guard admits (the core's walk and JSON answer under its read lock, lookup_api.h), and
+hands any other connection -- its socket and the bytes read so far -- to uvicorn's
+protocol here, which serves it with every rule and limit of the service (the fast path
+of fastpath.py included), and gives it back once that is answered and nothing more of it
+is pending (`returning`). So the thread never takes the GIL, and answers exactly what
+the Python path answers
 (tests/test_lookupd.py holds the two to identical bytes).
 
 What the answer needs from Python -- the instances with their DP ranks' bits and their
@@ -179,8 +180,8 @@ class LookupThread:
     def read_samples(self) -> None:
         """The thread's answers since the last call, into the lookup metrics."""
         observe = self.metrics.observe
-        for seconds, hit in self.server.samples():
-            observe("tokens", seconds, hit, compiled=True)
+        for seconds, hit, kind in self.server.samples():
+            observe(kind, seconds, hit, compiled=kind == "tokens")
 
     def counts(self) -> tuple[int, int, int, int, int]:
         """(answered, handed over, stale, samples dropped, given back) since the start."""

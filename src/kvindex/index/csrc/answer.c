@@ -1,6 +1,7 @@
 /* The lookup's HTTP edges in C: see answer.h. */
 #include "answer.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -146,6 +147,107 @@ static int token_array(cursor *c, uint32_t max_items, lookup_body_t *out, int *o
         }
         return 0;
     }
+}
+
+static int hex_value(char ch) {
+    if (ch >= '0' && ch <= '9')
+        return ch - '0';
+    if (ch >= 'a' && ch <= 'f')
+        return ch - 'a' + 10;
+    return -1;
+}
+
+/* One hash string (its characters, no escape) as parse_hash reads it; 0: not taken here. */
+static int hash_text(const char *s, size_t len, phash *h, uint8_t **bytes) {
+    int negative = len > 0 && s[0] == '-';
+    size_t digits = len - (size_t)negative;
+    int all_digits = digits > 0;
+    for (size_t i = negative; i < len && all_digits; i++)
+        all_digits = s[i] >= '0' && s[i] <= '9';
+    if (all_digits && digits <= 20) { /* decimal wins, as in parse_hash */
+        uint64_t v = 0;
+        int overflow = 0;
+        for (size_t i = negative; i < len; i++) {
+            uint64_t d = (uint64_t)(s[i] - '0');
+            overflow |= v > (UINT64_MAX - d) / 10;
+            v = v * 10 + d;
+        }
+        if (negative && (overflow || v > (uint64_t)1 << 63))
+            return 0; /* below -2^63: parse_hash refuses it */
+        if (!overflow) {
+            h->kind = negative && v ? HK_NEGATIVE : HK_UINT;
+            h->v = negative ? (uint64_t)0 - v : v;
+            h->p = NULL;
+            h->len = 0;
+            return 1;
+        }
+        /* 2^64 or more: parse_hash reads it as hex bytes, as below (20 digits: even) */
+    }
+    if (negative || len == 0 || len % 2 || len > 256)
+        return 0;
+    uint8_t *out = *bytes;
+    for (size_t i = 0; i < len; i += 2) {
+        int hi = hex_value(s[i]), lo = hex_value(s[i + 1]);
+        if (hi < 0 || lo < 0)
+            return 0;
+        out[i / 2] = (uint8_t)(hi << 4 | lo);
+    }
+    h->kind = HK_BYTES;
+    h->v = 0;
+    h->p = out;
+    h->len = (uint32_t)(len / 2);
+    *bytes += len / 2;
+    return 1;
+}
+
+void hashes_body_free(hashes_body_t *b) {
+    free(b->hashes);
+    free(b->bytes);
+    b->hashes = NULL;
+    b->bytes = NULL;
+    b->n = 0;
+}
+
+int parse_hashes_body(const char *p, size_t n, uint32_t max_items, hashes_body_t *out) {
+    memset(out, 0, sizeof *out);
+    cursor c = {p, p + n};
+    const char *key;
+    size_t key_len;
+    /* A hash takes three bytes at least ("",): that bounds the arrays before reading. */
+    size_t room = n / 3 + 1;
+    if (room > (size_t)max_items)
+        room = (size_t)max_items;
+    out->hashes = malloc((room + 1) * sizeof(phash));
+    out->bytes = malloc(n / 2 + 1);
+    if (out->hashes == NULL || out->bytes == NULL) {
+        hashes_body_free(out);
+        return PARSE_NOMEM;
+    }
+    uint8_t *bytes = out->bytes;
+    int ok = eat(&c, '{') && plain_string(&c, &key, &key_len) && key_len == 12 &&
+             memcmp(key, "block_hashes", 12) == 0 && eat(&c, ':') && eat(&c, '[');
+    if (ok && !eat(&c, ']')) {
+        for (;;) {
+            const char *s;
+            size_t len;
+            if (out->n >= room || !plain_string(&c, &s, &len) ||
+                !hash_text(s, len, &out->hashes[out->n], &bytes)) {
+                ok = 0;
+                break;
+            }
+            out->n++;
+            if (eat(&c, ','))
+                continue;
+            ok = eat(&c, ']');
+            break;
+        }
+    }
+    ok = ok && eat(&c, '}');
+    skip_ws(&c);
+    if (ok && c.p == c.end)
+        return PARSE_OK;
+    hashes_body_free(out);
+    return PARSE_SLOW;
 }
 
 int parse_lookup_body(const char *p, size_t n, uint32_t max_items, lookup_body_t *out) {

@@ -30,6 +30,20 @@ typedef struct {
 /* PARSE_OK, PARSE_SLOW (not the simple shape: let the reference decide) or PARSE_NOMEM. */
 int parse_lookup_body(const char *p, size_t n, uint32_t max_items, lookup_body_t *out);
 
+/* `POST /v1/lookup/hashes`'s body, {"block_hashes": [...]}, the strings as
+ * kvindex.wire.parse_hash reads them: decimal (at most 20 digits, an int in [-2^63,
+ * 2^64)) or, else, lowercase hex of whole bytes (at most 256 characters, the schema's).
+ * PARSE_SLOW for anything else (an escape, another key, a hash that parse_hash refuses or
+ * reads otherwise, past max_items): the reference decides. */
+typedef struct {
+    phash *hashes; /* malloc'd; a bytes hash points into `bytes` */
+    uint8_t *bytes;
+    uint32_t n;
+} hashes_body_t;
+
+int parse_hashes_body(const char *p, size_t n, uint32_t max_items, hashes_body_t *out);
+void hashes_body_free(hashes_body_t *b);
+
 /* --- the answer -------------------------------------------------------------------- */
 
 /* A publisher's answer to a lookup (reuse_t for every publisher, several pools or one). */

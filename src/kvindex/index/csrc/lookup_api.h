@@ -17,7 +17,7 @@
 
 #include "answer.h"
 
-#define LOOKUP_API_VERSION 1
+#define LOOKUP_API_VERSION 2
 #define LOOKUP_API_CAPSULE "kvindex.index._core.lookup_api"
 
 /* answer_tokens's results */
@@ -39,6 +39,12 @@ typedef struct {
      * memory: alloc.h). */
     void (*body_free)(lookup_body_t *body);
     void (*jbuf_free)(jbuf_t *b);
+    /* `POST /v1/lookup/hashes`: answer.h's parse_hashes_body, then the JSON answer
+     * Fleet.lookup_hashes encodes for it (as answer_tokens; version 2). */
+    int (*parse_hashes)(const char *p, size_t n, uint32_t max_items, hashes_body_t *out);
+    int (*answer_hashes)(void *core, const hashes_body_t *body, const slot_t *slots,
+                         uint32_t nslots, uint64_t sources_gen, jbuf_t *out, int *hit);
+    void (*hashes_free)(hashes_body_t *b);
 } lookup_api_t;
 
 /* The caller's malloc and free are libc's (alloc.h counts the core's only). */

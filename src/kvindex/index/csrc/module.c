@@ -1618,84 +1618,6 @@ static PyObject *Core_lookup_json(CoreObject *self, PyObject *const *args, Py_ss
     return result;
 }
 
-/* -- lookups outside Python (lookup_api.h) ----------------------------------------- */
-
-/* lookup_api_t.answer_tokens's work under the read lock: the names resolved, the walk,
- * the answer (Core_lookup_json's, from C strings and with no Python object). */
-typedef struct {
-    const lookup_body_t *body;
-    const slot_t *slots;
-    uint32_t nslots;
-    uint64_t sources_gen;
-    jbuf_t *out;
-    walked_t w;
-    int hit, stale;
-} api_lookup;
-
-static int api_tokens_body(CoreObject *self, void *ctx) {
-    api_lookup *a = ctx;
-    const core_t *c = &self->core;
-    if (c->sources_gen != a->sources_gen) {
-        a->stale = 1;
-        return 0;
-    }
-    const lookup_body_t *b = a->body;
-    prompt_t prompt = {.small = b->tokens, .wide = NULL, .n = b->ntokens};
-    own_keys own = {NULL, 0};
-    uint32_t lora_id = b->lora ? find_name(c, (const uint8_t *)b->lora, (uint32_t)b->lora_len) : 0;
-    uint32_t salt_id = b->salt ? find_name(c, (const uint8_t *)b->salt, (uint32_t)b->salt_len) : 0;
-    int unknown = (b->lora && !lora_id) || (b->salt && !salt_id);
-    walk_prompt(c, &prompt, lora_id, salt_id, unknown, &own, &a->w);
-    if (!a->w.oom)
-        a->hit = answer_json(c, a->w.answers, a->w.nbits, a->slots, a->nslots, 1, a->out);
-    return 0;
-}
-
-/* lookup_api_t.answer_tokens: called without the GIL (any thread); core_locked is the
- * only Python-free way in (core_run's modes start from a thread holding the GIL). */
-static int api_answer_tokens(void *core, const lookup_body_t *body, const slot_t *slots,
-                             uint32_t nslots, uint64_t sources_gen, jbuf_t *out, int *hit) {
-    CoreObject *self = core;
-    if (!self->ready)
-        return LOOKUP_NOT_READY;
-    api_lookup a = {body, slots, nslots, sources_gen, out, {0}, 0, 0};
-    *hit = 0;
-    if (core_locked(self, 0, api_tokens_body, &a) == RUN_LOCK_FAILED)
-        return LOOKUP_STALE; /* Python answers it (and says what went wrong) */
-    int oom = a.w.oom || out->oom;
-    walk_free(&a.w);
-    if (a.stale)
-        return LOOKUP_STALE;
-    *hit = a.hit;
-    return oom ? LOOKUP_NOMEM : LOOKUP_ANSWERED;
-}
-
-static void api_body_free(lookup_body_t *body) {
-    free(body->tokens);
-    body->tokens = NULL;
-}
-
-static lookup_api_t LOOKUP_API = {
-    .version = LOOKUP_API_VERSION,
-    .parse_tokens = parse_lookup_body,
-    .answer_tokens = api_answer_tokens,
-    .body_free = api_body_free,
-    .jbuf_free = jbuf_free,
-};
-
-/* sources_gen() -> int: moves whenever the core makes or removes a publisher (see
-   lookup_api.h: what the slots of an answer made outside Python are checked against). */
-static int sources_gen_body(CoreObject *self, void *ctx) {
-    *(uint64_t *)ctx = self->core.sources_gen;
-    return 0;
-}
-
-static PyObject *Core_sources_gen(CoreObject *self, PyObject *Py_UNUSED(unused)) {
-    uint64_t gen = 0;
-    if (!core_ready(self) || core_run(self, RUN_READ, sources_gen_body, &gen) != 0)
-        return NULL;
-    return PyLong_FromUnsignedLongLong(gen);
-}
 
 /* parse_lookup(body, max_items) -> (token_ids as uint32 bytes, lora_name, cache_salt), or
    None when the body is not the simple shape (see answer.h): the caller decodes it then. */
@@ -1741,49 +1663,62 @@ typedef struct {
 
 /* Per publisher: the run of the hashes its GPU pools hold from the first, then the run
  * its lower tiers hold. A RUN_READ body (it builds the rows). */
+/* The asked hashes as the core's keys (under the lock: bytes are looked up among the
+ * interned); a bytes hash no pool ever held is unknown. */
+static void hashes_keys(const core_t *c, const phash *ph, hkey *hk, uint8_t *known, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!known[i])
+            continue;
+        if (ph[i].kind == HK_BYTES) {
+            uint32_t id = find_bytes(c, ph[i].p, ph[i].len);
+            hk[i] = (hkey){id, HK_BYTES};
+            known[i] = id != 0;
+        } else {
+            hk[i] = (hkey){ph[i].v, ph[i].kind};
+        }
+    }
+}
+
+/* A publisher's run of the hashes (hashes_keys'): those its GPU pools hold from the first,
+ * then the fastest lower tier holding each next one; `by_tier` filled. */
+static Py_ssize_t hashes_run(const source_t *s, const hkey *hk, const uint8_t *known,
+                             Py_ssize_t n, uint32_t by_tier[TIER_COUNT]) {
+    memset(by_tier, 0, TIER_COUNT * sizeof(uint32_t));
+    Py_ssize_t d = 0;
+    for (; d < n; d++) { /* the GPU run */
+        int held = 0;
+        for (uint32_t p = 0; known[d] && !held && p < s->npools; p++)
+            held = s->pools[p].tier == TIER_GPU &&
+                   pmap_find(&s->pools[p].blocks, hk[d].v, hk[d].kind) != NULL;
+        if (!held)
+            break;
+    }
+    by_tier[TIER_GPU] = (uint32_t)d;
+    for (; d < n; d++) { /* then the fastest lower tier holding each next block */
+        int tier = -1;
+        for (int t = TIER_CPU; t < TIER_COUNT && tier < 0 && known[d]; t++)
+            for (uint32_t p = 0; tier < 0 && p < s->npools; p++)
+                if (s->pools[p].tier == t &&
+                    pmap_find(&s->pools[p].blocks, hk[d].v, hk[d].kind) != NULL)
+                    tier = t;
+        if (tier < 0)
+            break;
+        by_tier[tier]++;
+    }
+    return d;
+}
+
 static int lookup_hashes_body(CoreObject *self, void *ctx) {
     hashes_ctx *x = ctx;
     const core_t *c = &self->core;
     Py_ssize_t n = x->n;
-    uint8_t *known = x->known;
-    hkey *hk = x->hk;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!known[i])
-            continue;
-        if (x->ph[i].kind == HK_BYTES) {
-            uint32_t id = find_bytes(c, x->ph[i].p, x->ph[i].len);
-            hk[i] = (hkey){id, HK_BYTES};
-            known[i] = id != 0;
-        } else {
-            hk[i] = (hkey){x->ph[i].v, x->ph[i].kind};
-        }
-    }
+    hashes_keys(c, x->ph, x->hk, x->known, n);
     for (uint32_t b = 0; x->rows && b < c->max_bit; b++) {
         const source_t *s = c->sources[b];
         if (s == NULL)
             continue;
-        uint32_t by_tier[TIER_COUNT] = {0};
-        Py_ssize_t d = 0;
-        for (; d < n; d++) { /* the GPU run */
-            int held = 0;
-            for (uint32_t p = 0; known[d] && !held && p < s->npools; p++)
-                held = s->pools[p].tier == TIER_GPU &&
-                       pmap_find(&s->pools[p].blocks, hk[d].v, hk[d].kind) != NULL;
-            if (!held)
-                break;
-        }
-        by_tier[TIER_GPU] = (uint32_t)d;
-        for (; d < n; d++) { /* then the fastest lower tier holding each next block */
-            int tier = -1;
-            for (int t = TIER_CPU; t < TIER_COUNT && tier < 0 && known[d]; t++)
-                for (uint32_t p = 0; tier < 0 && p < s->npools; p++)
-                    if (s->pools[p].tier == t &&
-                        pmap_find(&s->pools[p].blocks, hk[d].v, hk[d].kind) != NULL)
-                        tier = t;
-            if (tier < 0)
-                break;
-            by_tier[tier]++;
-        }
+        uint32_t by_tier[TIER_COUNT];
+        Py_ssize_t d = hashes_run(s, x->hk, x->known, n, by_tier);
         if (d == 0)
             continue;
         PyObject *tiers = tier_dict(by_tier);
@@ -2509,6 +2444,152 @@ static PyObject *Core_resume_slices(CoreObject *self, PyObject *Py_UNUSED(unused
     pthread_cond_broadcast(&self->pause_cond);
     pthread_mutex_unlock(&self->pause_lock);
     Py_RETURN_NONE;
+}
+
+/* -- lookups outside Python (lookup_api.h) ----------------------------------------- */
+
+/* lookup_api_t.answer_tokens's work under the read lock: the names resolved, the walk,
+ * the answer (Core_lookup_json's, from C strings and with no Python object). */
+typedef struct {
+    const lookup_body_t *body;
+    const slot_t *slots;
+    uint32_t nslots;
+    uint64_t sources_gen;
+    jbuf_t *out;
+    walked_t w;
+    int hit, stale;
+} api_lookup;
+
+static int api_tokens_body(CoreObject *self, void *ctx) {
+    api_lookup *a = ctx;
+    const core_t *c = &self->core;
+    if (c->sources_gen != a->sources_gen) {
+        a->stale = 1;
+        return 0;
+    }
+    const lookup_body_t *b = a->body;
+    prompt_t prompt = {.small = b->tokens, .wide = NULL, .n = b->ntokens};
+    own_keys own = {NULL, 0};
+    uint32_t lora_id = b->lora ? find_name(c, (const uint8_t *)b->lora, (uint32_t)b->lora_len) : 0;
+    uint32_t salt_id = b->salt ? find_name(c, (const uint8_t *)b->salt, (uint32_t)b->salt_len) : 0;
+    int unknown = (b->lora && !lora_id) || (b->salt && !salt_id);
+    walk_prompt(c, &prompt, lora_id, salt_id, unknown, &own, &a->w);
+    if (!a->w.oom)
+        a->hit = answer_json(c, a->w.answers, a->w.nbits, a->slots, a->nslots, 1, a->out);
+    return 0;
+}
+
+/* lookup_api_t.answer_tokens: called without the GIL (any thread); core_locked is the
+ * only Python-free way in (core_run's modes start from a thread holding the GIL). */
+static int api_answer_tokens(void *core, const lookup_body_t *body, const slot_t *slots,
+                             uint32_t nslots, uint64_t sources_gen, jbuf_t *out, int *hit) {
+    CoreObject *self = core;
+    if (!self->ready)
+        return LOOKUP_NOT_READY;
+    api_lookup a = {body, slots, nslots, sources_gen, out, {0}, 0, 0};
+    *hit = 0;
+    if (core_locked(self, 0, api_tokens_body, &a) == RUN_LOCK_FAILED)
+        return LOOKUP_STALE; /* Python answers it (and says what went wrong) */
+    int oom = a.w.oom || out->oom;
+    walk_free(&a.w);
+    if (a.stale)
+        return LOOKUP_STALE;
+    *hit = a.hit;
+    return oom ? LOOKUP_NOMEM : LOOKUP_ANSWERED;
+}
+
+/* lookup_api_t.answer_hashes's work under the read lock: Core_lookup_hashes's walk, the
+ * answer as Fleet.lookup_hashes encodes it (by_group empty, no tokens). */
+typedef struct {
+    const hashes_body_t *body;
+    const slot_t *slots;
+    uint32_t nslots;
+    uint64_t sources_gen;
+    jbuf_t *out;
+    int hit, stale, oom;
+} api_hashes;
+
+static int api_hashes_body(CoreObject *self, void *ctx) {
+    api_hashes *a = ctx;
+    const core_t *c = &self->core;
+    if (c->sources_gen != a->sources_gen) {
+        a->stale = 1;
+        return 0;
+    }
+    Py_ssize_t n = a->body->n;
+    uint32_t bits = c->max_bit;
+    hkey *hk = malloc(((size_t)n + 1) * sizeof(hkey));
+    uint8_t *known = malloc((size_t)n + 1);
+    answer_t *answers = calloc((size_t)bits + 1, sizeof(answer_t));
+    reuse_t *reuses = calloc((size_t)bits + 1, sizeof(reuse_t));
+    if (hk == NULL || known == NULL || answers == NULL || reuses == NULL) {
+        a->oom = 1;
+    } else {
+        memset(known, 1, (size_t)n + 1);
+        hashes_keys(c, a->body->hashes, hk, known, n);
+        for (uint32_t b = 0; b < bits; b++) {
+            const source_t *s = c->sources[b];
+            if (s == NULL)
+                continue;
+            Py_ssize_t d = hashes_run(s, hk, known, n, reuses[b].by_tier);
+            if (d == 0)
+                continue;
+            reuses[b].blocks = (uint32_t)d;
+            reuses[b].several = 1;
+            answers[b] = (answer_t){(uint32_t)d, 0, &reuses[b]};
+        }
+        a->hit = answer_json(c, answers, bits, a->slots, a->nslots, 0, a->out);
+    }
+    free(hk);
+    free(known);
+    free(answers);
+    free(reuses);
+    return 0;
+}
+
+static int api_answer_hashes(void *core, const hashes_body_t *body, const slot_t *slots,
+                             uint32_t nslots, uint64_t sources_gen, jbuf_t *out, int *hit) {
+    CoreObject *self = core;
+    if (!self->ready)
+        return LOOKUP_NOT_READY;
+    api_hashes a = {body, slots, nslots, sources_gen, out, 0, 0, 0};
+    *hit = 0;
+    if (core_locked(self, 0, api_hashes_body, &a) == RUN_LOCK_FAILED || a.stale)
+        return LOOKUP_STALE;
+    if (a.oom || out->oom)
+        return LOOKUP_NOMEM;
+    *hit = a.hit;
+    return LOOKUP_ANSWERED;
+}
+
+static void api_body_free(lookup_body_t *body) {
+    free(body->tokens);
+    body->tokens = NULL;
+}
+
+static lookup_api_t LOOKUP_API = {
+    .version = LOOKUP_API_VERSION,
+    .parse_tokens = parse_lookup_body,
+    .answer_tokens = api_answer_tokens,
+    .body_free = api_body_free,
+    .parse_hashes = parse_hashes_body,
+    .answer_hashes = api_answer_hashes,
+    .hashes_free = hashes_body_free,
+    .jbuf_free = jbuf_free,
+};
+
+/* sources_gen() -> int: moves whenever the core makes or removes a publisher (see
+   lookup_api.h: what the slots of an answer made outside Python are checked against). */
+static int sources_gen_body(CoreObject *self, void *ctx) {
+    *(uint64_t *)ctx = self->core.sources_gen;
+    return 0;
+}
+
+static PyObject *Core_sources_gen(CoreObject *self, PyObject *Py_UNUSED(unused)) {
+    uint64_t gen = 0;
+    if (!core_ready(self) || core_run(self, RUN_READ, sources_gen_body, &gen) != 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(gen);
 }
 
 static PyMethodDef Core_methods[] = {

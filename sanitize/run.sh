@@ -16,7 +16,10 @@
 #    opinion on uninitialised reads, and a definite-leak count of blocks our C allocated.
 # 4. ThreadSanitizer (gcc, build/tsan): the in-order path in C on ingest threads while other
 #    threads read the index, and the C sequencer's differential streams
-#    (tests/test_ingest_c.py, tests/test_inorder.py). Reports go to build/tsan/reports;
+#    (tests/test_ingest_c.py, tests/test_inorder.py); ingest, membership churn and every
+#    kind of lookup at once on the library API (tests/test_core_threads.py, whose child
+#    processes run tests/core_threads.py under TSan too: it reports issue 23's names read
+#    outside the lock on the core before the fold). Reports go to build/tsan/reports;
 #    libzmq's own hand-offs are suppressed (sanitize/tsan.supp says why).
 #
 # LeakSanitizer records one frame above malloc, so sanitize/lsan.supp can name who
@@ -65,7 +68,8 @@ rm -rf "$tsan_reports" && mkdir -p "$tsan_reports"
 tsan_status=0
 env LD_PRELOAD="$(gcc -print-file-name=libtsan.so)" PYTHONPATH="$tsan_out" \
     TSAN_OPTIONS="suppressions=$PWD/sanitize/tsan.supp:log_path=$PWD/$tsan_reports/tsan:report_signal_unsafe=0" \
-    "$python" -m pytest -q -p no:cacheprovider tests/test_ingest_c.py tests/test_inorder.py ||
+    "$python" -m pytest -q -p no:cacheprovider tests/test_ingest_c.py tests/test_inorder.py \
+    tests/test_core_threads.py ||
     tsan_status=$?
 if ls "$tsan_reports"/* >/dev/null 2>&1; then
     for f in "$tsan_reports"/*; do

@@ -21,6 +21,15 @@
 
 extern size_t kv_alloc_bytes, kv_alloc_blocks; /* core.c */
 
+/* Fault injection (tests only: _core.fail_allocs(n)): the n-th allocation from now fails,
+ * once. 0: none. One relaxed load per allocation otherwise. */
+extern long kv_fail_countdown; /* core.c */
+
+static inline int kv_fail_now(void) {
+    long n = __atomic_load_n(&kv_fail_countdown, __ATOMIC_RELAXED);
+    return n > 0 && __atomic_sub_fetch(&kv_fail_countdown, 1, __ATOMIC_RELAXED) == 0;
+}
+
 static inline void kv_count(void *p, int sign) {
     size_t n = malloc_usable_size(p);
     if (sign > 0) {
@@ -33,6 +42,8 @@ static inline void kv_count(void *p, int sign) {
 }
 
 static inline void *kv_malloc(size_t n) {
+    if (kv_fail_now())
+        return NULL;
     void *p = (malloc)(n);
     if (p != NULL)
         kv_count(p, 1);
@@ -40,6 +51,8 @@ static inline void *kv_malloc(size_t n) {
 }
 
 static inline void *kv_calloc(size_t count, size_t n) {
+    if (kv_fail_now())
+        return NULL;
     void *p = (calloc)(count, n);
     if (p != NULL)
         kv_count(p, 1);
@@ -47,6 +60,8 @@ static inline void *kv_calloc(size_t count, size_t n) {
 }
 
 static inline void *kv_realloc(void *old, size_t n) {
+    if (kv_fail_now())
+        return NULL;
     size_t before = old != NULL ? malloc_usable_size(old) : 0;
     void *p = (realloc)(old, n);
     if (p == NULL)

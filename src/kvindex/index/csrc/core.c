@@ -13,6 +13,7 @@
 #include "xxh3.h"
 
 size_t kv_alloc_bytes, kv_alloc_blocks; /* alloc.h */
+long kv_fail_countdown;                 /* alloc.h: tests' allocation failures */
 
 /* -- the key digest ------------------------------------------------------------------ */
 

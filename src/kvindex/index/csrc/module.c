@@ -2645,6 +2645,16 @@ static PyObject *core_allocated(PyObject *module, PyObject *Py_UNUSED(unused)) {
                          (Py_ssize_t)__atomic_load_n(&kv_alloc_blocks, __ATOMIC_RELAXED));
 }
 
+/* fail_allocs(n): tests only. The n-th allocation of the core's C from now fails, once
+   (alloc.h); 0 turns it off. Returns how many were still to go. */
+static PyObject *core_fail_allocs(PyObject *module, PyObject *n_obj) {
+    (void)module;
+    long n = PyLong_AsLong(n_obj);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    return PyLong_FromLong(__atomic_exchange_n(&kv_fail_countdown, n < 0 ? 0 : n, __ATOMIC_RELAXED));
+}
+
 /* xxh3_64(data, seed) -> int: the core's XXH3-64 (xxh3.h), for tests against xxhash. */
 static PyObject *core_xxh3_64(PyObject *module, PyObject *args) {
     Py_buffer data;
@@ -2658,6 +2668,7 @@ static PyObject *core_xxh3_64(PyObject *module, PyObject *args) {
 
 static PyMethodDef core_functions[] = {
     {"allocated", core_allocated, METH_NOARGS, NULL},
+    {"fail_allocs", core_fail_allocs, METH_O, NULL},
     {"xxh3_64", (PyCFunction)core_xxh3_64, METH_VARARGS, NULL},
     {"parse_lookup", (PyCFunction)parse_lookup, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},

@@ -110,8 +110,14 @@ _SECRET_KEYS = {
 }
 _BOOL_KEYS = {"fleet_changes"}
 _PATH_KEYS = {"tls_cert", "tls_key"}
-_INT_KEYS = {"max_body_bytes", "max_lookup_tokens", "max_streams"}
-_FLOAT_KEYS = {"request_timeout"}
+_INT_KEYS = {
+    "max_body_bytes",
+    "max_lookup_tokens",
+    "max_streams",
+    "max_header_bytes",
+    "max_connections",
+}
+_FLOAT_KEYS = {"request_timeout", "header_timeout", "tls_handshake_timeout"}
 _LIST_KEYS = {"allowed_hosts"}
 SERVER_KEYS = (
     {

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvindex.cli.common import UsageError, positive_int, positive_seconds
 from kvindex.security.http import HttpGuard, default_allowed_hosts
+from kvindex.security.limits import Limits
 
 __all__ = ["HttpOptions", "add_http_arguments", "http_options", "warn_if_exposed"]
 
@@ -28,6 +29,7 @@ DEFAULT_MAX_BODY = 32 * 1024 * 1024
 DEFAULT_MAX_LOOKUP = 1_000_000
 DEFAULT_REQUEST_TIMEOUT = 30.0
 DEFAULT_MAX_STREAMS = 32
+_LIMITS = Limits()  # the front's defaults (kvindex.security.limits)
 
 
 def add_http_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,6 +92,33 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
         help=f"dashboard event streams open at once; more get 503 (default: {DEFAULT_MAX_STREAMS})",
     )
     g.add_argument(
+        "--max-header-bytes",
+        type=positive_int,
+        metavar="N",
+        help="largest request line and headers, counted as they arrive, before the token is "
+        f"checked; more: 431 (default: {_LIMITS.max_header_bytes})",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=positive_seconds,
+        metavar="S",
+        help="seconds for a request's line and headers to arrive; later: 408 (default: "
+        f"{_LIMITS.header_timeout:g})",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=positive_int,
+        metavar="N",
+        help=f"HTTP connections open at once; more: 503 (default: {_LIMITS.max_connections})",
+    )
+    g.add_argument(
+        "--tls-handshake-timeout",
+        type=positive_seconds,
+        metavar="S",
+        help="seconds for a TLS handshake (with --tls-cert) before the connection is closed "
+        f"(default: {_LIMITS.tls_handshake_timeout:g})",
+    )
+    g.add_argument(
         "--request-timeout",
         type=positive_seconds,
         metavar="S",
@@ -103,6 +132,7 @@ class HttpOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY
     tls_cert: str | None = None
     tls_key: str | None = None
+    limits: Limits = field(default_factory=Limits)  # the front's, before the token
 
     def uvicorn_kwargs(self) -> dict[str, Any]:
         if self.tls_cert is None:
@@ -184,7 +214,15 @@ def http_options(
         if bind_host is None
         else _allowed_hosts(bind_host, pick("allowed_hosts")),
     )
-    return HttpOptions(guard, pick("max_body_bytes", DEFAULT_MAX_BODY), tls_cert, tls_key)
+    defaults = Limits()
+    limits = Limits(
+        max_header_bytes=pick("max_header_bytes", defaults.max_header_bytes),
+        header_timeout=pick("header_timeout", defaults.header_timeout),
+        max_connections=pick("max_connections", defaults.max_connections),
+        tls_handshake_timeout=pick("tls_handshake_timeout", defaults.tls_handshake_timeout),
+    )
+    max_body = pick("max_body_bytes", DEFAULT_MAX_BODY)
+    return HttpOptions(guard, max_body, tls_cert, tls_key, limits)
 
 
 def warn_if_exposed(host: str, options: HttpOptions) -> None:

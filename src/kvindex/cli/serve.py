@@ -404,7 +404,9 @@ def _server(
         routing=routing,
         finders=finders,
     )
-    protocol = lookup_protocol(app.state.lookup_answerer, http.guard, http.max_body_bytes)
+    protocol = lookup_protocol(
+        app.state.lookup_answerer, http.guard, http.max_body_bytes, http.limits
+    )
     config = uvicorn.Config(
         app,
         **http.uvicorn_kwargs(),
@@ -414,7 +416,7 @@ def _server(
         access_log=False,
         timeout_graceful_shutdown=5,
     )
-    return make_server(config, stop, _end_streams(app))
+    return make_server(config, stop, _end_streams(app), http.limits.tls_handshake_timeout)
 
 
 def _lookup_thread(
@@ -613,19 +615,44 @@ def _protocol_factory(server: uvicorn.Server, cls: type[Any]) -> Callable[[], as
 
 
 def make_server(
-    config: uvicorn.Config, stop: Stop, on_stop: Callable[[], None] | None = None
+    config: uvicorn.Config,
+    stop: Stop,
+    on_stop: Callable[[], None] | None = None,
+    tls_handshake_timeout: float | None = None,
 ) -> uvicorn.Server:
     """uvicorn's server, stopped by `stop` (the command's signal handling, see
     `kvindex.cli.signals`) instead of its own handlers, which would re-raise the caught
     signal after a graceful stop (turning a clean SIGTERM shutdown into death by signal)
     and only make a second one skip waiting for connections. `on_stop` runs on the first
     signal, from the signal handler (e.g. to end the dashboard's streams, which would hold
-    a graceful shutdown open)."""
+    a graceful shutdown open). With TLS, a handshake not done in `tls_handshake_timeout`
+    seconds closes its connection (asyncio's default is a minute)."""
     import uvicorn
 
     class Server(uvicorn.Server):
         # What must stop before uvicorn closes its connections (the lookup thread).
         before_shutdown: list[Callable[[], None]] = []
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            if not sockets or not self.config.is_ssl or tls_handshake_timeout is None:
+                await super().startup(sockets)
+                return
+            # uvicorn's own start with no socket, then its listeners made here: uvicorn
+            # gives asyncio no handshake timeout.
+            await super().startup([])
+            if self.should_exit:
+                return
+            loop = asyncio.get_running_loop()
+            protocol = _protocol_factory(self)
+            for sock in sockets:
+                listener = await loop.create_server(
+                    protocol,
+                    sock=sock,
+                    ssl=self.config.ssl,
+                    backlog=self.config.backlog,
+                    ssl_handshake_timeout=tls_handshake_timeout,
+                )
+                self.servers.append(listener)
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             for step in self.before_shutdown:

@@ -35,6 +35,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from kvindex.index import parse_lookup_body
 from kvindex.runtime import Fleet
 from kvindex.security.http import ASGIApp, HttpGuard, Message, Receive, Scope, Send, error_response
+from kvindex.security.limits import LimitedProtocol, Limits
 from kvindex.service.metrics import ServiceMetrics
 from kvindex.service.schema import BadBody, HashLookupRequest, decode_body, encode
 from kvindex.wire import parse_hash
@@ -155,17 +156,28 @@ class _Collecting:
 
 
 def lookup_protocol(
-    answerer: LookupAnswerer, guard: HttpGuard, max_body_bytes: int
+    answerer: LookupAnswerer,
+    guard: HttpGuard,
+    max_body_bytes: int,
+    limits: Limits | None = None,
 ) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol (`uvicorn.Config(http=...)`) with plain lookups
-    answered in it (see the module docstring)."""
-    parts = {"answerer": answerer, "guard": guard, "max_body_bytes": max_body_bytes}
+    answered in it (see the module docstring), under the front's `limits`
+    (kvindex.security.limits: header size and deadline, connections)."""
+    parts = {
+        "answerer": answerer,
+        "guard": guard,
+        "max_body_bytes": max_body_bytes,
+        "limits": limits or Limits(),
+    }
     return type("ServiceLookupProtocol", (LookupProtocol,), parts)
 
 
-class LookupProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with plain lookups answered in it; `lookup_protocol`
-    makes one for a service (its answerer, guard and body limit as class attributes)."""
+class LookupProtocol(LimitedProtocol):
+    """uvicorn's httptools protocol with plain lookups answered in it, on the front's
+    limits (LimitedProtocol: a head is bounded in size and time before it gets here);
+    `lookup_protocol` makes one for a service (its answerer, guard, body limit and limits
+    as class attributes)."""
 
     answerer: LookupAnswerer
     guard: HttpGuard

@@ -1,7 +1,9 @@
 """Issue 28, finding 4: an API client's spec makes kvindex connect only to engine hosts on
 the allow-list (kvindex.security.engines): endpoints, `http=`, `metrics=`, an SGLang URL,
 and every call of the tokenizer delegation and the metrics scraper. Real serve processes
-and a capture listener on 127.0.0.1."""
+and a capture listener on 127.0.0.1. Every host that is allowed (and so connected to) is
+on the loopback; hosts elsewhere only ever appear in specs that must be refused (and
+192.0.2.0/24 is the documentation range)."""
 
 from __future__ import annotations
 
@@ -42,27 +44,29 @@ def stop(proc: Proc) -> None:
 def test_metrics_and_http_to_a_host_off_the_list_are_refused(listener: CaptureListener) -> None:
     # `metrics=` was fetched every scrape interval from any host and path a client named.
     here = f"127.0.0.1:{listener.port}"
-    proc, url = serve("--engine-hosts", "10.0.0.0/8,vllm.example")
+    proc, url = serve("--engine-hosts", "127.0.0.2,localhost")
+    other = f"127.0.0.2:{free_port()}"  # allowed: nothing listens there
     try:
         with httpx.Client(base_url=url, timeout=10) as c:
             for spec in [
-                f"a=tcp://10.0.0.5:5557,metrics=http://{here}/latest/meta-data",
-                f"a=tcp://10.0.0.5:5557,http=http://{here}",
+                f"a=tcp://{other},metrics=http://{here}/latest/meta-data",
+                f"a=tcp://{other},http=http://{here}",
                 f"a=tcp://{here}",
-                f"a=tcp://10.0.0.5:5557,replay=tcp://{here}",
+                f"a=tcp://{other},replay=tcp://{here}",
                 f"a=sglang+http://{here}",
-                f"a=tcp://10.0.0.5:5557,http=http://[::ffff:127.0.0.1]:{listener.port}",
-                "a=tcp://10.0.0.5:5557,http=http://2130706433:8000",  # 127.0.0.1 by inet_aton
-                "a=tcp://10.0.0.5:5557,http=http://vllm.example.evil.test:8000",
+                f"a=tcp://{other},http=http://[::ffff:127.0.0.1]:{listener.port}",
+                f"a=tcp://{other},http=http://2130706433:8000",  # 127.0.0.1 by inet_aton
+                f"a=tcp://{other},http=http://localhost.evil.test:8000",
+                "a=tcp://192.0.2.1:5557",
             ]:
                 r = c.post("/v1/instances", json={"spec": spec})
                 assert r.status_code == 400, (spec, r.text)
                 assert "not an engine host" in r.json()["error"], r.text
             # a trailing `?` would make the `/tokenize` appended a query on the client's path
             for spec in [
-                "a=tcp://10.0.0.5:5557,http=http://10.0.0.5:8000/admin?",
-                "a=tcp://10.0.0.5:5557,metrics=http://user@10.0.0.5:8000/m",
-                "a=tcp://10.0.0.5:5557,http=http://10.0.0.5:8000/x#frag",
+                f"a=tcp://{other},http=http://127.0.0.2:8000/admin?",
+                f"a=tcp://{other},metrics=http://user@127.0.0.2:8000/m",
+                f"a=tcp://{other},http=http://127.0.0.2:8000/x#frag",
             ]:
                 r = c.post("/v1/instances", json={"spec": spec})
                 assert r.status_code == 400 and "query" in r.json()["error"], (spec, r.text)
@@ -71,7 +75,7 @@ def test_metrics_and_http_to_a_host_off_the_list_are_refused(listener: CaptureLi
                 "model_name": "m", "block_size": 16,
             })  # fmt: skip
             assert r.status_code == 400, r.text
-            allowed = "a=tcp://10.0.0.5:5557,http=http://vllm.example:8000"
+            allowed = f"a=tcp://{other},http=http://localhost:{free_port()}"
             assert c.post("/v1/instances", json={"spec": allowed}).status_code == 201
             time.sleep(1.5)  # a scrape interval: nothing reaches the listener
     finally:
@@ -80,21 +84,29 @@ def test_metrics_and_http_to_a_host_off_the_list_are_refused(listener: CaptureLi
 
 
 def test_by_default_the_loopback_and_the_configured_engines_hosts_are_allowed() -> None:
-    configured = f"cfg=tcp://10.1.2.3:{free_port()},http=http://engine-0.internal:8000"
-    proc, url = serve("--instance", configured)
+    proc, url = serve()  # the API on the loopback: the loopback is allowed
+    try:
+        with httpx.Client(base_url=url, timeout=10) as c:
+            r = c.post("/v1/instances", json={"spec": f"a=tcp://127.0.0.1:{free_port()}"})
+            assert r.status_code == 201, r.text
+            r = c.post("/v1/instances", json={"spec": "b=tcp://192.0.2.1:5557"})
+            assert r.status_code == 400 and "not an engine host" in r.json()["error"]
+    finally:
+        stop(proc)
+    # an explicit list replaces the loopback; a configured engine's hosts are always in
+    configured = f"cfg=tcp://127.0.0.3:{free_port()},http=http://localhost:{free_port()}"
+    proc, url = serve("--engine-hosts", "127.0.0.2", "--instance", configured)
     try:
         with httpx.Client(base_url=url, timeout=10) as c:
             for spec, status in [
-                (f"a=tcp://127.0.0.1:{free_port()}", 201),  # the API listens on the loopback
-                (f"b=tcp://10.1.2.3:{free_port()}", 201),  # a configured engine's host
-                (f"c=tcp://127.0.0.1:{free_port()},http=http://engine-0.internal:8000", 201),
-                (f"d=tcp://10.0.0.9:{free_port()}", 400),  # no configured engine there
+                (f"a=tcp://127.0.0.2:{free_port()}", 201),  # listed
+                (f"b=tcp://127.0.0.3:{free_port()}", 201),  # a configured engine's host
+                (f"c=tcp://127.0.0.2:{free_port()},http=http://localhost:{free_port()}", 201),
+                (f"d=tcp://127.0.0.1:{free_port()}", 400),  # the loopback is no longer in
+                ("e=tcp://db.internal:5432", 400),  # a name no one listed
             ]:
                 r = c.post("/v1/instances", json={"spec": spec})
                 assert r.status_code == status, (spec, r.text)
-            # a name the operator did not configure is refused, as a host off the list is
-            r = c.post("/v1/instances", json={"spec": "e=tcp://db.internal:5432"})
-            assert r.status_code == 400
     finally:
         stop(proc)
 
@@ -124,7 +136,7 @@ def test_engine_hosts_entries_sources_and_call_time_checks(listener: CaptureList
         hosts.add("not a host")
     # The tokenizer delegation asks the list at every call: a host dropped is not called.
     here = f"http://127.0.0.1:{listener.port}"
-    engine_hosts.install(EngineHosts(["10.0.0.0/8"]))
+    engine_hosts.install(EngineHosts(["127.0.0.2"]))
     try:
         tok = EngineTokenizer("m", lambda: [here])
         with pytest.raises(TokenizeFailed) as err:
@@ -146,8 +158,8 @@ def test_engines_discovery_finds_join_the_list_while_they_are_found() -> None:
     from kvindex.security.engines import EngineHosts, engine_hosts
     from kvindex.subscriber import InstanceSpec
 
-    hosts = EngineHosts(["10.0.0.0/8"])
-    hosts.add("10.20.0.1", "config")  # an operator's engine on a host a pod shares
+    hosts = EngineHosts(["127.0.0.1"])
+    hosts.add("127.0.0.20", "config")  # an operator's engine on a host a pod shares
     engine_hosts.install(hosts)
     fleet = Fleet(ingest_workers=1)
     reconciler = Reconciler(fleet)
@@ -155,19 +167,19 @@ def test_engines_discovery_finds_join_the_list_while_they_are_found() -> None:
     try:
         port = free_port()
         found = {}
-        for ip in ("172.16.0.7", "10.20.0.1"):
+        for ip in ("127.0.0.7", "127.0.0.20"):
             spec = InstanceSpec(
                 f"pods@{ip}", f"tcp://{ip}:{port}", http=f"http://pod-{ip[-1]}.ns.svc:8000"
             )
             found[spec.name] = Found(spec, FoundBy("dns", "dns:pods:1", f"{ip}:{port}"))
         reconciler.replace("dns:pods", found)
         assert set(fleet.specs) == set(found)
-        assert hosts.allows("172.16.0.7") and hosts.allows("pod-7.ns.svc")
+        assert hosts.allows("127.0.0.7") and hosts.allows("pod-7.ns.svc")
         assert engine_hosts.allows_url("http://pod-7.ns.svc:8000/metrics")
         reconciler.replace("dns:pods", {})
         assert not fleet.specs
-        assert not hosts.allows("172.16.0.7") and not hosts.allows("pod-7.ns.svc")
-        assert hosts.allows("10.20.0.1")  # still the operator's
+        assert not hosts.allows("127.0.0.7") and not hosts.allows("pod-7.ns.svc")
+        assert hosts.allows("127.0.0.20")  # still the operator's
     finally:
         engine_hosts.install(None)
         asyncio.run(fleet.stop())

@@ -643,7 +643,7 @@ def make_server(
             if self.should_exit:
                 return
             loop = asyncio.get_running_loop()
-            protocol = _protocol_factory(self)
+            protocol = _protocol_factory(self, self.config.http_protocol_class)
             for sock in sockets:
                 listener = await loop.create_server(
                     protocol,

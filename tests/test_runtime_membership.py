@@ -15,7 +15,7 @@ import pytest
 from netutil import free_ports
 
 from kvindex.index import FleetIndex
-from kvindex.runtime import Fleet, MembershipChange, UnknownInstance, WorkerUnavailable
+from kvindex.runtime import Fleet, MembershipChange, UnknownInstance, WorkerUnavailable, ingest
 from kvindex.subscriber import InstanceSpec, SourceKey, Status
 from kvindex.wire import BlockStored, EventBatch
 from kvindex.wire.publisher import Publisher
@@ -258,3 +258,43 @@ def test_a_new_publisher_is_never_left_out_of_the_cached_layout() -> None:
         thread.join(10)
         sys.setswitchinterval(interval)
     assert missing == []
+
+
+def test_a_remove_the_busy_worker_does_not_take_in_time_is_not_made_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A remove waits COMMAND_TIMEOUT for the owning worker (here 0.3 s; a hook holds the
+    worker 1 s for real): it raises WorkerUnavailable (the service answers 503), the
+    instance stays whole, and the command, cancelled, never runs afterwards."""
+    monkeypatch.setattr(ingest, "COMMAND_TIMEOUT", 0.3)
+
+    async def main() -> None:
+        with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
+            fleet = Fleet([InstanceSpec("a", pub.endpoint, pub.replay_endpoint)])
+            busy = threading.Event()
+
+            def slow(item: object) -> None:
+                if busy.is_set():
+                    busy.clear()
+                    time.sleep(1.0)
+
+            fleet.on_item.append(slow)
+            await fleet.start()
+            try:
+                wait_until(lambda: fleet.status("a") == Status.LIVE)
+                busy.set()
+                pub.publish(stored(1))
+                wait_until(lambda: not busy.is_set())  # the worker is in the hook now
+                with pytest.raises(WorkerUnavailable):
+                    fleet.remove_instance("a")
+                assert fleet.has_instance("a") and fleet.instance_view("a").spec.name == "a"
+                await asyncio.sleep(1.2)  # the hook is over: the worker reads again
+                pub.publish(stored(2))
+                wait_until(lambda: fleet.index.block_count("a") == 2)
+                assert fleet.has_instance("a")
+                fleet.remove_instance("a")  # now it answers
+                assert not fleet.has_instance("a")
+            finally:
+                await fleet.stop()
+
+    asyncio.run(main())

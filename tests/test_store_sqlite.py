@@ -233,6 +233,16 @@ def test_an_instance_removed_and_added_again_keeps_all_it_logs_after(tmp_path: P
         assert loaded.block_hashes("a") == {100 + seq for seq in range(10)}, together
         assert result.checkpoints[A].next_seq == 10  # type: ignore[attr-defined]
         h.writer.close()
+        if together:
+            # The writer died between that COMMIT and its ack: a new one is handed the
+            # same group again (with the removed instance's last batches before it).
+            writer = SQLiteWriter(str(h.path), WriterOptions(0.01, 1e9, 1_000_000))
+            old = AppliedBatch("a", 0, 10, encode_batch([BlockStored([99], None, [9] * BS, BS)]))
+            writer.commit([Group(0, [old, *remove, *batches])])
+            writer.close()
+            again, result = h.reload()
+            assert again.block_hashes("a") == {100 + seq for seq in range(10)}
+            assert result.checkpoints[A].next_seq == 10  # type: ignore[attr-defined]
 
 
 def test_cache_blocks_view_is_readable_by_sqlite(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+import zmq
 from netutil import free_ports
 
 from kvindex.index import FleetIndex
@@ -87,10 +88,12 @@ def test_batches_read_for_an_instance_the_same_read_removed_are_not_applied() ->
         try:
             feed.pending = [MembershipChange("r", InstanceSpec("r", pub.endpoint))]
             fleet.step()
-            wait_until(lambda: fleet.step() or fleet.status("r") == Status.LIVE)
+            wait_until(lambda: fleet.step() is not None and fleet.status("r") == Status.LIVE)
             for i in range(20):
                 pub.publish(stored(i))
-            time.sleep(0.3)  # all in the SUB socket: the next read takes them
+            sub = fleet.subscriber._sources[SourceKey("r")].sub
+            wait_until(lambda: bool(sub.poll(0, zmq.POLLIN)))  # the next read takes them
+            time.sleep(0.1)
             feed.pending = [MembershipChange("r", None)]
             assert fleet.step()
             assert not fleet.has_instance("r") and not fleet.index.instances()

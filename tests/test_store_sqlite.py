@@ -299,6 +299,25 @@ def test_writer_process_end_to_end(tmp_path: Path) -> None:
     assert result.checkpoints[A] == (302, None, 2)  # past the lost seqs, as Redis does
 
 
+def test_batches_refused_as_written_already_are_counted(tmp_path: Path) -> None:
+    """The writer skips a batch its publisher's checkpoint is past (a group handed again
+    after a restart; or, as issue 27's item 13 was, a batch lost to the store without a
+    word): each is counted and reported, and the service's health (then /metrics:
+    kvindex_store_refused_batches_total) shows the sum."""
+    store = SQLiteStore(tmp_path / "s.sqlite", WriterOptions(0.01, 1e9, 1000))
+    store.load(FleetIndex())
+    store.start()
+    try:
+        for _ in range(2):  # the second time, all three are behind the checkpoint
+            for seq in range(3):
+                payload = encode_batch([BlockStored([seq], None, [seq] * BS, BS)])
+                store.record(Delivery(A, seq, decode_batch(payload), payload=payload))
+            store.sync()
+        assert store.health().refused_batches == 3
+    finally:
+        store.close()
+
+
 def test_record_without_payload_is_refused(tmp_path: Path) -> None:
     store = SQLiteStore(tmp_path / "s.sqlite")
     store.start()

@@ -233,6 +233,7 @@ class StoreHealth:
     lag_seconds: float = 0.0
     pending_groups: int = 0
     dropped_batches: int = 0
+    refused_batches: int = 0  # handed to the store, refused as written already
     detail: dict[str, Any] = field(default_factory=dict)  # the store's own counters
 
 

@@ -418,6 +418,12 @@ def _store_metrics(health: StoreHealth) -> Iterator[Metric]:
         "Batches not persisted because the store was too far behind (counted lost in it).",
         health.dropped_batches,
     )
+    yield _counter(
+        "kvindex_store_refused_batches",
+        "Batches the store's worker refused as written already: a few after it restarted "
+        "(handed again); any other is a batch the store lost.",
+        health.refused_batches,
+    )
     info = InfoMetricFamily("kvindex_store", "The state store, and its last error (empty: none).")
     info.add_metric([], {"url": health.url, "last_error": health.last_error or ""})
     yield info

@@ -129,6 +129,8 @@ class WorkerLink:
         # What health() reports.
         self.restarts = 0
         self.dropped_batches = 0
+        self.refused_batches = 0  # over every worker process (see WorkerReport.refused)
+        self._refused_before = 0  # those of the processes before this one
         self.error = ""  # why the worker can't write now, as it says
         self.last_error = ""  # the last thing that went wrong, kept after recovery
         self._pause = WATCH_EVERY
@@ -326,6 +328,7 @@ class WorkerLink:
             # Everything not durable goes again, in order, to the new worker.
             self._sent = self._committed
             self.restarts += 1
+            self._refused_before = self.refused_batches
             self._restart_at = 0.0
             self._pause = min(self._pause * 2, RESTART_PAUSE_MAX)
             try:
@@ -352,6 +355,7 @@ class WorkerLink:
     def _take(self, report: WorkerReport) -> None:
         self._heard.set()
         with self._lock:
+            self.refused_batches = max(self.refused_batches, self._refused_before + report.refused)
             if report.committed > self._committed:
                 self._committed = report.committed
                 kept = self._kept
@@ -393,6 +397,7 @@ class WorkerLink:
             lag_seconds=0.0 if oldest is None else time.monotonic() - oldest,
             pending_groups=pending,
             dropped_batches=self.dropped_batches,
+            refused_batches=self.refused_batches,
         )
 
     # -- stop ---------------------------------------------------------------------------

@@ -113,11 +113,14 @@ class Group(msgspec.Struct, array_like=True):
 
 class WorkerReport(msgspec.Struct, array_like=True, gc=False):
     """The worker's news: every group up to `committed` is durable; `done` lists the
-    tokens of requests answered; `error` is why it can't write now ("" when it can)."""
+    tokens of requests answered; `error` is why it can't write now ("" when it can);
+    `refused`: batches this worker process refused as written already (a group handed
+    again after a restart; any other is a batch lost to the store), since it started."""
 
     committed: int
     done: list[int] = []
     error: str = ""
+    refused: int = 0
 
 
 decode_group = msgspec.msgpack.Decoder(Group).decode

@@ -139,6 +139,7 @@ class SQLiteWriter:
             for i, r, n in self.db.execute("SELECT instance, rank, next_seq FROM sources")
         }
         self.last_group = 0  # the last group applied (groups come again after a restart)
+        self.refused = 0  # batches skipped as logged already (see WorkerReport.refused)
         self.whole_snapshot = False  # a snapshot failed: the next one rewrites everything
         self.last_compact = self.last_message = time.monotonic()
 
@@ -169,10 +170,10 @@ class SQLiteWriter:
                         raise
                     if not error:
                         error = f"can't write {self.db_path()}: {exc}; retrying every second"
-                        acks.send(encode_report(WorkerReport(self.last_group, [], error)))
+                        acks.send(encode_report(self._report([], error)))
                     continue
                 waiting, error = [], ""
-                acks.send(encode_report(WorkerReport(self.last_group, done)))
+                acks.send(encode_report(self._report(done)))
                 if stop:
                     self.compact()
                     return
@@ -187,6 +188,9 @@ class SQLiteWriter:
                     if not no_room(exc):
                         raise
                     error = f"can't write {self.db_path()}: {exc}; retrying every second"
+
+    def _report(self, done: list[int], error: str = "") -> WorkerReport:
+        return WorkerReport(self.last_group, done, error, self.refused)
 
     def db_path(self) -> str:
         row = self.db.execute("PRAGMA database_list").fetchone()
@@ -384,6 +388,7 @@ class _Appends:
     checkpoints: dict[SourceKey, tuple[int, int]] = field(default_factory=dict)
     next_seq: dict[SourceKey, int] = field(default_factory=dict)
     pending: list[Pending] = field(default_factory=list)
+    refused: int = 0
 
     def __post_init__(self) -> None:
         self.log_id = self.writer.last_log_id
@@ -396,6 +401,7 @@ class _Appends:
         source = SourceKey(message.instance, message.rank)
         seq, payload = message.seq, message.payload
         if seq < self.seq_of(source):
+            self.refused += 1
             return  # applied before a restart of this writer
         self.log_id += 1
         self.rows.append(
@@ -422,11 +428,13 @@ class _Appends:
         writer = self.writer
         writer.last_log_id = self.log_id
         writer.next_seq.update(self.next_seq)
+        writer.refused += self.refused
         for log_id, instance, rank, kind, payload in self.pending:
             writer.pending.append((log_id, instance, rank, kind, writer._kept(payload)))
 
     def undo(self) -> None:
         self.rows, self.checkpoints, self.next_seq, self.pending = [], {}, {}, []
+        self.refused = 0
 
 
 def _drain(inbox: zmq.Socket[bytes], wait: float) -> list[Group]:

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -186,3 +188,58 @@ def test_routing_bench_bad_trace_is_one_line(tmp_path: Path) -> None:
         assert proc.returncode == 2
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert proc.stderr.startswith("kvindex bench routing: ")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_routing_bench_stops_cleanly_on_a_signal(tmp_path: Path, signum: int) -> None:
+    """A stop between two requests: serve (its child) stopped, exit 0, nothing written."""
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvindex", "bench", "routing", "--quick", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        assert proc.stderr is not None
+        line = ""
+        while "[routing] kvindex:" not in line:  # the first policy, through serve, started
+            line = proc.stderr.readline()
+            assert line, "the bench ended before its first policy"
+        deadline = time.monotonic() + 30
+        while not _children(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        children = _children(proc.pid)
+        assert children, "no serve child seen"
+        time.sleep(1.0)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "stopped; no results written" in err
+        assert not out.exists()
+        for child in children:
+            assert not Path(f"/proc/{child}").exists() or "zombie" in _state(child)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+    except (OSError, IndexError):
+        return "zombie"

@@ -46,8 +46,10 @@ def add_parser(sub: Any) -> None:
 
 def run_routing(args: argparse.Namespace) -> int:
     from kvindex.bench.routing_ab.run import main
+    from kvindex.cli.signals import stop_signals
 
-    return main(args)
+    with stop_signals("bench routing") as stop:  # between two requests; serve stopped
+        return main(args, stop)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,9 +31,13 @@ from kvindex.wire.engine_load import LOAD_TOPIC, LoadStat, encode_load
 from kvindex.wire.frames import encode_seq
 from kvindex.wire.publisher import Publisher
 
-__all__ = ["LiveFleet", "RunResult", "replay"]
+__all__ = ["LiveFleet", "RunResult", "Stopped", "replay"]
 
 SYNC_TIMEOUT = 30.0
+
+
+class Stopped(Exception):
+    """The run was asked to stop (a signal): nothing more is replayed."""
 
 
 @dataclass(slots=True)
@@ -157,14 +161,16 @@ def replay(
     fleet: LiveFleet | None = None,
     url: str | None = None,
     seed: int = 0,
-    progress: Callable[[int], None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> RunResult:
     """Run `trace` through `engines` with `policy` (and through serve at `url` if `fleet`)."""
     started = time.perf_counter()
     oracle = Oracle(engines) if fleet is not None else None
     equal = 0
     jobs = []
-    for n, req in enumerate(trace):
+    for req in trace:
+        if stop is not None and stop():
+            raise Stopped
         for e in engines:
             e.advance(req.at)
         job = make_job(req, engines[0].model.block_size, seed)
@@ -180,8 +186,6 @@ def replay(
         equal += chosen in best
         engines[chosen].arrive(job, req.at)
         jobs.append(job)
-        if progress is not None and n % 200 == 0:
-            progress(n)
     _drain(engines)
     result = RunResult(policy.name, jobs, engines)
     if fleet is not None and url is not None:
@@ -211,6 +215,7 @@ def live_run(
     workdir: Path,
     seed: int = 0,
     options: Sequence[str] = (),
+    stop: Callable[[], bool] | None = None,
 ) -> RunResult:
     """`replay` with a kvindex policy: publishers, serve, the run, everything stopped."""
     fleet = LiveFleet(engines, workdir)
@@ -225,7 +230,7 @@ def live_run(
             if policy.name not in KVINDEX:
                 raise BenchError(f"{policy.name} is not a kvindex policy")
             try:
-                return replay(trace, engines, policy, fleet=fleet, url=url, seed=seed)
+                return replay(trace, engines, policy, fleet=fleet, url=url, seed=seed, stop=stop)
             finally:
                 close = getattr(policy, "close", None)
                 if close is not None:

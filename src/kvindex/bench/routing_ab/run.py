@@ -7,7 +7,7 @@ import datetime as dt
 import json
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from kvindex.bench.routing_ab.policies import (
     Policy,
     RoundRobin,
 )
-from kvindex.bench.routing_ab.replay import live_run, replay
+from kvindex.bench.routing_ab.replay import Stopped, live_run, replay
 from kvindex.bench.routing_ab.traces import (
     SharedPrefix,
     TraceError,
@@ -64,11 +64,12 @@ MODES = {
     # about a minute (the README's quick form): 8 engines whose pools (1,600 blocks of 16
     # tokens each, 12,800 in all) hold about half the trace's working set
     "quick": RoutingPlan("quick", 8, ServiceModel(gpu_blocks=1_600), SharedPrefix(rate=20.0)),
+    # the quick form's shape, longer: 48 chats a group (about as many at once), 7 turns
     "full": RoutingPlan(
         "full",
         8,
         ServiceModel(gpu_blocks=1_600),
-        SharedPrefix(groups=32, users=24, turns=7, rate=20.0),
+        SharedPrefix(groups=16, users=48, turns=7, rate=20.0),
     ),
 }
 
@@ -139,7 +140,11 @@ def fleet(plan: RoutingPlan) -> list[ModelEngine]:
 
 
 def run_policy(
-    name: str, trace: Sequence[TraceRequest], plan: RoutingPlan, workdir: Path
+    name: str,
+    trace: Sequence[TraceRequest],
+    plan: RoutingPlan,
+    workdir: Path,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     engines = fleet(plan)
     if name in KVINDEX:
@@ -150,9 +155,11 @@ def run_policy(
             lambda url: make_policy(name, engines, url, plan.weights),
             workdir,
             options=options,
+            stop=stop,
         )
     else:
-        result = replay(trace, engines, make_policy(name, engines, None, plan.weights))
+        policy = make_policy(name, engines, None, plan.weights)
+        result = replay(trace, engines, policy, stop=stop)
     return figures(result)
 
 
@@ -161,13 +168,19 @@ def _weights_text(weights: dict[str, float]) -> str:
 
 
 def run_routing(
-    trace: Sequence[TraceRequest], plan: RoutingPlan, policies: Sequence[str], workdir: Path
+    trace: Sequence[TraceRequest],
+    plan: RoutingPlan,
+    policies: Sequence[str],
+    workdir: Path,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     for name in policies:
         _say(f"{name}: {len(trace)} requests on {plan.engines} fresh engines")
         try:
-            results[name] = run_policy(name, trace, plan, workdir)
+            results[name] = run_policy(name, trace, plan, workdir, stop)
+        except Stopped:
+            raise
         except Exception as exc:  # one broken policy must not lose the others' figures
             results[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         _say(f"{name}: {json.dumps({k: v for k, v in results[name].items() if k != 'per_engine'})}")
@@ -178,7 +191,9 @@ def _say(message: str) -> None:
     print(f"[routing] {message}", file=sys.stderr, flush=True)
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, stop: Callable[[], bool] | None = None) -> int:
+    """The command; `stop` (a signal came) ends it between two requests, serve stopped,
+    nothing written."""
     try:
         plan = plan_of(args)
     except ValueError as exc:
@@ -200,7 +215,11 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvindex-routing-") as tmp:
-        results = run_routing(trace, plan, policies, Path(tmp))
+        try:
+            results = run_routing(trace, plan, policies, Path(tmp), stop)
+        except Stopped:
+            print("kvindex bench routing: stopped; no results written", file=sys.stderr)
+            return 0
     title = f"{trace_name}; {len(trace)} requests, {plan.engines} engines"
     doc = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

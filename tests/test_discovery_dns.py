@@ -14,6 +14,7 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -167,7 +168,7 @@ def test_srv_records_name_their_ports(dnsmasq: Dnsmasq) -> None:
         server=("127.0.0.1", dnsmasq.port),
     )
     reconciler.finders.append(finder)
-    names = [f"kv._tcp.fleet.test@127.0.0.1:{base}", f"kv._tcp.fleet.test@127.0.0.1:{base + 2}"]
+    names = [f"e0.test@127.0.0.1:{base}", f"e1.test@127.0.0.1:{base + 2}"]
     asyncio.run(fleet.start())
     reconciler.start()
     try:
@@ -251,3 +252,39 @@ def test_bad_discover_values_are_one_line_errors() -> None:
     proc = kvindex("serve", "--store", "memory", "--http", "127.0.0.1:0", "--min-engines", "2")
     assert proc.finish(20) == 2
     assert any("--min-engines counts engines found by --discover" in line for line in proc.err)
+
+
+def test_demo_finds_its_engines_through_a_real_dnsmasq() -> None:
+    """`make demo`: the vLLM engines are found through DNS (a dnsmasq the demo runs), the
+    last one joining the answer later; the SGLang one is named by its URL."""
+    proc = kvindex(
+        "demo", "--http", "127.0.0.1:0", "--instances", "2", "--sglang", "0",
+        "--join-after", "2", "--duration", "30",
+    )  # fmt: skip
+    try:
+        line = proc.wait_for(proc.out, lambda s: "dashboard at" in s, timeout=30)
+        url = line.split("dashboard at ")[1].split()[0].rstrip("/")
+        assert any("found through DNS: --discover dns:_kvevents._tcp" in s for s in proc.out)
+
+        def found() -> dict[str, Any]:
+            return {
+                i["name"]: i["found"] for i in httpx.get(f"{url}/v1/instances").json()["instances"]
+            }
+
+        assert wait_until(lambda: len(found()) == 1, 15)
+        assert wait_until(lambda: len(found()) == 2, 15)  # vllm-1 joined the answer
+        for name, how in found().items():
+            assert name.startswith(("vllm-0.demo.kvindex.test@127.0.0.1:", "vllm-1.demo"))
+            assert how["how"] == "dns" and how["dns_name"] == name.split("@")[0]
+        history = httpx.get(f"{url}/v1/instances").json()["history"]
+        assert [c["change"] for c in history] == ["added", "added"]
+        assert wait_until(
+            lambda: all(
+                i["blocks"] > 0 for i in httpx.get(f"{url}/v1/instances").json()["instances"]
+            ),
+            15,
+        )
+        proc.interrupt()
+        assert proc.finish(20) == 0
+    finally:
+        proc.kill()

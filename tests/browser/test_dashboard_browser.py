@@ -68,6 +68,7 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrowserContext
 def demo(browser: BrowserContext) -> Iterator[tuple[Proc, str]]:
     proc = kvindex(
         "demo",
+        "--no-discover",  # the README's picture shows the engines by their short names
         "--instances",
         "4",
         "--http",

@@ -4,7 +4,11 @@ One process: the simulated vLLM instances publish from a background thread on lo
 ports, and the service follows them exactly as `kvindex serve` would (same `Fleet`, same
 app), in the server's event loop. Beside them, a simulated SGLang engine (page size 1,
 salted requests, host and disk tiers, a load stream) is found by its URL, as
-`--instance NAME=sglang+http://...` finds a real one. The dashboard's lookup box is
+`--instance NAME=sglang+http://...` finds a real one. Where dnsmasq is installed the vLLM
+engines are not named but found, as a fleet's are (`--discover dns:...`): a real dnsmasq on
+loopback serves one SRV record per engine, the last engine joining the answer after
+JOIN_AFTER seconds (`/v1/instances` shows how each was found and when it came). The
+dashboard's lookup box is
 offered the prompts the simulation sent recently. Ctrl+C (or SIGTERM, or `--duration`)
 stops everything: open dashboard streams end at once, then the server, the ingest and the
 publishers.
@@ -31,11 +35,13 @@ if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
+    from kvindex.cli.localdns import LocalDns
     from kvindex.sim import SimConfig, SimulatedPublishers
 
 __all__ = ["add_parser", "run"]
 
 DEMO_DROP = 0.01  # a few live messages lost on the wire, so gaps and replays show
+JOIN_AFTER = 20.0  # seconds before the last vLLM engine joins the DNS answer
 
 
 def add_parser(subparsers: Any) -> None:
@@ -57,6 +63,18 @@ def add_parser(subparsers: Any) -> None:
         type=_count,
         default=1,
         help="simulated SGLang engines beside them, found by URL (1; 0: none)",
+    )
+    p.add_argument(
+        "--join-after",
+        metavar="S",
+        type=positive_seconds,
+        default=JOIN_AFTER,
+        help=f"seconds before the last vLLM engine joins the DNS answer ({JOIN_AFTER:g})",
+    )
+    p.add_argument(
+        "--no-discover",
+        action="store_true",
+        help="name the vLLM engines instead of finding them through a local dnsmasq",
     )
     sim_arguments(p, rate=40.0, restart=90.0, reset=60.0)
     p.add_argument(
@@ -118,20 +136,25 @@ def run(args: argparse.Namespace) -> int:
             live.close()
         sock.close()
         raise
+    dns = None
     try:
         for live in fleets:
             print(f"kvindex demo: {describe(live.config, live.rate)}", flush=True)
             for spec in live.specs():
                 print(f"  {spec.render()}", flush=True)
-        app = _app(fleets, sock.getsockname()[0])
+        dns = None if args.no_discover else _local_dns(fleets[0], args.join_after)
+        app = _app(fleets, sock.getsockname()[0], dns)
         for live in fleets:
             live.start()
+        join = (args.join_after, partial(_join, dns, fleets[0])) if dns is not None else None
         with stop_signals("demo") as stop:
             pause = partial(_pause, fleets)
-            run_async(_serve(app, sock, stop, args.duration, args.pause_after, pause))
+            run_async(_serve(app, sock, stop, args.duration, args.pause_after, pause, join))
     finally:
         for live in fleets:
             live.close()
+        if dns is not None:
+            dns.close()
     print("kvindex demo: stopped", flush=True)
     return 0
 
@@ -142,14 +165,65 @@ def _pause(fleets: list[SimulatedPublishers]) -> None:
     print("kvindex demo: simulated load paused; the fleet stays up, idle", flush=True)
 
 
-def _app(fleets: list[SimulatedPublishers], host: str) -> FastAPI:
+def _ports(live: SimulatedPublishers) -> dict[str, int]:
+    """Each simulated vLLM engine's KV-event port, by name."""
+    return {spec.name: int(spec.endpoint.rpartition(":")[2]) for spec in live.specs()}
+
+
+def _local_dns(live: SimulatedPublishers, join_after: float) -> LocalDns | None:
+    """A dnsmasq naming the vLLM engines (all but the last, which joins later), or None
+    where it can't: dnsmasq not installed, DP ranks (replay not on port + 1), SGLang."""
+    from kvindex.cli.localdns import SRV_NAME, LocalDns, dnsmasq_binary
+
+    binary = dnsmasq_binary()
+    if binary is None or live.config.is_sglang or live.config.dp != 1:
+        if binary is None:
+            print("kvindex demo: dnsmasq is not installed: the engines are named, not found")
+        return None
+    ports = _ports(live)
+    names = sorted(ports)
+    dns = LocalDns(binary)
+    try:
+        dns.publish({name: ports[name] for name in names[:-1]} if len(names) > 1 else ports)
+    except OSError as exc:
+        dns.close()
+        print(f"kvindex demo: {exc}: the engines are named, not found")
+        return None
+    later = f"; {names[-1]} joins the answer in {join_after:g} s" if len(names) > 1 else ""
+    print(
+        f"kvindex demo: the vLLM engines are found through DNS: --discover dns:{SRV_NAME} "
+        f"(a dnsmasq on {dns.server}, one SRV record per engine){later}",
+        flush=True,
+    )
+    return dns
+
+
+def _join(dns: LocalDns, live: SimulatedPublishers) -> None:
+    """The last engine joins the DNS answer (the fleet scaled up)."""
+    dns.publish(_ports(live))
+    print(f"kvindex demo: DNS now names {len(dns.engines)} vLLM engines", flush=True)
+
+
+def _app(fleets: list[SimulatedPublishers], host: str, dns: LocalDns | None = None) -> FastAPI:
     from kvindex.runtime import Fleet
+    from kvindex.runtime.finders import Reconciler
+    from kvindex.runtime.finders.dnsfind import DnsFinder, parse_dns
     from kvindex.security.http import HttpGuard, default_allowed_hosts
     from kvindex.service.app import create_app
 
-    fleet = Fleet([spec for live in fleets for spec in live.specs()])
+    found = fleets[0] if dns is not None else None
+    fleet = Fleet([spec for live in fleets if live is not found for spec in live.specs()])
+    finders = None
+    if dns is not None:
+        from kvindex.cli.localdns import SRV_NAME
+
+        finders = Reconciler(fleet)
+        server = ("127.0.0.1", dns.port)
+        finder = DnsFinder(parse_dns(f"dns:{SRV_NAME}"), finders, interval=1.0, server=server)
+        finders.finders.append(finder)
     # No token: at least a DNS-rebound name can't read it (see kvindex.security.http).
-    app = create_app(fleet, guard=HttpGuard(allowed_hosts=tuple(default_allowed_hosts(host))))
+    guard = HttpGuard(allowed_hosts=tuple(default_allowed_hosts(host)))
+    app = create_app(fleet, guard=guard, finders=finders)
     app.state.recent_prompts = partial(_recent_prompts, fleets)
     return app
 
@@ -168,6 +242,7 @@ async def _serve(
     duration: float | None,
     pause_after: float | None,
     pause: Callable[[], None],
+    join: tuple[float, Callable[[], None]] | None = None,
 ) -> None:
     import uvicorn
 
@@ -190,6 +265,9 @@ async def _serve(
         loop.call_later(duration, _stop, server, dashboard)
     if pause_after is not None:
         loop.call_later(pause_after, lambda: loop.run_in_executor(None, pause))
+    if join is not None:
+        after, joining = join
+        loop.call_later(after, lambda: loop.run_in_executor(None, joining))
     await task
 
 

@@ -3,11 +3,12 @@
 Every `interval` seconds the name is resolved again: SRV records where the name has them
 (each target's addresses, on the record's port), else its A and AAAA records on PORT
 (default 5557). Each address is an engine named `HOST@IP:PORT` (`/` would split the
-instance's URL path in the API; a leading `_` of an SRV name is dropped, as instance names
-start with a letter or digit). The answer replaces the last one: an address that left it
-is removed with its blocks. An answer that says the name does not exist (NXDOMAIN) or has no
-addresses empties the set; a server that does not answer (timeout, SERVFAIL) changes
-nothing (the engines stay followed; their own links say whether they are alive).
+instance's URL path in the API), HOST being the SRV record's target where there is one
+(it names the engine: `vllm-0.example@10.0.0.5:5557`), else the name asked. The answer
+replaces the last one: an address that left it is removed with its blocks. An answer that
+says the name does not exist (NXDOMAIN) or has no addresses empties the set; a server that
+does not answer (timeout, SERVFAIL) changes nothing (the engines stay followed; their own
+links say whether they are alive).
 
 Options: `replay=PORT|none` (default: the events port + 1, 5558 beside 5557), `topic=T`,
 `dp=N`, `model=NAME`, `http=PORT` (the engine's HTTP server: /metrics and /tokenize).
@@ -147,7 +148,7 @@ class DnsFinder(FinderThread):
             pairs = [(target.host, ip, target.port) for ip in self._addresses(target.host)]
         found: dict[str, Found] = {}
         for asked, ip, port in sorted(set(pairs)):
-            name = f"{target.host.lstrip('_')}@{tcp(ip, port)}"
+            name = f"{asked}@{tcp(ip, port)}"
             spec = target.options.spec(name, ip, port, target.replay_port(port))
             found[name] = Found(spec, FoundBy("dns", target.source, tcp(ip, port), dns_name=asked))
         return found

@@ -7,8 +7,9 @@ installed (the `[bench]` extra):
     python bench/e2e_ingest_c.py [--mode smoke|quick|full] [--rounds N]
 
 The cases alternate round by round, so all see the machine in the same state. Prints one
-JSON object: per case each round's block events/s and exactness, the best, the ratios of
-the bests to Dynamo's and the C path's to the Python path's, and the load averages.
+JSON object: per case each round's block events/s, exactness and the consumer process's
+CPU seconds per million block events over the burst, the best rates, their ratios to
+Dynamo's and the C path's to the Python path's, and the load averages.
 """
 
 from __future__ import annotations
@@ -48,7 +49,14 @@ def main() -> None:
             if peer.get("available"):
                 runs["dynamo"].append(case_dynamo(work, sizes, workdir, f"dynamo-{r}"))
             loads.append(os.getloadavg())
-    keep = ("per_s", "seconds", "send_seconds", "exact", "complete")
+    keep = (
+        "per_s",
+        "seconds",
+        "send_seconds",
+        "exact",
+        "serve_cpu_seconds_per_m_events",  # serve's (kvindex)
+        "cpu_seconds_per_m_events",  # the indexer's (Dynamo)
+    )
     out: dict[str, Any] = {
         "block_events": work.events,
         "publishers": len(work.names),

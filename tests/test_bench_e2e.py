@@ -64,6 +64,7 @@ def test_serve_ingested_the_whole_workload_exactly(results: dict[str, Any], case
     assert r["block_events"] == results["e2e_workload"]["block_events"]
     assert r["per_s"] > 0 and r["applied_per_s"] >= r["per_s"]
     assert r["lost_batches"] == 0 and r["decode_errors"] == 0
+    assert r["serve_cpu_seconds_per_m_events"] > 0  # serve's CPU over the burst
     if case != "e2e_ingest_memory":
         assert r["persist_lag_seconds"] >= 0
 

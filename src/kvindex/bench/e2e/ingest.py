@@ -20,6 +20,8 @@ from kvindex.bench.common import redis_server
 from kvindex.bench.e2e.dynamo import standalone
 from kvindex.bench.e2e.probes import (
     counters,
+    cpu_per_m_events,
+    cpu_seconds,
     rss_mib,
     served_blocks,
     wait_applied,
@@ -143,8 +145,12 @@ def case_serve(
         warm = pub.burst(sizes.timeout, count=work.warmup)
         wait_applied(srv.url, work.names, warm["next_seqs"], sizes.timeout)
         rss_before = rss_mib(srv.child.proc.pid)
+        cpu_before = cpu_seconds(srv.child.proc.pid)
         sent = pub.burst(sizes.timeout)
         applied = wait_applied(srv.url, work.names, sent["next_seqs"], sizes.timeout)
+        # serve's CPU over the burst (its HTTP answers to this bench's polls included; the
+        # SQLite writer is a process of its own, not counted).
+        cpu = cpu_per_m_events(cpu_before, cpu_seconds(srv.child.proc.pid), work.events)
         persisted = wait_persisted(store, work.names, sent["next_seqs"], sizes.timeout)
         out = ingest_figures(work, sent["t0"], applied, persisted)
         out |= counters(srv.url)
@@ -154,6 +160,7 @@ def case_serve(
         out["serve_rss_mib"] = {"before": rss_before, "after": rss_mib(srv.child.proc.pid)}
         out["replays_served"] = pub.stats()["replays_served"]
         out["send_seconds"] = sent["t1"] - sent["t0"]
+        out["serve_cpu_seconds_per_m_events"] = cpu
     out["ingest_workers"] = workers or "default"
     return {"store": kind, "instances": len(work.names), "batches": work.measured, **out}
 
@@ -176,8 +183,10 @@ def case_dynamo(work: SteadyStream, sizes: EndToEnd, workdir: Path, tag: str) ->
         pub.burst(sizes.timeout, count=work.warmup)
         peer.wait_applied(work.wire_warmup, sizes.timeout)
         rss_before = peer.rss_mib()
+        cpu_before = cpu_seconds(peer.pid)
         sent = pub.burst(sizes.timeout)
         applied = peer.wait_applied(work.wire_total, sizes.timeout)
+        cpu = cpu_per_m_events(cpu_before, cpu_seconds(peer.pid), work.events)
         out = ingest_figures(work, sent["t0"], applied, None)
         held = peer.held()
         off = sum(
@@ -189,6 +198,7 @@ def case_dynamo(work: SteadyStream, sizes: EndToEnd, workdir: Path, tag: str) ->
             "events_applied": peer.applied(),
             "refused_events": peer.refused(),
             "dynamo_rss_mib": {"before": rss_before, "after": peer.rss_mib()},
+            "cpu_seconds_per_m_events": cpu,
             "replays_served": pub.stats()["replays_served"],
             "send_seconds": sent["t1"] - sent["t0"],
         }

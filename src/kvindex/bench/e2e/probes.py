@@ -226,6 +226,23 @@ def rss_mib(pid: int) -> float | None:
         return None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """The process's CPU time so far (user + system, all its threads; not its children)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cpu_per_m_events(before: float | None, after: float | None, events: int) -> float | None:
+    """CPU seconds per million block events between two `cpu_seconds` readings."""
+    if before is None or after is None or events <= 0:
+        return None
+    return (after - before) / events * 1e6
+
+
 # -- what the stores have persisted ----------------------------------------------------------
 
 

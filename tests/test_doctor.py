@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -204,3 +205,64 @@ def test_doctor_against_nothing_is_one_line() -> None:
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith("kvindex doctor: error: can't ask")
+
+
+@contextmanager
+def caching_engine(
+    engine: FakeEngine, pub: Publisher, lora_name: str | None
+) -> Iterator[threading.Event]:
+    """The engine's completions cached and published as vLLM would (whole blocks of the
+    prompt's tokens), under `lora_name` if given; set the event to publish nothing."""
+    stop, mute = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        seen = 0
+        while not stop.is_set():
+            for path, body in engine.requests[seen:]:
+                if path == "/v1/completions" and not mute.is_set():
+                    assert engine.tokenizer is not None
+                    ids = engine.tokenizer.encode_prompt(body["prompt"])
+                    whole = len(ids) // 16
+                    hashes = [hash(tuple(ids[: 16 * (i + 1)])) for i in range(whole)]
+                    pub.publish([BlockStored(hashes, None, ids[: 16 * whole], 16,
+                                             lora_name=lora_name)])  # fmt: skip
+            seen = len(engine.requests)
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield mute
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+@pytest.mark.parametrize("wiring", ["right", "lora", "muted"])
+def test_the_engine_probe_finds_a_served_prompt_or_says_why_not(
+    tmp_path: Path, wiring: str
+) -> None:
+    engine = FakeEngine(LocalTokenizer.load(build_tokenizer(tmp_path / "tok")))
+    with ExitStack() as stack:
+        pub = stack.enter_context(Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"))
+        engine_url = stack.enter_context(serve_engine(engine))
+        lora = "adapter" if wiring == "lora" else None
+        mute = stack.enter_context(caching_engine(engine, pub, lora))
+        if wiring == "muted":
+            mute.set()
+        spec = InstanceSpec("e0", pub.endpoint, pub.replay_endpoint, http=engine_url)
+        url = stack.enter_context(served([spec]))
+        assert wait_until(lambda: verdict(url, "events", "e0") in ("ok", "note"), timeout=15)
+        time.sleep(0.5)  # the SUB's subscription reaches the publisher
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvindex", "doctor", "--url", url, "--all",
+             "--engine", f"e0={engine_url}", "--model", "m"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        line = next(x for x in proc.stdout.splitlines() if "served_prompt" in x)
+        if wiring == "right":
+            assert line.startswith("[ok] served_prompt: e0: a prompt the engine just served")
+        else:
+            assert line.startswith("[problem] served_prompt: e0: the engine served a new")
+            assert proc.returncode == 1
+        assert any(p == "/v1/completions" for p, _ in engine.requests)

@@ -36,6 +36,16 @@ def add_parser(sub: Any) -> None:
         "(default KVINDEX_TOKEN)",
     )
     p.add_argument("--all", action="store_true", help="print the findings that are ok too")
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="also send this engine (the instance NAME in serve, its OpenAI API at URL) a "
+        "short new prompt, then check that kvindex finds its blocks there: a salt, "
+        "LoRA or tokenization mismatch, or events not applied, shows here; repeatable",
+    )
+    p.add_argument("--model", help="the model name the engine serves (default: its first)")
     p.set_defaults(run=run)
 
 
@@ -51,13 +61,78 @@ def run(args: argparse.Namespace) -> int:
     if resp.status_code != 200:
         raise UsageError(f"{args.url}/v1/doctor answered {resp.status_code}: {resp.text[:200]}")
     doc = resp.json()
-    for finding in doc["findings"]:
+    findings = list(doc["findings"])
+    for option in args.engine:
+        name, sep, url = option.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise UsageError(f"--engine {option!r} must be NAME=http://HOST:PORT")
+        findings.append(probe(args.url.rstrip("/"), headers, name, url.rstrip("/"), args.model))
+    for finding in findings:
         if finding["verdict"] == "ok" and not args.all:
             continue
         print(_line(finding))
-    problems = int(doc["problems"])
+    problems = sum(f["verdict"] == "problem" for f in findings)
     print("no problem found" if not problems else f"{problems} problem(s) found")
-    return 0 if doc["ok"] else 1
+    return 0 if not problems else 1
+
+
+def probe(
+    kvindex: str, headers: dict[str, str], name: str, engine: str, model: str | None
+) -> dict[str, Any]:
+    """Serve a new prompt on `engine`, then look it up in kvindex: found on `name`?"""
+    import time
+    import uuid
+
+    import httpx
+
+    def finding(verdict: str, message: str, fix: str | None = None) -> dict[str, Any]:
+        return {"check": "served_prompt", "engine": name, "verdict": verdict,
+                "message": message, "fix": fix}  # fmt: skip
+
+    prompt = f"kvindex doctor probe {uuid.uuid4().hex}. " + "Where is this cached? " * 60
+    try:
+        with httpx.Client(timeout=30) as client:
+            if model is None:
+                models = client.get(engine + "/v1/models")
+                model = models.json()["data"][0]["id"] if models.status_code == 200 else None
+            ids = client.post(engine + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+            body: dict[str, Any] = {"prompt": prompt, "max_tokens": 1}
+            if model is not None:
+                body["model"] = model
+            client.post(engine + "/v1/completions", json=body).raise_for_status()
+            deadline = time.monotonic() + 5
+            matched = 0
+            while True:
+                answer = client.post(
+                    kvindex + "/v1/lookup", json={"token_ids": ids}, headers=headers
+                ).json()
+                row = next((r for r in answer.get("instances", []) if r["name"] == name), None)
+                if row is None:
+                    return finding("problem", f"serve follows no instance {name!r}",
+                                   "name the engine as serve's --instance does")  # fmt: skip
+                matched = int(row["matched_blocks"])
+                if matched or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        return finding(
+            "problem",
+            f"the probe could not be served by {engine} ({type(exc).__name__}: {exc})"[:300],
+            "check the engine's URL: its /tokenize and /v1/completions",
+        )
+    if matched:
+        return finding(
+            "ok",
+            f"a prompt the engine just served ({len(ids)} tokens) is found there: {matched} blocks",
+        )
+    return finding(
+        "problem",
+        f"the engine served a new {len(ids)}-token prompt but 5 s later kvindex finds none "
+        f"of its blocks on {name}: its events are not applied here, or the engine keys its "
+        "blocks otherwise than a lookup by these tokens (cache_salt, a LoRA adapter, "
+        "multimodal inputs, another tokenization)",
+        "check the events line above; look up with the request's cache_salt / lora_name",
+    )
 
 
 def _line(f: dict[str, Any]) -> str:

@@ -230,6 +230,10 @@ def test_serve_waits_for_min_engines_and_shows_how_each_was_found(
             (f"fleet.test@127.0.0.2:{port}", "added"),
             (f"fleet.test@127.0.0.3:{port}", "added"),
         ]
+        metrics = httpx.get(f"{url}/metrics").text.splitlines()
+        assert 'kvindex_engines_found{how="dns"} 2.0' in metrics
+        assert 'kvindex_discovery_changes_total{change="added"} 2.0' in metrics
+        assert "kvindex_engine_sleep_resets_total 0.0" in metrics
         # the gate stays open when the fleet shrinks: a router keeps this replica
         dnsmasq.hosts({"fleet.test": ["127.0.0.2"]})
         assert wait_until(lambda: len(httpx.get(f"{url}/v1/instances").json()["instances"]) == 1)

@@ -170,7 +170,9 @@ def create_app(
         redoc_url=None,
     )
     health = store_health or _no_store
-    metrics = ServiceMetrics(fleet, health, routing.scraper, routing.tokenizers.cache_stats)
+    metrics = ServiceMetrics(
+        fleet, health, routing.scraper, routing.tokenizers.cache_stats, finders=finders
+    )
     app.state.fleet = fleet
     app.state.metrics = metrics
     app.state.max_lookup_items = guard.max_lookup_items

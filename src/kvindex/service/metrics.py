@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from kvindex.runtime import STATUS_ORDER, Fleet, InstanceView, StoreHealth
 from kvindex.runtime.engine_metrics import MetricsScraper
+from kvindex.runtime.finders import Reconciler
 from kvindex.runtime.heap import heap_bytes
 from kvindex.runtime.prefix_tokens import CacheStats
 from kvindex.wire.tiers import tier_of
@@ -158,10 +159,12 @@ class FleetCollector(Collector):
         fleet: Fleet,
         store: StoreHealthOf | None = None,
         engines: MetricsScraper | None = None,
+        finders: Reconciler | None = None,
     ) -> None:
         self.fleet = fleet
         self.store = store
         self.engines = engines
+        self.finders = finders
 
     def collect(self) -> Iterator[Metric]:
         views = self.fleet.instance_views()
@@ -193,9 +196,34 @@ class FleetCollector(Collector):
             "CPU seconds the ingest threads spent in Python (holding the GIL).",
             ingest.gil_seconds,
         )
+        yield _counter(
+            "kvindex_engine_sleep_resets",
+            "Times an engine's rank said it sleeps and its blocks were marked gone.",
+            self.fleet.sleep_resets,
+        )
+        yield from self._discovery_metrics()
         info = InfoMetricFamily("kvindex_build", "The kvindex version serving.")
         info.add_metric([], {"version": _version()})
         yield info
+
+    def _discovery_metrics(self) -> Iterator[Metric]:
+        """Engines found by --discover, by how, and the changes the finders made."""
+        found = GaugeMetricFamily(
+            "kvindex_engines_found",
+            "Engines followed because --discover found them.",
+            labels=["how"],
+        )
+        hows = [by.how for by in list(self.fleet.found.values())]
+        for how in ("k8s", "dns"):
+            found.add_metric([how], hows.count(how))
+        yield found
+        changes = CounterMetricFamily(
+            "kvindex_discovery_changes", "Engines --discover added and removed.", labels=["change"]
+        )
+        finders = self.finders
+        changes.add_metric(["added"], finders.added if finders is not None else 0)
+        changes.add_metric(["removed"], finders.removed if finders is not None else 0)
+        yield changes
 
 
 def _version() -> str:
@@ -489,12 +517,13 @@ class ServiceMetrics:
         store: StoreHealthOf | None = None,
         engines: MetricsScraper | None = None,
         tokenizer_caches: Callable[[], dict[str, CacheStats]] | None = None,
+        finders: Reconciler | None = None,
     ) -> None:
         # `*_created` series only double the output; this switch is process-wide.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
         self.lookups = LookupMetrics(self.registry)
-        self.fleet_collector = FleetCollector(fleet, store, engines)
+        self.fleet_collector = FleetCollector(fleet, store, engines, finders)
         self.registry.register(self.fleet_collector)
         if tokenizer_caches is not None:
             self.registry.register(TokenizerCaches(tokenizer_caches))

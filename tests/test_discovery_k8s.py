@@ -318,3 +318,61 @@ def test_serve_discovers_pods(kube: KubeAPI, tmp_path: Path) -> None:
     finally:
         proc.kill()
         engine.close()
+
+
+def test_sglang_pods_by_kind_or_by_probing(kube: KubeAPI, tmp_path: Path) -> None:
+    """`kvindex.io/kind: sglang` follows the pod by its /server_info; `auto` probes it: an
+    SGLang engine there is one, a port that does not answer it is a vLLM engine."""
+    from sglang_fake import FakeSGLang
+
+    with FakeSGLang() as sglang, FakeSGLang() as probed:
+        for fake in (sglang, probed):
+            fake.start_publishers(dp=1, load=False, block_size=1)
+            fake.start_http()
+        port = free_ports(2)
+        fleet = Fleet(ingest_workers=1)
+        reconciler = Reconciler(fleet)
+        config = kube.kubeconfig(tmp_path / "kubeconfig")
+        target = parse_k8s(f"k8s:inference?selector=app=vllm&kubeconfig={config}")
+        finder = K8sFinder(target, reconciler)
+        reconciler.finders.append(finder)
+        sglang_port, probed_port = (str(f.http_port) for f in (sglang, probed))
+        kube.put(
+            pod(
+                "sgl",
+                "127.0.0.1",
+                annotations={"kvindex.io/kind": "sglang", "kvindex.io/http-port": sglang_port},
+            )
+        )
+        kube.put(
+            pod(
+                "auto-sgl",
+                "127.0.0.1",
+                annotations={"kvindex.io/kind": "auto", "kvindex.io/http-port": probed_port},
+            )
+        )
+        silent = str(free_port())  # nothing answers /server_info there
+        kube.put(
+            pod(
+                "auto-vllm",
+                "127.0.0.1",
+                annotations={
+                    **annotations(port),
+                    "kvindex.io/kind": "auto",
+                    "kvindex.io/http-port": silent,
+                },
+            )
+        )
+        asyncio.run(fleet.start())
+        reconciler.start()
+        try:
+            assert wait_until(lambda: set(fleet.specs) == {"sgl", "auto-sgl", "auto-vllm"}, 15)
+            assert fleet.specs["sgl"].discover == f"sglang+http://127.0.0.1:{sglang_port}"
+            assert fleet.specs["auto-sgl"].discover == f"sglang+http://127.0.0.1:{probed_port}"
+            assert fleet.specs["auto-vllm"].discover is None
+            assert fleet.specs["auto-vllm"].endpoint == f"tcp://127.0.0.1:{port}"
+            base = sglang.descriptor["endpoint_port_base"]
+            assert wait_until(lambda: fleet.specs["sgl"].endpoint == f"tcp://127.0.0.1:{base}", 15)
+        finally:
+            reconciler.stop()
+            asyncio.run(fleet.stop())

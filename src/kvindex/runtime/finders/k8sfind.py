@@ -22,7 +22,11 @@ the pod's annotations (docs/discovery.md):
     kvindex.io/topic         ZMQ topic (default: all)
     kvindex.io/dp            data-parallel ranks on ports +0..+dp-1 (default 1)
     kvindex.io/model         the model it serves (lookups naming a model)
-    kvindex.io/http-port     its HTTP server (/metrics, /tokenize; default: none)
+    kvindex.io/http-port     its HTTP server (/metrics, /tokenize; default: none; SGLang's
+                             /server_info: 30000)
+    kvindex.io/kind          vllm (default), sglang (its publishers read from
+                             /server_info, as `sglang+http://` does), or auto (sglang
+                             where GET /server_info answers with KV events, else vllm)
 
 Credentials: inside a pod, its service account; elsewhere the kubeconfig
 ($KUBECONFIG or ~/.kube/config, or `kubeconfig=PATH` and `context=NAME` in the value).
@@ -33,7 +37,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,7 @@ from urllib.parse import parse_qs
 
 from kvindex.runtime.finders.common import EngineOptions, FinderThread, log, tcp
 from kvindex.runtime.finders.reconcile import Found, FoundBy, Reconciler
+from kvindex.subscriber import InstanceSpec
 
 __all__ = ["ANNOTATIONS", "K8sFinder", "K8sTarget", "engine_of_pod", "parse_k8s"]
 
@@ -52,7 +57,10 @@ ANNOTATIONS = {
     "dp": "1",
     "model": "",
     "http-port": "",
+    "kind": "vllm",
 }
+KINDS = ("vllm", "sglang", "auto")
+SGLANG_HTTP_PORT = "30000"  # SGLang's default --port
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 WATCH_SECONDS = 300  # the server ends each watch after this (then it is opened again)
 READ_TIMEOUT = 90.0  # no byte for this long (bookmarks come every minute): reconnect
@@ -120,9 +128,31 @@ def _ready(pod: Mapping[str, Any]) -> str | None:
     return "not Ready"
 
 
-def engine_of_pod(pod: Mapping[str, Any], source: str) -> Found:
-    """The engine a Ready pod is (ValueError: an annotation is wrong)."""
+def engine_of_pod(
+    pod: Mapping[str, Any], source: str, probe: Callable[[InstanceSpec], bool] | None = None
+) -> Found:
+    """The engine a Ready pod is (ValueError: an annotation is wrong). `probe` says
+    whether an SGLang spec's /server_info answers (kind `auto`)."""
     meta, ip = pod["metadata"], pod["status"]["podIP"]
+    kind = _annotation(pod, "kind").lower()
+    if kind not in KINDS:
+        raise ValueError(f"annotation {PREFIX}kind must be vllm, sglang or auto, got {kind!r}")
+    if kind != "vllm":
+        server = _port(_annotation(pod, "http-port") or SGLANG_HTTP_PORT, "http-port")
+        model = _annotation(pod, "model")
+        text = f"{meta['name']}=sglang+http://{tcp(ip, server)}"
+        text += f",model={model}" if model else ""
+        sglang = InstanceSpec.parse(text)
+        if kind == "sglang" or (probe is not None and probe(sglang)):
+            by = FoundBy(
+                "k8s",
+                source,
+                tcp(ip, server),
+                namespace=meta.get("namespace"),
+                pod=meta["name"],
+                uid=meta.get("uid"),
+            )
+            return Found(sglang, by)
     port = _port(_annotation(pod, "events-port"), "events-port")
     replay_text = _annotation(pod, "replay-port")
     replay = None if replay_text == "none" else _port(replay_text, "replay-port")
@@ -170,6 +200,7 @@ class K8sFinder(FinderThread):
         self.events = 0
         self._response: Any = None
         self._response_lock = threading.Lock()
+        self._probed: dict[tuple[str, str], bool] = {}  # (UID, URL) -> /server_info answers
 
     # -- the client --------------------------------------------------------------------
 
@@ -278,7 +309,7 @@ class K8sFinder(FinderThread):
             if _ready(pod) is not None:
                 continue
             try:
-                found[name] = engine_of_pod(pod, self.target.source)
+                found[name] = engine_of_pod(pod, self.target.source, self._probe)
             except (ValueError, KeyError) as exc:
                 if self._bad.get(name) != str(exc):
                     self._bad[name] = str(exc)
@@ -289,6 +320,21 @@ class K8sFinder(FinderThread):
                 why = why_missing if known is None else (_ready(known) or "bad annotations")
                 self.reconciler.gone(self.target.source, name, f"pod {why}")
         self.reconciler.replace(self.target.source, found)
+
+    def _probe(self, spec: InstanceSpec) -> bool:
+        """Kind `auto`: does the pod's /server_info describe KV events (SGLang)? Asked
+        once per pod generation and address."""
+        from kvindex.subscriber.server_info import DiscoveryError, fetch_descriptor
+
+        pod = self._pods.get(spec.name, {})
+        key = (str(pod.get("metadata", {}).get("uid", spec.name)), spec.discover or "")
+        if key not in self._probed:
+            try:
+                fetch_descriptor(spec, timeout=2.0)
+                self._probed[key] = True
+            except DiscoveryError:
+                self._probed[key] = False
+        return self._probed[key]
 
     def _interrupt(self) -> None:
         with self._response_lock:

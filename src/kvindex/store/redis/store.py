@@ -191,14 +191,6 @@ class RedisStore(WorkerStore):
         if worker and not worker.get("connected", True) and health.up:
             reason = f"Redis is unreachable: {worker.get('error', '')}"
             return replace(health, up=False, reason=reason, detail=dict(worker))
-        forgotten = worker.get("unregistered_instances") if worker else None
-        if forgotten and health.up:  # Redis restarted empty, or was flushed
-            names = ", ".join(forgotten[:5]) + (", ..." if len(forgotten) > 5 else "")
-            reason = (
-                f"Redis does not know instance(s) {names} (restarted empty or flushed?): "
-                "their batches are not stored"
-            )
-            return replace(health, up=False, reason=reason, detail=dict(worker))
         return replace(health, detail=dict(worker))
 
 

@@ -425,10 +425,6 @@ class Worker:
             "refetched_batches": a.refetched,
             "lost_by_store": a.lost,
             "unregistered_appends": a.unregistered,
-            # Not those removed meanwhile by another replica (the reader forgot them).
-            "unregistered_instances": sorted(
-                n for n in self.appender.unregistered if self.reader.specs.get(n) is not None
-            ),
             "log_entries_read": r.entries,
             "forwarded": r.forwarded,
             "resyncs": r.resyncs,

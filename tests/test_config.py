@@ -186,7 +186,8 @@ INSTANCE = '[[instances]]\nname = "a"\nendpoint = "tcp://127.0.0.1:1"\n'
         ('[routing]\nweights = {queue = "high"}', "routing.weights.queue must be a number"),
         (
             "[routing]\nttl = 2",
-            "[routing]: unknown key 'ttl' (local_hashes, min_engines, prediction_ttl, weights)",
+            "[routing]: unknown key 'ttl' (idle_grace, local_hashes, min_engines, "
+            "prediction_ttl, weights)",
         ),
         ("[routing]\nlocal_hashes = 1", "routing.local_hashes must be true or false"),
         (INSTANCE + "model = 5", "instances[0].model must be a string"),

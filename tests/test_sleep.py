@@ -141,3 +141,39 @@ def test_an_engine_asleep_holds_nothing_until_it_works_again(engine: SleepyEngin
                 assert fleet.block_hashes("v") == truth()
         finally:
             asyncio.run(fleet.stop())
+
+
+def test_an_idle_engine_keeps_its_blocks_and_is_said_once(engine: SleepyEngine) -> None:
+    """KV usage 0 while kvindex holds GPU blocks: an idle engine (vLLM counts only the
+    blocks running requests hold). Past the grace it is said and counted, once per idle
+    spell; the blocks stay, lookups still find them."""
+    with serve_engine(engine.http) as url:
+        spec = InstanceSpec("v", engine.pub.endpoint, engine.pub.replay_endpoint)
+        fleet = Fleet([spec], ingest_workers=1)
+        fleet.idle_grace = 0.3
+        scraper = MetricsScraper(lambda: [("v", f"{url}/metrics")])
+        scraper.on_sleep, scraper.on_usage = fleet.sleep_state, fleet.usage_state
+        asyncio.run(fleet.start())
+        try:
+            time.sleep(0.3)
+            engine.work()
+            assert wait_until(lambda: fleet.block_hashes("v") == engine.ref.held())
+            with httpx.Client() as client:
+                scraper.scrape_once(client)  # usage 0 (vllm_metrics(0, 0, 0.0)): the spell starts
+                assert fleet.idle_with_blocks == 0
+                time.sleep(0.4)
+                scraper.scrape_once(client)
+                scraper.scrape_once(client)
+                assert fleet.idle_with_blocks == 1  # said once
+                assert fleet.block_hashes("v") == engine.ref.held() != set()  # kept
+                (row,) = fleet.lookup(engine.served[-1]).instances
+                assert row.matched_blocks > 0 and row.status == Status.LIVE
+                engine.http.metrics = vllm_metrics(0, 1, 0.4) + sleep_state(True)
+                scraper.scrape_once(client)  # busy again: the spell ends
+                engine.http.metrics = vllm_metrics(0, 0, 0.0) + sleep_state(True)
+                scraper.scrape_once(client)
+                time.sleep(0.4)
+                scraper.scrape_once(client)
+                assert fleet.idle_with_blocks == 2
+        finally:
+            asyncio.run(fleet.stop())

@@ -24,6 +24,7 @@
     prediction_ttl = 2.0                      # seconds a /v1/route choice is predicted
     local_hashes = false                      # keep Dynamo's local hashes (/query_by_hash)
     min_engines = 2                           # /healthz 'starting' until 2 found engines live
+    idle_grace = 60.0                         # KV usage 0 with blocks held: said after 60 s
     [routing.weights]                         # any of them; the rest keep their defaults
     prefix = 3.0
     cpu = 0.8
@@ -144,7 +145,7 @@ SERVER_KEYS = (
 SECURITY_KEYS = {"engine_hosts", "engine_schemes"}
 
 # [routing]: the score's weights, predictions, Dynamo's local hashes (the peers' /query_by_hash)
-ROUTING_KEYS = {"weights", "prediction_ttl", "local_hashes", "min_engines"}
+ROUTING_KEYS = {"weights", "prediction_ttl", "local_hashes", "min_engines", "idle_grace"}
 
 
 @dataclass(slots=True)
@@ -180,6 +181,7 @@ class Settings:
     discover: list[str] = field(default_factory=list)
     dns_server: str | None = None  # IP[:PORT] asked for dns: (None: $KVINDEX_DNS_SERVER)
     min_engines: int | None = None  # /healthz 'starting' until that many found engines live
+    idle_grace: float | None = None  # seconds of KV usage 0 with blocks before it is said
     # Plain lookups answered by a C thread on the listening socket (kvindex.service.lookupd)
     lookup_thread: bool = True
 
@@ -213,6 +215,8 @@ def load_settings(args: argparse.Namespace) -> Settings:
     settings.discover += getattr(args, "discover", None) or []
     if getattr(args, "min_engines", None) is not None:
         settings.min_engines = args.min_engines
+    if getattr(args, "idle_grace", None) is not None:
+        settings.idle_grace = args.idle_grace
     if getattr(args, "lookup_thread", None) is not None:
         settings.lookup_thread = args.lookup_thread == "on"
     names = [spec.name for spec in settings.instances]
@@ -312,6 +316,11 @@ def _routing(table: object, path: Path, settings: Settings) -> None:
         if not _number(ttl) or not 0 < ttl < float("inf"):
             raise UsageError(f"{path}: routing.prediction_ttl must be a positive number of seconds")
         settings.prediction_ttl = float(ttl)
+    if "idle_grace" in routing:
+        grace = routing["idle_grace"]
+        if not _number(grace) or not 0 < grace < float("inf"):
+            raise UsageError(f"{path}: routing.idle_grace must be a positive number of seconds")
+        settings.idle_grace = float(grace)
     if "min_engines" in routing:
         count = routing["min_engines"]
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:

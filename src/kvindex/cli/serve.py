@@ -113,6 +113,13 @@ def add_parser(subparsers: Any) -> None:
         help="/healthz says 'starting' (503) until N engines found by --discover are live",
     )
     p.add_argument(
+        "--idle-grace",
+        metavar="S",
+        type=positive_seconds,
+        help="seconds an engine's KV usage may read 0 while kvindex holds GPU blocks for it "
+        "before that is logged and counted (its blocks are kept; default 60)",
+    )
+    p.add_argument(
         "--tokenizer",
         metavar="MODEL=PATH|vllm",
         action="append",
@@ -340,6 +347,8 @@ def _start_fleet(
         raise UsageError(str(exc)) from None
     except zmq.ZMQError as exc:
         raise UsageError(f"can't follow the instances: {exc}") from None
+    if settings.idle_grace is not None:
+        fleet.idle_grace = settings.idle_grace
     if store.url != "memory":  # the memory store records nothing: batches may skip Python
         fleet.on_item.append(store.record)
     fleet.on_read.append(store.flush)

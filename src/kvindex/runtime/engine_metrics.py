@@ -144,6 +144,8 @@ class MetricsScraper:
         self._round_done = threading.Condition()
         # Each rank's sleep state as read (instance, rank, awake), on the scraper's thread.
         self.on_sleep: Callable[[str, int, bool], None] | None = None
+        # Each rank's KV-cache usage as read (instance, rank, usage 0-1), likewise.
+        self.on_usage: Callable[[str, int, float], None] | None = None
 
     # -- LoadSource --------------------------------------------------------------------
 
@@ -205,13 +207,19 @@ class MetricsScraper:
             if target is None or target.url != url:
                 target = self._state[name] = _Target(url)
             self._scrape(client, target)
-            if self.on_sleep is not None and target.error is None:
-                for rank, figures in list(target.ranks.items()):
-                    if figures.awake is not None:
-                        self.on_sleep(name, rank, figures.awake)
+            if target.error is None:
+                self._hand_on(name, target)
         with self._round_done:
             self._rounds += 1
             self._round_done.notify_all()
+
+    def _hand_on(self, name: str, target: _Target) -> None:
+        """The sleep state and KV usage just read, to whoever acts on them."""
+        for rank, figures in list(target.ranks.items()):
+            if self.on_sleep is not None and figures.awake is not None:
+                self.on_sleep(name, rank, figures.awake)
+            if self.on_usage is not None and figures.kv_usage is not None:
+                self.on_usage(name, rank, figures.kv_usage)
 
     def _scrape(self, client: httpx.Client, target: _Target) -> None:
         target.scrapes += 1

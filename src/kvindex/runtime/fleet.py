@@ -65,6 +65,7 @@ from kvindex.subscriber import (
 )
 from kvindex.subscriber.engine_load import LoadFollower
 from kvindex.wire import AllBlocksCleared, BlockHash, EventBatch
+from kvindex.wire.tiers import tier_counts
 
 __all__ = [
     "DuplicateInstance",
@@ -76,6 +77,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+IDLE_GRACE = 60.0  # seconds an engine's KV usage reads 0 with blocks held before it is said
 
 ItemHook = Callable[[Item], None]
 RemoveHook = Callable[[str], None]
@@ -253,6 +256,11 @@ class Fleet:
         # DP ranks whose engine says it sleeps, their blocks marked gone (sleep_state)
         self._asleep: dict[SourceKey, int | None] = {}  # -> the seq applied when it slept
         self.sleep_resets = 0
+        # Ranks whose KV usage reads 0 while the index holds GPU blocks for them (usage_state)
+        self.idle_grace = IDLE_GRACE
+        self._idle_since: dict[SourceKey, float] = {}
+        self._idle_said: set[SourceKey] = set()
+        self.idle_with_blocks = 0
         self.add_link_hook(self._link_trouble)
 
     def _init_answer_caches(self) -> None:
@@ -457,6 +465,34 @@ class Fleet:
         worker.call(lambda: self._clear_asleep(source))
         self.sleep_resets += 1
         log.warning("%r: the engine sleeps (vllm:engine_sleep_state): its blocks are gone", source)
+
+    def usage_state(self, instance: str, rank: int, kv_usage: float) -> None:
+        """What an engine's `/metrics` says of one DP rank's KV-cache usage (the scraper's
+        `on_usage`). A rank that reads 0 for longer than `idle_grace` seconds while the
+        index holds GPU blocks for it is counted (`idle_with_blocks`) and said once in the
+        log, and its blocks are kept: vLLM's usage counts the blocks running requests
+        hold, an idle engine's prefix cache sits in its free queue (docs/discovery.md)."""
+        source = SourceKey(instance, rank)
+        if kv_usage > 0 or source in self._asleep:
+            self._idle_since.pop(source, None)
+            self._idle_said.discard(source)
+            return
+        now = time.monotonic()
+        since = self._idle_since.setdefault(source, now)
+        if source in self._idle_said or now - since < self.idle_grace:
+            return
+        gpu = tier_counts(self.index.blocks_by_medium(instance)).get("gpu", 0)
+        if not gpu:
+            return
+        self._idle_said.add(source)
+        self.idle_with_blocks += 1
+        log.warning(
+            "%r: its KV usage reads 0 for %.0f s while kvindex holds %d GPU blocks for it: "
+            "kept (an idle engine's prefix cache sits in its free queue)",
+            source,
+            now - since,
+            gpu,
+        )
 
     def _clear_asleep(self, source: SourceKey) -> None:
         """On the owning worker's thread: the rank's blocks cleared, its seq kept."""

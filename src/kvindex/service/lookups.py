@@ -51,6 +51,7 @@ class Routing:
     def of(cls, fleet: Fleet, tokenizers: Tokenizers | None = None, **router: Any) -> Routing:
         scraper = MetricsScraper(lambda: _metrics_targets(fleet))
         scraper.on_sleep = fleet.sleep_state  # an engine asleep: its blocks are gone
+        scraper.on_usage = fleet.usage_state  # idle with blocks: said and counted, kept
         return cls(
             fleet,
             # The engines' own load streams first (SGLang's, pushed), then their /metrics.

@@ -201,6 +201,11 @@ class FleetCollector(Collector):
             "Times an engine's rank said it sleeps and its blocks were marked gone.",
             self.fleet.sleep_resets,
         )
+        yield _counter(
+            "kvindex_engine_idle_with_blocks",
+            "Times an engine's KV usage read 0 past the grace while it held GPU blocks (kept).",
+            self.fleet.idle_with_blocks,
+        )
         yield from self._discovery_metrics()
         info = InfoMetricFamily("kvindex_build", "The kvindex version serving.")
         info.add_metric([], {"version": _version()})

@@ -278,7 +278,7 @@ async def chat_template_findings(fleet: Fleet, tokenizers: Tokenizers) -> list[F
             continue
         _, local = tokenizers.get(model)
         assert isinstance(local, LocalTokenizer)
-        urls = [s.http for s in fleet.specs.values() if s.model == model and s.http]
+        urls = [s.http for s in list(fleet.specs.values()) if s.model == model and s.http]
         if not urls:
             out.append(Finding("chat_template", None, "note", f"{model}: no engine with http="))
             continue

@@ -293,7 +293,9 @@ class Fleet:
 
     @property
     def specs(self) -> dict[str, InstanceSpec]:
-        """The instances followed, by name (read-only: use add/remove_instance)."""
+        """The instances followed, by name (read-only: use add/remove_instance). Ingest
+        threads change it meanwhile: one `get` is safe, a Python loop over it is not
+        (iterate `list(specs.items())`, or use `models()` / `instance_views()`)."""
         return self._specs
 
     def has_instance(self, name: str) -> bool:

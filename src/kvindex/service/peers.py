@@ -153,11 +153,9 @@ def _group(spec: InstanceSpec) -> str:
 
 
 def _served(routing: Routing, model: str, group: str) -> bool:
-    specs = routing.fleet.specs
-    return any(
-        name in specs and _group(specs[name]) == group
-        for name in routing.fleet.models().get(model, [])
-    )
+    specs = routing.fleet.specs  # changed by ingest threads meanwhile: one get per name
+    found = (specs.get(name) for name in routing.fleet.models().get(model, []))
+    return any(spec is not None and _group(spec) == group for spec in found)
 
 
 def _no_indexer(model: str, group: str) -> str:

@@ -74,7 +74,12 @@ def test_hooks_see_every_item_and_a_failing_hook_does_not_stop_ingest() -> None:
                 assert await until(lambda: fleet.status("a") == Status.LIVE)
                 for i in range(50):
                     pub.publish(stored(i))
+
+                def delivered() -> int:  # the hooks run just after the index applied
+                    return sum(isinstance(i, Delivery) for i in seen)
+
                 assert await until(lambda: fleet.index.block_count("a") == 50)
+                assert await until(lambda: delivered() == 50)
                 seqs = [i.seq for i in seen if isinstance(i, Delivery)]
                 assert seqs == list(range(50))
                 assert fleet.ingest.hook_errors >= 50 and fleet.running

@@ -8,29 +8,15 @@ it does not hold, never a forward). Stopping it leaves the port silent: a server
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from netutil import wait_until
 
+from kvindex.cli.localdns import free_dns_port
+
 DNSMASQ = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
-
-
-def _free_udp_port() -> int:
-    """A port free for UDP and TCP both (dnsmasq listens on both)."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-            udp.bind(("127.0.0.1", 0))
-            port = int(udp.getsockname()[1])
-            with socket.socket() as tcp:
-                try:
-                    tcp.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no port free for both UDP and TCP")
 
 
 class Dnsmasq:
@@ -38,7 +24,7 @@ class Dnsmasq:
         self.dir = workdir
         self.hostsdir = workdir / "hosts"
         self.hostsdir.mkdir(parents=True, exist_ok=True)
-        self.port = _free_udp_port()
+        self.port = free_dns_port()
         self.srv_records: list[tuple[str, str, int]] = []  # (name, target, port)
         self.targets: dict[str, str] = {}  # SRV target -> IP
         self.proc: subprocess.Popen[bytes] | None = None

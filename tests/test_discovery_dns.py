@@ -10,7 +10,6 @@ set, SRV records name their own ports. Then `kvindex serve` itself, with its sta
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,13 +19,12 @@ import httpx
 import pytest
 from clitools import kvindex
 from dnsmasq import Dnsmasq
+from ipengine import Engine, exact
 from netutil import free_port, free_ports, wait_until
-from service_workload import Conversation, RefRank
 
 from kvindex.runtime import Fleet
 from kvindex.runtime.finders import Reconciler, finder_of
 from kvindex.runtime.finders.dnsfind import DnsFinder, dns_server, parse_dns
-from kvindex.wire.publisher import Publisher
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -35,29 +33,6 @@ pytestmark = pytest.mark.timeout(90)
 def dnsmasq(tmp_path: Path) -> Iterator[Dnsmasq]:
     with Dnsmasq(tmp_path / "dns") as server:
         yield server
-
-
-class Engine:
-    """A publisher on IP:port (replay on port + 1) and the truth of its pool."""
-
-    def __init__(self, ip: str, port: int, seed: int) -> None:
-        self.pub = Publisher(f"tcp://{ip}:{port}", f"tcp://{ip}:{port + 1}")
-        self.ref = RefRank(self.pub)
-        self.rng = random.Random(seed)
-        self.convs = [Conversation(self.rng, i) for i in range(3)]
-
-    def work(self, turns: int = 4) -> None:
-        for _ in range(turns):
-            for conv in self.convs:
-                self.ref.serve(conv.next_prompt())
-                self.ref.evict(self.rng, self.rng.randrange(0, 3))
-
-    def close(self) -> None:
-        self.pub.close()
-
-
-def exact(fleet: Fleet, name: str, engine: Engine) -> bool:
-    return fleet.has_instance(name) and fleet.block_hashes(name) == engine.ref.held()
 
 
 def test_parse_says_what_is_wrong() -> None:

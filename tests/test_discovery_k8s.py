@@ -12,7 +12,6 @@ old blocks must not survive), are deleted while the watch is down and the histor
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,46 +19,21 @@ from pathlib import Path
 import httpx
 import pytest
 from clitools import kvindex
+from ipengine import Engine, exact
 from kubeapi import KubeAPI, pod
 from netutil import free_port, free_ports, wait_until
-from service_workload import Conversation, RefRank
 
 from kvindex.runtime import Fleet
 from kvindex.runtime.finders import Reconciler
 from kvindex.runtime.finders.k8sfind import K8sFinder, engine_of_pod, parse_k8s
-from kvindex.wire.publisher import Publisher
 
 pytestmark = pytest.mark.timeout(90)
-
-
-class Engine:
-    """A publisher on IP:port (replay on port + 1) and the truth of its pool."""
-
-    def __init__(self, ip: str, port: int, seed: int) -> None:
-        self.ip = ip
-        self.pub = Publisher(f"tcp://{ip}:{port}", f"tcp://{ip}:{port + 1}")
-        self.ref = RefRank(self.pub)
-        self.rng = random.Random(seed)
-        self.convs = [Conversation(self.rng, i) for i in range(3)]
-
-    def work(self, turns: int = 3) -> None:
-        for _ in range(turns):
-            for conv in self.convs:
-                self.ref.serve(conv.next_prompt())
-                self.ref.evict(self.rng, self.rng.randrange(0, 3))
-
-    def close(self) -> None:
-        self.pub.close()
 
 
 @pytest.fixture
 def kube() -> Iterator[KubeAPI]:
     with KubeAPI() as api:
         yield api
-
-
-def exact(fleet: Fleet, name: str, engine: Engine) -> bool:
-    return fleet.has_instance(name) and fleet.block_hashes(name) == engine.ref.held()
 
 
 def annotations(port: int) -> dict[str, str]:

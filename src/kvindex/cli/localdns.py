@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["SRV_NAME", "LocalDns", "dnsmasq_binary"]
+__all__ = ["SRV_NAME", "LocalDns", "dnsmasq_binary", "free_dns_port"]
 
 SRV_NAME = "_kvevents._tcp.demo.kvindex.test"
 DOMAIN = "demo.kvindex.test"
@@ -31,7 +31,7 @@ def dnsmasq_binary() -> str | None:
     return found
 
 
-def _free_port() -> int:
+def free_dns_port() -> int:
     """A loopback port free for UDP and TCP both (dnsmasq listens on both)."""
     for _ in range(100):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
@@ -49,7 +49,7 @@ def _free_port() -> int:
 class LocalDns:
     def __init__(self, binary: str) -> None:
         self.binary = binary
-        self.port = _free_port()
+        self.port = free_dns_port()
         self.dir = Path(tempfile.mkdtemp(prefix="kvindex-demo-dns-"))
         self.proc: subprocess.Popen[bytes] | None = None
         self.engines: dict[str, int] = {}

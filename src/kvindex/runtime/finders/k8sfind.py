@@ -144,15 +144,7 @@ def engine_of_pod(
         text += f",model={model}" if model else ""
         sglang = InstanceSpec.parse(text)
         if kind == "sglang" or (probe is not None and probe(sglang)):
-            by = FoundBy(
-                "k8s",
-                source,
-                tcp(ip, server),
-                namespace=meta.get("namespace"),
-                pod=meta["name"],
-                uid=meta.get("uid"),
-            )
-            return Found(sglang, by)
+            return Found(sglang, _found_by(meta, source, tcp(ip, server)))
     port = _port(_annotation(pod, "events-port"), "events-port")
     replay_text = _annotation(pod, "replay-port")
     replay = None if replay_text == "none" else _port(replay_text, "replay-port")
@@ -168,15 +160,18 @@ def engine_of_pod(
         http_port=_port(http, "http-port") if http else None,
     )
     spec = options.spec(meta["name"], ip, port, replay)
-    by = FoundBy(
+    return Found(spec, _found_by(meta, source, tcp(ip, port)))
+
+
+def _found_by(meta: Mapping[str, Any], source: str, address: str) -> FoundBy:
+    return FoundBy(
         "k8s",
         source,
-        tcp(ip, port),
+        address,
         namespace=meta.get("namespace"),
         pod=meta["name"],
         uid=meta.get("uid"),
     )
-    return Found(spec, by)
 
 
 class Gone(Exception):

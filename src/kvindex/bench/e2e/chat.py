@@ -171,16 +171,10 @@ def _ask(
 
 
 def _cache_metrics(url: str) -> dict[str, float]:
-    from kvindex.bench.e2e.probes import connect
+    from kvindex.bench.e2e.probes import metrics_text
 
-    conn = connect(url)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
     out = {}
-    for line in text.splitlines():
+    for line in metrics_text(url).splitlines():
         if line.startswith("kvindex_tokenizer_cache_"):
             out[line.split("{")[0].removeprefix("kvindex_tokenizer_cache_")] = float(
                 line.rsplit(" ", 1)[1]

@@ -27,6 +27,7 @@ __all__ = [
     "http_json",
     "instances",
     "lookup_metric",
+    "metrics_text",
     "request",
     "rss_mib",
     "served_blocks",
@@ -183,16 +184,20 @@ def counters(url: str) -> dict[str, int]:
     return {key: sum(int(view[key]) for view in views) for key in COUNTERS}
 
 
-def lookup_metric(url: str) -> tuple[float, float]:
-    """(sum of seconds, count) of serve's token-lookup latency histogram."""
+def metrics_text(url: str) -> str:
+    """serve's `/metrics`, as Prometheus text."""
     conn = connect(url)
     try:
         conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
+        return conn.getresponse().read().decode()
     finally:
         conn.close()
+
+
+def lookup_metric(url: str) -> tuple[float, float]:
+    """(sum of seconds, count) of serve's token-lookup latency histogram."""
     found = {"sum": 0.0, "count": 0.0}
-    for line in text.splitlines():
+    for line in metrics_text(url).splitlines():
         for key in found:
             if line.startswith(f'kvindex_lookup_latency_seconds_{key}{{kind="tokens"}}'):
                 found[key] = float(line.rsplit(" ", 1)[1])

@@ -114,3 +114,32 @@ def test_every_question_survives_each_allocation_failing(which: str) -> None:
     gc.collect()
     assert _core.allocated() == before  # no C block left over by a failed answer
     assert {name: ask() for name, ask in questions.items()} == expected
+
+
+def test_media_and_spec_kinds_go_with_their_last_pool() -> None:
+    """Issue 27 point 3: a publisher naming a fresh medium (and spec kind) per event grew
+    the core for good: the names were interned before the 33rd pool was refused, and
+    kept after the publisher was removed (22 MB after ten rounds). They are held by the
+    pools and group specs that name them now, and go with the last one: after the first
+    round (the tables' capacities), rounds leave the core's C memory as it was."""
+    index = compiled.CompiledIndex()
+    a = SourceKey("a")
+    held = []
+    for round_ in range(4):
+        events = [
+            BlockStored(
+                [100 + i],
+                None,
+                TOKENS[:4],
+                BS,
+                medium=f"m{round_}-{i}" * 8,
+                kv_cache_spec_kind=f"kind-{round_}-{i}" * 8,
+            )
+            for i in range(200)
+        ]
+        index.apply_payload(a, encode_batch(events, ts=1.0))
+        assert len(index._core.pool_keys(0)) == 32  # MAX_POOLS: the rest refused
+        index.remove_instance("a")
+        gc.collect()
+        held.append(_core.allocated())
+    assert held[1:] == [held[0]] * 3

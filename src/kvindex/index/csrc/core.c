@@ -91,7 +91,7 @@ uint64_t key_digest(const core_t *c, const uint8_t *p, size_t len) {
 /* -- tiers --------------------------------------------------------------------------- */
 
 /* kvindex.wire.tiers.tier_of, for an interned medium name (case-insensitive). */
-static uint8_t tier_of_bytes(const uint8_t *s, uint32_t n) {
+uint8_t tier_of_bytes(const uint8_t *s, uint32_t n) {
     char up[16];
     if (n == 0 || n >= sizeof up)
         return TIER_EXTERNAL;
@@ -137,7 +137,10 @@ int core_init(core_t *c, uint64_t seed) {
     c->set_words = 1;
     c->keep_tokens = 1;
     c->gpu_medium = intern(&c->strings, (const uint8_t *)"GPU", 3);
-    return c->gpu_medium ? 0 : -1;
+    if (c->gpu_medium == 0)
+        return -1;
+    c->strings.items[c->gpu_medium].refs = 1; /* the core's own: never dropped */
+    return 0;
 }
 
 static void source_free(core_t *c, source_t *s);
@@ -353,6 +356,39 @@ static void name_release(core_t *c, uint32_t id, int held) {
     if (c->last_salt == id)
         c->last_salt = 0;
     intern_drop(&c->names, id);
+}
+
+static uint32_t intern_cached(core_t *c, interner *t, span_t sp, uint32_t *last);
+
+/* An event's medium's name: none, or an empty one, is the GPU's. */
+static span_t medium_span(span_t sp) {
+    return sp.p == NULL || sp.len == 0 ? (span_t){(const uint8_t *)"GPU", 3} : sp;
+}
+
+/* Media and spec kinds (c->strings) are counted as names are: one reference per pool of
+ * that medium and per group spec of that kind; the string goes with its last one (they
+ * were kept for the core's life: a publisher naming a fresh medium per event grew the
+ * core for good, issue 27 point 3). */
+static void str_release(core_t *c, uint32_t id) {
+    if (id == 0)
+        return;
+    blob_t *b = &c->strings.items[id];
+    if (b->data == NULL || --b->refs != 0)
+        return;
+    if (c->last_medium == id) /* intern_cached compares against the last id's bytes */
+        c->last_medium = 0;
+    if (c->last_kind == id)
+        c->last_kind = 0;
+    intern_drop(&c->strings, id);
+}
+
+/* A medium's or spec kind's id with a reference taken (interned if new), 0 if out of
+ * memory. */
+static uint32_t str_hold(core_t *c, span_t sp, uint32_t *last) {
+    uint32_t id = intern_cached(c, &c->strings, sp, last);
+    if (id != 0)
+        c->strings.items[id].refs++;
+    return id;
 }
 
 /* localhash.namespace_seed: 1337 + XXH3(lora name, 0) + XXH3(salt, 1), each only when
@@ -687,13 +723,19 @@ static inline void hkey_unref(core_t *c, hkey h) {
 
 /* `_pool`: the pool of (group, medium), made if new. On the publisher's second pool,
  * `where` starts: every node of the first pool is held by pool 0. */
-static pool_t *pool_get(core_t *c, source_t *s, int64_t group, uint8_t big, uint32_t medium) {
-    for (uint32_t i = 0; i < s->npools; i++)
+static pool_t *pool_get(core_t *c, source_t *s, int64_t group, uint8_t big, uint32_t medium,
+                        span_t name) {
+    for (uint32_t i = 0; medium != 0 && i < s->npools; i++)
         if (s->pools[i].group == group && s->pools[i].group_big == big &&
             s->pools[i].medium == medium)
             return &s->pools[i];
     if (s->npools == MAX_POOLS)
         return NULL;
+    /* A new pool: its medium interned now (not for a pool refused), and held by it. */
+    medium = medium != 0 ? (c->strings.items[medium].refs++, medium)
+                         : str_hold(c, name, &c->last_medium);
+    if (medium == 0)
+        return NULL; /* out of memory */
     pool_t *p = &s->pools[s->npools];
     p->group = group;
     p->group_big = big;
@@ -872,7 +914,7 @@ typedef struct {
     uint32_t from, n;
     hkey parent;
     uint8_t parent_known; /* a bytes parent never interned is held by nobody */
-    uint32_t medium, spec_kind;
+    uint32_t medium; /* 0: not interned (no pool of it yet) */
 } rop_t;
 
 static uint32_t intern_cached(core_t *c, interner *t, span_t sp, uint32_t *last);
@@ -1256,7 +1298,7 @@ static void store_units(core_t *c, source_t *s, const scratch_t *sc, const rop_t
 static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, uint32_t *chain) {
     const op_t *op = r->op;
     pool_t *p = pool_get(c, s, op->has_group ? op->group : 0, op->has_group && op->group_big,
-                         r->medium);
+                         r->medium, medium_span(op->medium));
     if (p == NULL) /* past MAX_POOLS (fleet.py's too): not held; else out of memory */
         return s->npools == MAX_POOLS ? 0 : -1;
     uint32_t size = op->block_size > 0 && op->block_size < (1LL << 31) ? (uint32_t)op->block_size : 0;
@@ -1267,8 +1309,13 @@ static int store(core_t *c, source_t *s, const scratch_t *sc, const rop_t *r, ui
         size |= BIGRAM_TREE;
     if (size > p->size)
         p->size = size;
-    if (op->has_spec && !p->group_big && p->group >= 0 && p->group < MAX_GROUPS)
-        s->groups[p->group] = (group_spec){r->spec_kind, op->has_window ? op->window : 0, 1};
+    if (op->has_spec && !p->group_big && p->group >= 0 && p->group < MAX_GROUPS) {
+        uint32_t kind = op->spec_kind.p == NULL ? 0 : str_hold(c, op->spec_kind, &c->last_kind);
+        if (op->spec_kind.p != NULL && kind == 0)
+            return -1;
+        str_release(c, s->groups[p->group].kind);
+        s->groups[p->group] = (group_spec){kind, op->has_window ? op->window : 0, 1};
+    }
     if (r->from == 0)
         s->stats.unrecognised_keys += op->unrecognised;
     const hkey *hashes = r->hashes;
@@ -1348,7 +1395,10 @@ void source_clear(core_t *c, source_t *s) {
                 prune(c, n);
         }
         pmap_free(&s->pools[i].blocks);
+        str_release(c, s->pools[i].medium);
     }
+    for (uint32_t g = 0; g < MAX_GROUPS; g++)
+        str_release(c, s->groups[g].kind);
     s->npools = 0;
     s->several = 0;
     s->unit = 0;
@@ -1400,9 +1450,16 @@ static uint32_t intern_cached(core_t *c, interner *t, span_t sp, uint32_t *last)
 
 /* An event's medium: none, or an empty name, is the GPU (fleet.py's `event.medium or
  * DEFAULT_MEDIUM`; "" made a pool of its own here, found by fuzz/). */
-static uint32_t medium_of(core_t *c, span_t sp) {
-    return sp.p == NULL || sp.len == 0 ? c->gpu_medium
-                                       : intern_cached(c, &c->strings, sp, &c->last_medium);
+/* Its id if interned (a pool has it), else 0: interned only when a pool is made. */
+static uint32_t medium_of(const core_t *c, span_t sp) {
+    if (sp.p == NULL || sp.len == 0)
+        return c->gpu_medium;
+    if (c->last_medium) {
+        const blob_t *b = &c->strings.items[c->last_medium];
+        if (b->len == sp.len && memcmp(sp.p, b->data, sp.len) == 0)
+            return c->last_medium;
+    }
+    return intern_find(&c->strings, sp.p, sp.len);
 }
 
 /* The op's hashes [from, from + n) interned, under the same write lock as their apply: a
@@ -1414,9 +1471,7 @@ static int resolve(core_t *c, scratch_t *sc, const op_t *op, uint32_t from, uint
     r->op = op;
     r->from = from;
     r->n = n;
-    r->medium = medium_of(c, op->medium);
-    if (op->medium.p != NULL && r->medium == 0)
-        return -1;
+    r->medium = medium_of(c, op->medium); /* 0: no pool has it yet */
     if (KV_GROW(sc->hk, sc->hk_cap, n) != 0)
         return -1;
     r->hashes = sc->hk;
@@ -1433,8 +1488,6 @@ static int resolve(core_t *c, scratch_t *sc, const op_t *op, uint32_t from, uint
             return -1;
     if (op->has_parent)
         r->parent_known = (uint8_t)hash_of(c, &op->parent, 0, &r->parent);
-    r->spec_kind =
-        op->spec_kind.p == NULL ? 0 : intern_cached(c, &c->strings, op->spec_kind, &c->last_kind);
     return (int)n;
 }
 
@@ -1974,9 +2027,6 @@ lower_run:;
     return 0;
 }
 
-uint32_t intern_str(core_t *c, const uint8_t *p, uint32_t len) {
-    return intern(&c->strings, p, len);
-}
 
 uint32_t find_str(const core_t *c, const uint8_t *p, uint32_t len) {
     return intern_find(&c->strings, p, len);

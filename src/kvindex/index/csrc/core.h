@@ -263,7 +263,6 @@ typedef struct {
     int64_t stored, removed, clears; /* what the batch brought, added when it is done */
 } apply_cursor;
 int apply_slice(core_t *c, source_t *s, scratch_t *sc, apply_cursor *cur, uint32_t budget);
-uint32_t intern_str(core_t *c, const uint8_t *p, uint32_t len);
 uint32_t find_str(const core_t *c, const uint8_t *p, uint32_t len);
 uint32_t find_name(const core_t *c, const uint8_t *p, uint32_t len);
 uint32_t find_bytes(const core_t *c, const uint8_t *p, uint32_t len);
@@ -303,5 +302,6 @@ int holds(const core_t *c, uint32_t n, uint32_t bit);
 const uint32_t *node_tokens(const core_t *c, uint32_t n);
 uint32_t child_get(const core_t *c, uint32_t parent, uint64_t key);
 uint8_t core_tier_of(core_t *c, uint32_t medium);
+uint8_t tier_of_bytes(const uint8_t *s, uint32_t n); /* a medium's tier, by its name */
 
 #endif

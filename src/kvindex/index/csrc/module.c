@@ -2388,30 +2388,19 @@ static PyObject *Core_key_digest(CoreObject *self, PyObject *data) {
     return PyLong_FromUnsignedLongLong(d);
 }
 
-typedef struct {
-    span_t medium;
-    uint8_t tier;
-} tier_ctx;
-
-static int tier_of_body(CoreObject *self, void *ctx) {
-    tier_ctx *x = ctx;
-    uint32_t id = intern_str(&self->core, x->medium.p, x->medium.len);
-    x->tier = id ? core_tier_of(&self->core, id) : TIER_EXTERNAL;
-    return 0;
-}
-
+/* tier_of(medium) -> its tier's name. From the name alone: nothing of the core is read
+ * (it interned the medium for the core's life before: issue 27 point 3). */
 static PyObject *Core_tier_of(CoreObject *self, PyObject *medium) {
-    tier_ctx x = {0};
+    span_t name;
     if (!core_ready(self))
         return NULL;
     if (!PyUnicode_Check(medium)) {
         PyErr_SetString(PyExc_TypeError, "a medium is a str");
         return NULL;
     }
-    if (!opt_str(medium, &x.medium) ||
-        core_run(self, RUN_WRITE_NOGIL, tier_of_body, &x) == RUN_LOCK_FAILED)
+    if (!opt_str(medium, &name))
         return NULL;
-    return PyUnicode_FromString(TIER_NAMES[x.tier]);
+    return PyUnicode_FromString(TIER_NAMES[tier_of_bytes(name.p, name.len)]);
 }
 
 /* pause_slices(on): tests only. On: a batch applied in slices waits after each slice

@@ -19,8 +19,11 @@
 #    (tests/test_ingest_c.py, tests/test_inorder.py); ingest, membership churn and every
 #    kind of lookup at once on the library API (tests/test_core_threads.py, whose child
 #    processes run tests/core_threads.py under TSan too: it reports issue 23's names read
-#    outside the lock on the core before the fold). Reports go to build/tsan/reports;
-#    libzmq's own hand-offs are suppressed (sanitize/tsan.supp says why).
+#    outside the lock on the core before the fold); serve's C lookup thread answering by
+#    tokens and by hashes while another thread applies batches with new names and
+#    publishers (tests/test_lookupd.py's in-process tests: its serve ones start too slowly
+#    under TSan). Reports go to build/tsan/reports; libzmq's own hand-offs are suppressed
+#    (sanitize/tsan.supp says why).
 #
 # LeakSanitizer records one frame above malloc, so sanitize/lsan.supp can name who
 # called malloc: CPython and the libraries it loads are suppressed, our C never is.
@@ -69,7 +72,10 @@ tsan_status=0
 env LD_PRELOAD="$(gcc -print-file-name=libtsan.so)" PYTHONPATH="$tsan_out" \
     TSAN_OPTIONS="suppressions=$PWD/sanitize/tsan.supp:log_path=$PWD/$tsan_reports/tsan:report_signal_unsafe=0" \
     "$python" -m pytest -q -p no:cacheprovider tests/test_ingest_c.py tests/test_inorder.py \
-    tests/test_core_threads.py ||
+    tests/test_core_threads.py \
+    tests/test_lookupd.py::test_lookups_beside_ingest \
+    tests/test_lookupd.py::test_hash_lookups_are_answered_as_python_answers \
+    tests/test_lookupd.py::test_moved_publishers_are_handed_over ||
     tsan_status=$?
 if ls "$tsan_reports"/* >/dev/null 2>&1; then
     for f in "$tsan_reports"/*; do

@@ -13,7 +13,7 @@ from kvindex.runtime.heap import heap_bytes
 
 def test_pymalloc_counts_small_objects_and_gives_them_back() -> None:
     before = heap_bytes()
-    assert before.pymalloc is not None and before.malloc is not None
+    assert before.pymalloc is not None
     made = [bytearray(40) for _ in range(50_000)]  # 96-byte objects: pymalloc's
     grown = heap_bytes()
     assert grown.pymalloc is not None
@@ -27,6 +27,8 @@ def test_pymalloc_counts_small_objects_and_gives_them_back() -> None:
 
 def test_malloc_counts_big_blocks() -> None:
     before = heap_bytes()
+    if before.malloc is None:
+        pytest.skip("this malloc keeps no statistics (mallinfo2)")
     big = bytearray(64 << 20)  # past pymalloc's 512 bytes and malloc's mmap threshold
     grown = heap_bytes()
     assert before.malloc is not None and grown.malloc is not None

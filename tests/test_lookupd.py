@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -320,6 +321,48 @@ def test_lookups_are_answered_while_python_holds_the_gil() -> None:
             assert thread.counts()[:2] == (200, 0)
             assert spins > 0
     finally:
+        fleet.close()
+
+
+def test_lookups_beside_ingest() -> None:
+    """The thread's lookups (by tokens with LoRA names and salts, and by hashes) while
+    another thread applies batches with fresh names and new publishers, for 2 s: every
+    answer well formed, none of a moved layout (those are handed over). Under
+    ThreadSanitizer (make sanitize) this is the lock's and the names' test."""
+    _, fast = feed(build([("store", 0, 0, 0, 0, 3, 0, 0, 0, False)]))
+    fleet = fleet_over(fast, {})
+    stop = threading.Event()
+
+    def ingest() -> None:
+        i = 0
+        while not stop.is_set():
+            source = SourceKey("e", 0) if i % 50 else SourceKey(f"new-{i}")
+            event = BlockStored([10_000 + i], None, [i % 97] * 16, 16, lora_name=f"ad-{i % 7}")
+            fleet.index.apply(source, EventBatch(0.0, [event]), i)
+            i += 1
+
+    writer = threading.Thread(target=ingest, daemon=True)
+    try:
+        with thread_over(fleet) as (thread, port):
+            writer.start()
+            deadline = time.monotonic() + 2
+            asked = answered = 0
+            while time.monotonic() < deadline:
+                names = {"lora_name": f"ad-{asked % 9}", "cache_salt": "t1"} if asked % 2 else {}
+                for request in (
+                    lookup_request([asked % 97] * 32, names),
+                    hashes_request(b'{"block_hashes": ["%d"]}' % (10_000 + asked)),
+                ):
+                    body = ask(thread, port, request)  # None: handed over (a moved layout)
+                    if body is not None:
+                        assert json.loads(body)["instances"]
+                        answered += 1
+                asked += 1
+                thread.refresh()  # as the event loop does every 10 ms
+            assert answered >= asked // 2
+    finally:
+        stop.set()
+        writer.join(10)
         fleet.close()
 
 

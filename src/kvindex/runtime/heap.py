@@ -98,6 +98,8 @@ def _malloc_bytes() -> int | None:
     if _MALLINFO2 is None:
         return None
     info = _MALLINFO2()
+    if not (info.arena or info.hblkhd or info.uordblks):
+        return None  # a malloc that keeps no statistics (AddressSanitizer's, say)
     return int(info.uordblks + info.hblkhd)
 
 

@@ -411,7 +411,8 @@ static int answer(ServerObject *s, conn_t *c, const request_t *r) {
         s->api->jbuf_free(&json);
         return 0;
     }
-    memcpy(out, c->out + c->out_off, pending);
+    if (pending) /* what is not written yet of the answers before, first */
+        memcpy(out, c->out + c->out_off, pending);
     char *w = out + pending;
     memcpy(w, STATUS, sizeof STATUS - 1), w += sizeof STATUS - 1;
     memcpy(w, date, date_len), w += date_len;
@@ -567,8 +568,10 @@ static void on_wake(ServerObject *s) {
     int fds[64];
     if (n > 64)
         n = 64; /* the rest at the next wake (one is due: the eventfd stays set) */
-    memcpy(fds, s->adopted, n * sizeof(int));
-    memmove(s->adopted, s->adopted + n, (s->nadopted - n) * sizeof(int));
+    if (n) { /* none: the wake was for stop */
+        memcpy(fds, s->adopted, n * sizeof(int));
+        memmove(s->adopted, s->adopted + n, (s->nadopted - n) * sizeof(int));
+    }
     s->nadopted -= n;
     if (s->nadopted) {
         uint64_t one = 1;

@@ -277,3 +277,21 @@ def test_lookup_tie_prefers_the_instance_the_prompt_came_from(page: Page) -> Non
     assert page.evaluate(pick, {"rows": rows, "best": "vllm-2", "origin": None}) == "vllm-2"
     assert page.evaluate(pick, {"rows": rows, "best": "vllm-2", "origin": "vllm-0"}) == "vllm-2"
     assert page.evaluate(pick, {"rows": rows, "best": "vllm-2", "origin": "vllm-1"}) == "vllm-2"
+
+
+def test_dashboard_shows_what_the_doctor_finds(page: Page, demo: tuple[Proc, str]) -> None:
+    """The Doctor card renders GET /v1/doctor: its problems (each with its fix) or, with
+    none, how many checks passed; the count agrees with the endpoint's."""
+    page.wait_for_selector("[data-testid=doctor][data-problems]", timeout=30_000)
+
+    def agrees() -> bool:
+        doc = httpx.get(demo[1].rstrip("/") + "/v1/doctor", timeout=10).json()
+        shown = page.get_attribute("[data-testid=doctor]", "data-problems")
+        return shown == str(doc["problems"])
+
+    assert wait_until(agrees, timeout=40, step=1.0)
+    text = page.text_content("[data-testid=doctor]") or ""
+    if page.get_attribute("[data-testid=doctor]", "data-problems") == "0":
+        assert "No problem found" in text and "checks passed" in text
+    else:
+        assert "→" in text  # each problem with its fix

@@ -376,6 +376,31 @@
     });
   }
 
+  // -- doctor -----------------------------------------------------------------------------
+
+  async function loadDoctor() {
+    let body;
+    try {
+      const res = await fetch("/v1/doctor");
+      if (!res.ok) return;
+      body = await res.json();
+    } catch (e) {
+      return;
+    }
+    const problems = body.findings.filter((f) => f.verdict === "problem");
+    const list = $("doctor");
+    list.dataset.problems = String(problems.length);
+    if (!problems.length) {
+      const checked = body.findings.filter((f) => f.verdict === "ok").length;
+      list.innerHTML = `<li class="ok">No problem found (${fmtInt(checked)} checks passed).</li>`;
+      return;
+    }
+    list.innerHTML = problems.map((f) => `<li class="problem">
+      <span class="check">${esc(f.check)}${f.engine ? " · " + esc(f.engine) : ""}</span>
+      <span class="what">${esc(f.message)}</span>
+      ${f.fix ? `<span class="fix">→ ${esc(f.fix)}</span>` : ""}</li>`).join("");
+  }
+
   // -- lookup ----------------------------------------------------------------------------
 
   async function loadPrompts() {
@@ -519,5 +544,7 @@
   buildCharts();
   loadPrompts();
   setInterval(loadPrompts, 10000);
+  loadDoctor();
+  setInterval(loadDoctor, 15000);
   connect();
 })();

@@ -167,21 +167,27 @@ class IndexBase(Generic[P]):
             self._free_bits.append(pub.bit)
             self._layout = None
 
+    def _publishers(self) -> list[tuple[SourceKey, P]]:
+        """Every publisher, a snapshot taken under the publishers' lock: one step, never a
+        view of a half-made registration or removal (the dict and the bits agree)."""
+        with self._publishers_lock:
+            return list(self._sources.items())
+
     def _instance_publishers(self, instance: str) -> list[P]:
-        return [p for k, p in list(self._sources.items()) if k.instance == instance]
+        return [p for k, p in self._publishers() if k.instance == instance]
 
     def instances(self) -> list[str]:
-        return sorted({key.instance for key in list(self._sources)})
+        return sorted({key.instance for key, _ in self._publishers()})
 
     def sources(self, instance: str | None = None) -> list[SourceKey]:
-        return [k for k in list(self._sources) if instance is None or k.instance == instance]
+        return [k for k, _ in self._publishers() if instance is None or k.instance == instance]
 
     def has_instance(self, name: str) -> bool:
-        return any(k.instance == name for k in list(self._sources))
+        return any(k.instance == name for k, _ in self._publishers())
 
     def source_bits(self) -> dict[int, SourceKey]:
         """Bit number (as in the tree's masks) -> the publisher it stands for."""
-        return {bit: pub.key for bit, pub in list(self._by_bit.items())}
+        return {pub.bit: key for key, pub in self._publishers()}
 
     def source_state(self, source: SourceKey) -> tuple[int | None, float | None]:
         pub = self._sources.get(source)

@@ -86,7 +86,10 @@ else
 endif
 
 # The C extensions under ASan + UBSan (gcc) with LeakSanitizer, built apart in
-# build/sanitize: the tests that drive the C, then a churn under valgrind (sanitize/run.sh).
+# build/sanitize: the tests that drive the C (allocation failures injected included), then
+# ThreadSanitizer (build/tsan) over the C ingest path and ingest + membership churn +
+# every kind of lookup at once, then a churn under valgrind (sanitize/run.sh;
+# docs/c-review.md says what each finds).
 sanitize: $(CORE_STAMP)
 	bash sanitize/run.sh
 

@@ -49,20 +49,25 @@ env LD_PRELOAD="$asan" PYTHONPATH="$out" \
     UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$PWD/$reports/ubsan" \
     "$python" -m pytest -q -p no:cacheprovider "$@" || status=$?
 
-# Every report file is a finding (ASan, UBSan, or leaks left after the suppressions).
-if ls "$reports"/* >/dev/null 2>&1; then
-    for f in "$reports"/*; do
-        echo "== $f"
-        head -c 20000 "$f"
-    done
-    echo "make sanitize: sanitizer reports above" >&2
-    exit 1
-fi
-if [ "$status" -ne 0 ]; then
-    echo "make sanitize: the tests failed under the sanitizers (exit $status)" >&2
-    exit "$status"
-fi
-echo "sanitize: no ASan, UBSan or LeakSanitizer report"
+# Every report file in DIR is a finding (for ASan, UBSan, or leaks left after the
+# suppressions; for TSan, races left after its); then the tests' own exit STATUS.
+check_reports() {
+    local dir=$1 what=$2 status=$3
+    if ls "$dir"/* >/dev/null 2>&1; then
+        for f in "$dir"/*; do
+            echo "== $f"
+            head -c 20000 "$f"
+        done
+        echo "make sanitize: $what reports above" >&2
+        exit 1
+    fi
+    if [ "$status" -ne 0 ]; then
+        echo "make sanitize: the tests failed under $what (exit $status)" >&2
+        exit "$status"
+    fi
+    echo "sanitize: no $what report"
+}
+check_reports "$reports" "ASan, UBSan or LeakSanitizer" "$status"
 
 tsan_out=build/tsan
 bash fuzz/build.sh "$tsan_out" gcc "-fsanitize=thread -g -O1"
@@ -77,19 +82,7 @@ env LD_PRELOAD="$(gcc -print-file-name=libtsan.so)" PYTHONPATH="$tsan_out" \
     tests/test_lookupd.py::test_hash_lookups_are_answered_as_python_answers \
     tests/test_lookupd.py::test_moved_publishers_are_handed_over ||
     tsan_status=$?
-if ls "$tsan_reports"/* >/dev/null 2>&1; then
-    for f in "$tsan_reports"/*; do
-        echo "== $f"
-        head -c 20000 "$f"
-    done
-    echo "make sanitize: ThreadSanitizer reports above" >&2
-    exit 1
-fi
-if [ "$tsan_status" -ne 0 ]; then
-    echo "make sanitize: the tests failed under ThreadSanitizer (exit $tsan_status)" >&2
-    exit "$tsan_status"
-fi
-echo "sanitize: no ThreadSanitizer report"
+check_reports "$tsan_reports" ThreadSanitizer "$tsan_status"
 
 if command -v valgrind >/dev/null; then
     # CPython has valgrind false positives of its own (int.from_bytes...): the log is

@@ -454,6 +454,7 @@ def _lookup_thread(
         config.encoded_headers,
         date_header=config.date_header,
         keep_alive=config.timeout_keep_alive,
+        limits=http.limits,
     )
     metrics.before_render.append(lookups.read_samples)
     metrics.registry.register(LookupThreadCollector(lookups))

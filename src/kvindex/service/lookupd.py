@@ -36,6 +36,7 @@ from prometheus_client.registry import Collector
 from kvindex.index import compiled_index
 from kvindex.runtime import Fleet
 from kvindex.security.http import HostNames, HttpGuard
+from kvindex.security.limits import Limits
 from kvindex.service.fastpath import PATH
 from kvindex.service.metrics import LookupMetrics
 
@@ -107,7 +108,9 @@ class LookupThread:
         default_headers: list[tuple[bytes, bytes]],
         date_header: bool = True,
         keep_alive: float = 5.0,
+        limits: Limits | None = None,
     ) -> None:
+        limits = limits or Limits()
         core = compiled_index(fleet.index)
         if Server is None or core is None:
             raise RuntimeError("the lookup thread needs the compiled core")
@@ -125,13 +128,14 @@ class LookupThread:
             sock.fileno(),
             max_body_bytes,
             guard.max_lookup_items,
-            HEAD_LIMIT,
+            min(HEAD_LIMIT, limits.max_header_bytes),  # within the front's limit
             token,
             hosts,
             b"".join(name + b": " + value + b"\r\n" for name, value in default_headers),
             date_header,
             float(keep_alive),
-            min(HANDOFF_AFTER, guard.request_timeout),
+            min(HANDOFF_AFTER, guard.request_timeout, limits.header_timeout),
+            limits.max_connections,  # past it, new connections go to the limits layer
         )
         self._pushed: tuple[int, object, object] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

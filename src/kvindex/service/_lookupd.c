@@ -103,7 +103,7 @@ typedef struct {
     int stopping; /* atomic */
     /* the rules */
     size_t max_body, head_limit;
-    size_t max_conns, nconns; /* past max_conns, a new connection goes to Python (its limit) */
+    size_t nconns;
     uint32_t max_items;
     char *token;
     size_t token_len;
@@ -558,9 +558,7 @@ static void on_accept(ServerObject *s) {
         }
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* as asyncio's */
-        conn_t *c = conn_add(s, fd);
-        if (c != NULL && s->nconns > s->max_conns)
-            hand_off(s, c); /* over the front's cap: Python's limits layer answers it (503) */
+        conn_add(s, fd);
     }
 }
 
@@ -662,8 +660,7 @@ static void server_release(ServerObject *s) {
 
 static int Server_init(ServerObject *s, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"api", "core", "fd", "max_body", "max_items", "head_limit", "token",
-                            "hosts", "headers", "date", "keep_alive", "handoff_after",
-                            "max_connections", NULL};
+                            "hosts", "headers", "date", "keep_alive", "handoff_after", NULL};
     PyObject *capsule, *core, *token_obj, *hosts_obj;
     int fd, date;
     Py_ssize_t max_body, head_limit;
@@ -671,15 +668,13 @@ static int Server_init(ServerObject *s, PyObject *args, PyObject *kwargs) {
     const char *headers;
     Py_ssize_t headers_len;
     double keep_alive, handoff_after;
-    Py_ssize_t max_conns = 1000;
     if (s->api != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Server is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOinInOOy#pdd|n", names, &capsule, &core, &fd,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOinInOOy#pdd", names, &capsule, &core, &fd,
                                      &max_body, &max_items, &head_limit, &token_obj, &hosts_obj,
-                                     &headers, &headers_len, &date, &keep_alive, &handoff_after,
-                                     &max_conns))
+                                     &headers, &headers_len, &date, &keep_alive, &handoff_after))
         return -1;
     const lookup_api_t *api = PyCapsule_GetPointer(capsule, LOOKUP_API_CAPSULE);
     if (api == NULL)
@@ -688,7 +683,7 @@ static int Server_init(ServerObject *s, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_RuntimeError, "the core's lookup_api is another version");
         return -1;
     }
-    if (max_body < 0 || head_limit < 64 || keep_alive <= 0 || handoff_after <= 0 || max_conns < 1) {
+    if (max_body < 0 || head_limit < 64 || keep_alive <= 0 || handoff_after <= 0) {
         PyErr_SetString(PyExc_ValueError, "limits must be positive");
         return -1;
     }
@@ -705,7 +700,6 @@ static int Server_init(ServerObject *s, PyObject *args, PyObject *kwargs) {
     s->handoff_tail = &s->handoffs;
     s->listen_fd = fd;
     s->max_body = (size_t)max_body;
-    s->max_conns = (size_t)max_conns;
     s->head_limit = (size_t)head_limit;
     s->max_items = max_items;
     s->date = date;

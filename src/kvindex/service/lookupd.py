@@ -135,7 +135,6 @@ class LookupThread:
             date_header,
             float(keep_alive),
             min(HANDOFF_AFTER, guard.request_timeout, limits.header_timeout),
-            limits.max_connections,  # past it, new connections go to the limits layer
         )
         self._pushed: tuple[int, object, object] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -371,6 +371,23 @@ def test_drain_runs_apart_into_the_last_results(
     assert "GIL held per ordinary batch" in printed
 
 
+def test_a_case_run_apart_on_another_kind_of_machine_says_which() -> None:
+    """The README named every case run apart "same machine", also those run after the
+    workplace moved to another kind of processor (failed before)."""
+    amd = {"cpu": "AMD EPYC", "cores": 2, "memory_gib": 23.5}
+    intel = {"cpu": "Intel(R) Xeon(R) Processor", "cores": 2, "memory_gib": 23.5}
+    results = {
+        "machine": amd,
+        "runs_apart": {
+            "drain": {"date": "2026-12-05T08:31", "mode": "full", "machine": intel},
+            "lookup": {"date": "2026-12-05T07:53", "mode": "full", "machine": dict(amd)},
+        },
+    }
+    drain, lookup = report._apart_lines(results)
+    assert "on Intel(R) Xeon(R) Processor (2 cores)" in drain and "same machine" not in drain
+    assert "same machine" in lookup
+
+
 def test_readme_without_markers_is_refused(smoke_run: Any, tmp_path: Path) -> None:
     out, _, _ = smoke_run
     readme = tmp_path / "README.md"

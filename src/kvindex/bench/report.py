@@ -352,13 +352,25 @@ def readme_section(results: dict[str, Any], plots_dir: str) -> str:
 
 
 def _apart_lines(results: dict[str, Any]) -> list[str]:
-    """Cases run apart (`--only CASE`) after that run: when, and how to run them again."""
+    """Cases run apart (`--only CASE`) after that run: when, where, and how to run them
+    again."""
     return [
         f"The {case} rows were run apart on {str(run.get('date', '?'))[:10]} "
-        f"(`python -m kvindex.bench --only {case}`, {run.get('mode', '?')} mode, same "
-        "machine), each beside its own baseline in that run."
+        f"(`python -m kvindex.bench --only {case}`, {run.get('mode', '?')} mode, "
+        f"{_where(run.get('machine'), results.get('machine'))}), each beside its own "
+        "baseline in that run."
         for case, run in sorted((results.get("runs_apart") or {}).items())
     ]
+
+
+def _where(machine: Any, main: Any) -> str:
+    """ "same machine", or the machine a case ran apart on when it is another kind."""
+    if not isinstance(machine, dict) or not isinstance(main, dict):
+        return "same machine"
+    keys = ("cpu", "cores", "memory_gib")
+    if all(machine.get(k) == main.get(k) for k in keys):
+        return "same machine"
+    return f"on {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores)"
 
 
 def rewrite_readme(readme: Path, results_path: Path) -> None:

@@ -182,7 +182,7 @@ def test_routing_requests_answered_exactly_beside_their_baselines(
 
 def test_table_rows_render_every_case(results: dict[str, Any]) -> None:
     rows = e2e.table_rows(results)
-    assert len(rows) == 13
+    assert len(rows) == 14
     assert "x 1 worker" in rows[3][1] and rows[3][2].startswith("1 worker ")
     for row in rows:
         assert len(row) == 4 and all(isinstance(cell, str) and cell for cell in row)
@@ -201,8 +201,8 @@ def test_table_rows_survive_failed_and_skipped_cases() -> None:
         "e2e_lookup": {"kvindex": {"error": "BenchError: timed out"}, "dynamo": skipped},
     }
     rows = e2e.table_rows(results)
-    assert len(rows) == 13
-    assert [row[1] for row in rows[10:]] == ["not run"] * 3
+    assert len(rows) == 14
+    assert [row[1] for row in rows[10:]] == ["not run"] * 4  # routing and the chat case
     assert rows[0][1].startswith("failed: BenchError")
     assert "Dynamo standalone skipped: ai-dynamo-runtime is not installed" in rows[0][2]
     assert rows[2][1] == "skipped: redis-server is not installed"

@@ -72,6 +72,14 @@ def add_parser(subparsers: Any) -> None:
         "engine by its URL: NAME=sglang+http://HOST:PORT[,api_key_env=VAR|,api_key_file=PATH]"
         "; repeatable",
     )
+    _add_engine_arguments(p)
+    _add_lookup_arguments(p)
+    add_http_arguments(p)
+    p.set_defaults(run=run)
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the engines and the state are: the store, the listen address, ingest, discovery."""
     p.add_argument("--store", metavar="URL", help=f"state store (default: {DEFAULT_STORE})")
     p.add_argument("--http", metavar="HOST:PORT", help=f"listen address (default: {DEFAULT_HTTP})")
     p.add_argument(
@@ -120,6 +128,19 @@ def add_parser(subparsers: Any) -> None:
         "before that is logged and counted (its blocks are kept; default 60)",
     )
     p.add_argument(
+        "--engine-hosts",
+        metavar="HOSTS",
+        type=_host_list,
+        help="the hosts an API client's engine specs may name (comma-separated: names, "
+        "*.SUFFIX, IP addresses, networks such as 10.0.0.0/8, or '*' for any); the hosts of "
+        "configured engines are always allowed; default: those, plus the loopback when the "
+        "API listens on the loopback only (docs/security.md)",
+    )
+
+
+def _add_lookup_arguments(p: argparse.ArgumentParser) -> None:
+    """How lookups and routing answer: tokenizers, the score's weights, the lookup thread."""
+    p.add_argument(
         "--tokenizer",
         metavar="MODEL=PATH|vllm",
         action="append",
@@ -165,17 +186,6 @@ def add_parser(subparsers: Any) -> None:
         "/v1/lookup and /v1/lookup/hashes requests without the GIL, Python the rest; off: "
         "Python answers every request (docs/performance.md)",
     )
-    p.add_argument(
-        "--engine-hosts",
-        metavar="HOSTS",
-        type=_host_list,
-        help="the hosts an API client's engine specs may name (comma-separated: names, "
-        "*.SUFFIX, IP addresses, networks such as 10.0.0.0/8, or '*' for any); the hosts of "
-        "configured engines are always allowed; default: those, plus the loopback when the "
-        "API listens on the loopback only (docs/security.md)",
-    )
-    add_http_arguments(p)
-    p.set_defaults(run=run)
 
 
 def _host_list(text: str) -> list[str]:

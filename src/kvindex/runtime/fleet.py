@@ -25,6 +25,7 @@ from kvindex.index import CacheStats, FleetIndex, LookupRow, compiled_index
 from kvindex.index.base import AnswerSlot
 from kvindex.index.multimodal import MMFeature, MMKey
 from kvindex.index.sharing import Sharing, sharing
+from kvindex.runtime.approximate import ApproximateCaches
 from kvindex.runtime.discovery import DEFAULT_INTERVAL, Discovery
 from kvindex.runtime.finders.reconcile import FoundBy
 from kvindex.runtime.ingest import (
@@ -135,6 +136,12 @@ def _total(parts: Iterable[IngestCounters]) -> IngestCounters:
             merged = max(mine, theirs) if f.name == "longest_slice_seconds" else mine + theirs
             setattr(total, f.name, merged)
     return total
+
+
+def _no_ranks_status(spec: InstanceSpec | None) -> Status:
+    """The status of an instance with no publisher: an engine without events is `live`
+    (what was routed there is known), one named by its URL not found yet `connecting`."""
+    return Status.LIVE if spec is not None and spec.events_none else Status.CONNECTING
 
 
 class Fleet:
@@ -251,6 +258,8 @@ class Fleet:
         # read again when they restart or their link goes down (see runtime/discovery.py).
         self.discovery = Discovery(self._rediscovered, interval=discovery_interval)
         self.load = LoadFollower()  # SGLang's load streams, on a thread of their own
+        # Engines without events (`events=none`): what the router sent there (approximate)
+        self.approximate = ApproximateCaches()
         # How engines found by --discover were found (set by runtime.finders.Reconciler)
         self.found: dict[str, FoundBy] = {}
         # DP ranks whose engine says it sleeps, their blocks marked gone (sleep_state)
@@ -354,6 +363,8 @@ class Fleet:
     def _publish(self, worker: IngestWorker, spec: InstanceSpec) -> None:
         """What the views read of an instance (under `_members`)."""
         self._specs[spec.name] = spec
+        if spec.events_none:
+            self.approximate.configure(spec.name, spec.pool_blocks, spec.approx_ttl)
         self._ranks[spec.name] = [source.source for source in spec.sources()]
         self._owner[spec.name] = worker
         self._specs_version += 1
@@ -382,6 +393,7 @@ class Fleet:
             self._asleep = {k: v for k, v in self._asleep.items() if k.instance != name}
         self.discovery.forget(name)
         self.load.forget(name)
+        self.approximate.forget(name)
         self.found.pop(name, None)
         with self._guard():
             self.index.remove_instance(name)
@@ -560,7 +572,9 @@ class Fleet:
             if ranks is None or worker is None:
                 raise UnknownInstance(name)
             status_of = worker.subscriber.status
-            return worst_status(self._asleep_or(source, status_of(source)) for source in ranks)
+            default = _no_ranks_status(self._specs.get(name))
+            statuses = (self._asleep_or(source, status_of(source)) for source in ranks)
+            return worst_status(statuses, default)
 
     def instance_views(self) -> list[InstanceView]:
         """Every instance followed now (one removed while this runs is left out)."""
@@ -582,7 +596,7 @@ class Fleet:
         stats = counts.stats
         return InstanceView(
             spec=spec,
-            status=worst_status(r.status for r in ranks),
+            status=worst_status((r.status for r in ranks), _no_ranks_status(spec)),
             ranks=ranks,
             blocks=stats.active,
             blocks_by_medium=dict(counts.by_medium),
@@ -596,6 +610,7 @@ class Fleet:
             namespace_kept=stats.namespace_kept,
             namespace_moved=stats.namespace_moved,
             found=self.found.get(name),
+            approximate_cache=self.approximate.stats(name) if spec.events_none else None,
         )
 
     def source_stats(self, source: SourceKey) -> SourceStats:
@@ -806,11 +821,14 @@ class Fleet:
         if cached is not None and cached[0] == changes and cached[1] is slots:
             return cached[2]
         statuses = []
-        for status_of, sources in self._status_sources(slots):
+        for (status_of, sources), name in zip(
+            self._status_sources(slots), sorted(self._specs), strict=True
+        ):
             if len(sources) == 1:
                 statuses.append(_STATUS_JSON[status_of(sources[0])])
             else:
-                statuses.append(_STATUS_JSON[worst_status(map(status_of, sources))])
+                default = _no_ranks_status(self._specs.get(name))
+                statuses.append(_STATUS_JSON[worst_status(map(status_of, sources), default)])
         self._statuses = (changes, slots, statuses)
         return statuses
 

@@ -30,6 +30,12 @@ prompt (whole blocks, by common prefix, in the same model, LoRA and salt namespa
 `predicted_blocks` beside the real ones, until the real blocks are there (then the
 prediction is dropped) or it expires. They live in this overlay only: the index stays
 exact, nothing predicted is stored or persisted, and plain lookups never see them.
+
+**Engines without events** (`events=none` in the spec) have no index rows: their blocks
+are what `route` sent there, kept in `ApproximateCaches` (kvindex.runtime.approximate;
+an LRU bounded by the engine's pool, aged by a TTL). A scored lookup and `route` count
+them as the instance's matched blocks, and its row says `approximate: true`; a route
+there records the prompt in that cache instead of a prediction.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from kvindex.index.multimodal import MMFeature, MMKey, PromptKeys
-from kvindex.runtime.views import InstanceMatch, LookupAnswer
+from kvindex.runtime.views import InstanceMatch, LookupAnswer, RankMatch
 from kvindex.subscriber import Status
 
 if TYPE_CHECKING:
@@ -188,6 +194,9 @@ class ScoredMatch(InstanceMatch, frozen=True, gc=False, kw_only=True):
     route_rank: int | None
     predicted_blocks: int
     candidates: list[Candidate]
+    # An engine without events (`events=none`): `matched_blocks` is what was routed there
+    # and is still within its pool and TTL (kvindex.runtime.approximate), not its events.
+    approximate: bool = False
 
 
 class ScoredAnswer(msgspec.Struct, frozen=True, gc=False):
@@ -429,6 +438,7 @@ class Router:
         self.weights = weights or Weights()
         self.loads = list(loads)
         self.predictions = predictions if predictions is not None else Predictions()
+        self.approximate = fleet.approximate  # the events=none engines' caches
         self._sizes: dict[str, int] = {}  # instance -> block size its answers showed
         self.routed = 0
 
@@ -482,14 +492,20 @@ class Router:
         if scored.best is None or scored.best_rank is None:
             raise NoCandidate(scored.why)
         size = self._block_size(scored.best, model)
-        blocks = self.predictions.record(namespace, scored.best, scored.best_rank, tokens, size)
+        spec = self.fleet.specs.get(scored.best)
+        if spec is not None and spec.events_none:  # its cache is what is routed there
+            blocks = self.approximate.record(scored.best, namespace, _as_bytes(tokens), size)
+            ttl = spec.approx_ttl
+        else:
+            blocks = self.predictions.record(namespace, scored.best, scored.best_rank, tokens, size)
+            ttl = self.predictions.ttl
         self.routed += 1
         return RouteAnswer(
             scored.best,
             scored.best_rank,
             scored.why,
             scored.prompt_tokens,
-            Prediction(scored.best, scored.best_rank, blocks, self.predictions.ttl),
+            Prediction(scored.best, scored.best_rank, blocks, ttl),
             scored.weights,
             scored.instances,
         )
@@ -502,6 +518,7 @@ class Router:
             if row.block_size:
                 self._sizes[row.name] = row.block_size
         data = _as_bytes(tokens)
+        answer = self._with_approximate(answer, data, namespace)
         predicted = self._predicted(answer, data, namespace)
         candidates = self._candidates(answer, predicted, len(tokens), namespace[0])
         notes = self._score(candidates)
@@ -518,6 +535,38 @@ class Router:
             self.weights.as_dict(),
             rows,
         )
+
+    def _with_approximate(
+        self, answer: LookupAnswer, data: bytes, namespace: Namespace
+    ) -> LookupAnswer:
+        """`answer` with each events=none instance's row filled in from its approximate
+        cache (its index row is always empty: it publishes nothing)."""
+        rows = []
+        changed = False
+        for row in answer.instances:
+            spec = self.fleet.specs.get(row.name)
+            if spec is None or not spec.events_none:
+                rows.append(row)
+                continue
+            size = self._block_size(row.name, namespace[0])
+            matched = self.approximate.match(row.name, namespace, data, size)
+            if matched:
+                changed = True
+                row = msgspec.structs.replace(
+                    row,
+                    matched_blocks=matched,
+                    matched_tokens=matched * size,
+                    block_size=size,
+                    best_rank=0,
+                    ranks=[RankMatch(0, matched)],
+                    by_tier={"gpu": matched},
+                )
+            rows.append(row)
+        if not changed:
+            return answer
+        rows.sort(key=lambda r: (-r.matched_blocks, r.name))
+        up = (r.name for r in rows if r.matched_blocks > 0 and r.status != Status.DOWN)
+        return LookupAnswer(next(up, None), rows)
 
     def seen_block_size(self, instance: str) -> int | None:
         """The block size the instance's lookup answers showed (None: none matched yet)."""
@@ -651,8 +700,10 @@ class Router:
             by_name.setdefault(cand.row.name, []).append(cand)
         now = time.monotonic()
         rows = []
+        specs = self.fleet.specs
         for row in answer.instances:
             mine = by_name.get(row.name, [])
+            spec = specs.get(row.name)
             top = max(mine, key=lambda c: (c.score, c.matched, -c.rank), default=None)
             rows.append(
                 ScoredMatch(
@@ -661,6 +712,7 @@ class Router:
                     route_rank=top.rank if top else None,
                     predicted_blocks=max(0, top.predicted - top.matched) if top else 0,
                     candidates=[_candidate(c, now) for c in mine],
+                    approximate=spec is not None and spec.events_none,
                 )
             )
         rows.sort(key=lambda r: (r.score is None, -(r.score or 0.0), -r.matched_blocks, r.name))

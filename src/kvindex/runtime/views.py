@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from kvindex.runtime.approximate import ApproxStats
 from kvindex.runtime.discovery import DiscoveryView
 from kvindex.runtime.finders.reconcile import FoundBy
 from kvindex.subscriber import InstanceSpec, Status
@@ -59,9 +60,10 @@ RECOVERY_COUNTERS = (
 )
 
 
-def worst_status(statuses: Iterable[Status]) -> Status:
-    """The status an instance shows: its worst rank's (`connecting` if it has none)."""
-    return max(statuses, key=_SEVERITY.__getitem__, default=Status.CONNECTING)
+def worst_status(statuses: Iterable[Status], default: Status = Status.CONNECTING) -> Status:
+    """The status an instance shows: its worst rank's (`default` if it has none: an
+    engine named by its URL not found yet is `connecting`, one without events `live`)."""
+    return max(statuses, key=_SEVERITY.__getitem__, default=default)
 
 
 class RankLoad(msgspec.Struct, frozen=True, gc=False):
@@ -124,10 +126,17 @@ class InstanceView:
     namespace_kept: int = 0  # unkeyed lower-tier stores that kept the keyed copy's namespace
     namespace_moved: int = 0  # entries moved when the keyed copy came after the unkeyed one
     found: FoundBy | None = None  # found by --discover (a k8s pod, a DNS name); None: named
+    # An engine without events (`events=none`): its approximate cache (what was routed there)
+    approximate_cache: ApproxStats | None = None
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def approximate(self) -> bool:
+        """An engine without KV events (`events=none`): its cache is what was routed there."""
+        return self.spec.events_none
 
     @property
     def blocks_by_tier(self) -> dict[str, int]:

@@ -314,8 +314,27 @@ def _engine_metrics(views: list[InstanceView]) -> Iterator[Metric]:
         "Now minus the timestamp of the engine's last batch (grows while it is idle).",
         labels=[ENGINE],
     )
+    approximate = GaugeMetricFamily(
+        "kvindex_engine_approximate",
+        "1 for an engine without KV events (events=none): its blocks are what /v1/route "
+        "sent there (kvindex_approximate_blocks), not what it published.",
+        labels=[ENGINE],
+    )
+    approx_blocks = GaugeMetricFamily(
+        "kvindex_approximate_blocks",
+        "An engine without KV events: the blocks kvindex assumes it holds (routed there, "
+        "within its pool and TTL), and that pool's bound.",
+        labels=[ENGINE, "kind"],
+    )
     for view in views:
         name = view.name
+        approximate.add_metric([name], 1.0 if view.approximate else 0.0)
+        cache = view.approximate_cache
+        if cache is not None:
+            approx_blocks.add_metric([name, "held"], cache.blocks)
+            approx_blocks.add_metric([name, "capacity"], cache.capacity)
+            approx_blocks.add_metric([name, "evicted"], cache.evicted)
+            approx_blocks.add_metric([name, "expired"], cache.expired)
         for medium, count in view.blocks_by_medium.items():
             blocks.add_metric([name, medium, tier_of(medium)], count)
         stored.add_metric([name], view.stored)
@@ -328,7 +347,7 @@ def _engine_metrics(views: list[InstanceView]) -> Iterator[Metric]:
         batch_age = view.last_batch_age_seconds
         if batch_age is not None:
             age.add_metric([name], batch_age)
-    yield from (blocks, stored, removed, clears, status, lag, age)
+    yield from (blocks, stored, removed, clears, status, lag, age, approximate, approx_blocks)
 
 
 def _source_metrics(views: list[InstanceView]) -> Iterator[Metric]:

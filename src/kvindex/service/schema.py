@@ -18,6 +18,7 @@ import msgspec
 
 from kvindex.index.multimodal import MMFeature
 from kvindex.runtime import InstanceMatch, InstanceView, LookupAnswer, RankMatch, RankView
+from kvindex.runtime.approximate import ApproxStats
 from kvindex.runtime.discovery import DiscoveryView
 from kvindex.runtime.doctor import DoctorReport, Finding
 from kvindex.runtime.finders import FleetChange, FoundBy
@@ -319,6 +320,10 @@ class InstanceAnswer(msgspec.Struct):
     # For an engine found by --discover: how (k8s: namespace, pod, UID; dns: the name
     # asked) and its address; null for an instance named by hand.
     found: FoundBy | None = None
+    # An engine without KV events (`events=none`): true, and `approximate_cache` says what
+    # kvindex assumes it holds (the blocks /v1/route sent there, within its pool and TTL).
+    approximate: bool = False
+    approximate_cache: ApproxStats | None = None
 
 
 class InstancesAnswer(msgspec.Struct):
@@ -367,6 +372,8 @@ def instance_answer(view: InstanceView) -> InstanceAnswer:
         ranks=view.ranks,
         discovery=view.discovery,
         found=view.found,
+        approximate=view.approximate,
+        approximate_cache=view.approximate_cache,
     )
 
 

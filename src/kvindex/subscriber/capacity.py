@@ -92,7 +92,7 @@ def need_of_instances(specs: Iterable[InstanceSpec]) -> Need:
     """What following these instances (every DP rank of each, its load stream too) holds."""
     total = Need()
     for s in specs:
-        total += need_of(s.dp, s.replay_endpoint is not None)
+        total += need_of(0 if s.events_none else s.dp, s.replay_endpoint is not None)
         total += need_of_load(len(s.load_sources()))
     return total
 

@@ -27,10 +27,18 @@ environment variable or key of the host: not `api_key_env=`, `api_key_file=`,
 serve's config file (kvindex.security.credentials); and no `ipc://` or `inproc://`
 endpoint (the host's own sockets). Where it may connect is checked by the engine
 allow-list (kvindex.security.engines).
+
+An engine that publishes no KV events is `NAME=events=none[,gpu_blocks=N][,ttl=S]` (with
+`model=`, `http=`, `metrics=`, `block_size=`, `routing_group=` as for any instance): no
+publisher, no socket (`sources()` is empty); the router learns its cache from what
+`/v1/route` sent there, in an LRU of at most `gpu_blocks` blocks (its KV pool, default
+`APPROX_DEFAULT_BLOCKS`) aged by `ttl` seconds (default `APPROX_DEFAULT_TTL`), and marks
+every answer from it `approximate` (kvindex.runtime.approximate).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -40,7 +48,15 @@ from kvindex.security.curve import CurveClient, KeyFileError, is_key, read_publi
 from kvindex.security.engines import EngineHostError, engine_hosts
 from kvindex.subscriber.messages import SourceKey
 
-__all__ = ["DISCOVERY_SCHEMES", "InstanceSpec", "SourceSpec", "SpecError", "offset_endpoint"]
+__all__ = [
+    "APPROX_DEFAULT_BLOCKS",
+    "APPROX_DEFAULT_TTL",
+    "DISCOVERY_SCHEMES",
+    "InstanceSpec",
+    "SourceSpec",
+    "SpecError",
+    "offset_endpoint",
+]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")
 _ENDPOINT = re.compile(r"(tcp|ipc|inproc)://\S+")
@@ -73,6 +89,12 @@ _CLIENT_SCHEMES = ("tcp://",)  # an API client's ZMQ endpoints: never the host's
 _DISCOVER = re.compile(r"sglang\+(https?)://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})/?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 DISCOVERY_SCHEMES = ("sglang+http://", "sglang+https://")
+EVENTS_NONE = "events=none"
+# An engine without KV events: what its spec may say beside `events=none`.
+_NONE_OPTIONS = ("model", "http", "metrics", "block_size", "routing_group", "gpu_blocks", "ttl")
+APPROX_DEFAULT_BLOCKS = 65_536  # an events=none engine's pool when `gpu_blocks=` is not given
+APPROX_DEFAULT_TTL = 600.0  # seconds a block routed to an events=none engine is assumed kept
+_MAX_GPU_BLOCKS = 1 << 31
 
 
 class SpecError(ValueError):
@@ -146,6 +168,11 @@ class InstanceSpec:
     # A secret the operator named in serve's config ([credentials.NAME]): an SGLang
     # engine's API key, or (with curve=) our CURVE client key.
     credential: str | None = None
+    # An engine that publishes no KV events (`events=none`): no publisher; its cache is
+    # what the router sent there, at most `gpu_blocks` blocks, each kept `ttl` seconds.
+    events_none: bool = False
+    gpu_blocks: int | None = None
+    ttl: float | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -153,6 +180,11 @@ class InstanceSpec:
                 f"instance name {self.name!r} must be 1-128 letters, digits or _.:@- "
                 "(starting with a letter or digit)"
             )
+        if self.events_none:
+            self._check_events_none()
+            return
+        if self.gpu_blocks is not None or self.ttl is not None:
+            raise SpecError("gpu_blocks= and ttl= go with events=none (an engine without events)")
         self._check_discovery()
         if self.credential is not None and not _CREDENTIAL.fullmatch(self.credential):
             raise SpecError(f"credential={self.credential!r} is not a credential's name")
@@ -172,6 +204,28 @@ class InstanceSpec:
                 if ep and ep.startswith("tcp://") and int(ep.rpartition(":")[2]) + self.dp > 65536:
                     raise SpecError(f"dp={self.dp} runs past port 65535 from {ep}")
         self.curve_client()  # a bad key or key file is an error now, not at connect time
+
+    def _check_events_none(self) -> None:
+        if self.endpoint or self.discover is not None or self.dp != 1 or self.extra_ranks:
+            raise SpecError("events=none names no publisher (no endpoint, dp=, rank@R= or URL)")
+        for option in ("replay_endpoint", "load_endpoint", "curve", "client_key", "credential"):
+            if getattr(self, option) is not None:
+                raise SpecError(f"events=none: {option} does not apply (no publisher)")
+        if self.gpu_blocks is not None and not 1 <= self.gpu_blocks <= _MAX_GPU_BLOCKS:
+            raise SpecError(f"gpu_blocks must be between 1 and {_MAX_GPU_BLOCKS}")
+        if self.ttl is not None and not (math.isfinite(self.ttl) and 0 < self.ttl <= 1e9):
+            raise SpecError(f"ttl must be a number of seconds > 0, got {self.ttl!r}")
+        self._check_router_fields()
+
+    @property
+    def pool_blocks(self) -> int:
+        """An events=none engine's pool: `gpu_blocks=`, else APPROX_DEFAULT_BLOCKS."""
+        return self.gpu_blocks if self.gpu_blocks is not None else APPROX_DEFAULT_BLOCKS
+
+    @property
+    def approx_ttl(self) -> float:
+        """How long a block routed to an events=none engine is assumed kept there."""
+        return self.ttl if self.ttl is not None else APPROX_DEFAULT_TTL
 
     def _check_router_fields(self) -> None:
         if self.model is not None and not _MODEL.fullmatch(self.model):
@@ -349,6 +403,10 @@ class InstanceSpec:
                 f"instance spec {text!r} must look like NAME=tcp://HOST:PORT[,replay=...]"
             )
         endpoint, *options = rest.split(",")
+        if EVENTS_NONE in (endpoint, *options):
+            others = [o for o in (endpoint, *options) if o != EVENTS_NONE]
+            none_spec = cls._parse_none(name, others, text)
+            return none_spec.client_checked() if from_client else none_spec
         discovered = endpoint.startswith(DISCOVERY_SCHEMES)
         allowed = _DISCOVERY_OPTIONS if discovered else _OPTIONS
         fields: dict[str, str] = {}
@@ -406,6 +464,48 @@ class InstanceSpec:
         )
         return spec.client_checked() if from_client else spec
 
+    @classmethod
+    def _parse_none(cls, name: str, options: list[str], text: str) -> InstanceSpec:
+        """`NAME=events=none[,gpu_blocks=N][,ttl=S][,model=M][,http=U][,metrics=U]...`:
+        nothing of the host is named (only http(s) URLs, checked against the allow-list
+        by `client_checked`)."""
+        fields: dict[str, str] = {}
+        for option in options:
+            key, sep, value = option.partition("=")
+            if not sep or key not in _NONE_OPTIONS:
+                known = ", ".join(k + "=" for k in _NONE_OPTIONS)
+                raise SpecError(
+                    f"unknown option {option!r} in {text!r} (events=none takes {known})"
+                )
+            if key in fields:
+                raise SpecError(f"option {key!r} given twice in {text!r}")
+            fields[key] = value
+        numbers: dict[str, int] = {}
+        for key in ("block_size", "gpu_blocks"):
+            number = fields.get(key)
+            if number is not None:
+                if not (number.isdigit() and len(number) < 11):
+                    raise SpecError(f"{key} must be a whole number, got {number!r}")
+                numbers[key] = int(number)
+        ttl = None
+        if "ttl" in fields:
+            try:
+                ttl = float(fields["ttl"])
+            except ValueError:
+                raise SpecError(f"ttl must be a number of seconds, got {fields['ttl']!r}") from None
+        return cls(
+            name=name,
+            endpoint="",
+            model=fields.get("model") or None,
+            http=fields.get("http") or None,
+            metrics=fields.get("metrics") or None,
+            block_size=numbers.get("block_size"),
+            routing_group=fields.get("routing_group") or None,
+            events_none=True,
+            gpu_blocks=numbers.get("gpu_blocks"),
+            ttl=ttl,
+        )
+
     @staticmethod
     def _client_endpoints(endpoint: str, fields: dict[str, str]) -> None:
         values = [endpoint, *(v for k, v in fields.items() if k in ("replay", "load"))]
@@ -417,8 +517,9 @@ class InstanceSpec:
                 )
 
     def sources(self) -> list[SourceSpec]:
-        """One publisher per DP rank (none while an engine named by its URL is pending)."""
-        if self.pending:
+        """One publisher per DP rank (none while an engine named by its URL is pending, and
+        none for an engine without events)."""
+        if self.pending or self.events_none:
             return []
         curve = self.curve_client()
         if self.rank != 0 or self.extra_ranks:
@@ -448,6 +549,15 @@ class InstanceSpec:
         ]
 
     def render(self) -> str:
+        if self.events_none:
+            text = f"{self.name}={EVENTS_NONE}"
+            for key in ("gpu_blocks", "ttl", "model", "http", "metrics", "routing_group"):
+                value = getattr(self, key)
+                if value is not None:
+                    text += f",{key}={value}"
+            if self.block_size is not None:
+                text += f",block_size={self.block_size}"
+            return text
         if self.discover is not None:  # the URL, never what it resolved to
             text = f"{self.name}={self.discover}"
             if self.api_key_env is not None:

@@ -177,7 +177,12 @@ def test_every_metric_is_documented_and_every_documented_one_exists(tmp_path: Pa
     engine.metrics = vllm_metrics(waiting=1, running=2, kv=0.5, queries=10, hits=5)
 
     def app(pub: Publisher, engine_url: str) -> Any:
-        fleet = Fleet([InstanceSpec("m", pub.endpoint, pub.replay_endpoint, http=engine_url)])
+        fleet = Fleet(
+            [
+                InstanceSpec("m", pub.endpoint, pub.replay_endpoint, http=engine_url),
+                InstanceSpec.parse("n=events=none,gpu_blocks=8"),  # kvindex_approximate_*
+            ]
+        )
         tokenizers = Tokenizers(fleet)  # a local one: its prefix cache's figures
         tokenizers.add("m", str(build_tokenizer(tmp_path / "tok")))
         return create_app(fleet, routing=Routing.of(fleet, tokenizers))

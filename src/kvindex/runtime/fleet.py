@@ -538,8 +538,9 @@ class Fleet:
 
     def _applied_in_c(self, source: SourceKey) -> None:
         """The C path applied batches of `source` (on an ingest thread): what `_on_item`
-        does for a Delivery."""
-        self._counts.pop(source.instance, None)
+        does for a Delivery: the cached counts dropped and the epoch bumped, so counts a
+        reader computed before these batches are not stored after them."""
+        self._drop_counts(source.instance)
 
     def _after_apply(self) -> None:
         """After each read an ingest worker applied (on its thread): the `on_read` hooks

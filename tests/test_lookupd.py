@@ -324,6 +324,34 @@ def test_lookups_are_answered_while_python_holds_the_gil() -> None:
         fleet.close()
 
 
+def test_stop_frees_what_the_server_holds() -> None:
+    """serve freezes its objects (gc.freeze), so the Server lives to the process's end:
+    what it holds (the samples' ring, the answers, the limits, its reference to the core)
+    stayed until then, a leak LeakSanitizer reported at every serve's exit. `stop` now
+    closes it: the core's reference is given back, a closed server refuses new answers
+    and a start, and its counts stay readable."""
+    _, fast = feed(build([("store", 0, 0, 0, 0, 3, 0, 0, 0, False)]))
+    fleet = fleet_over(fast, {})
+    try:
+        with thread_over(fleet) as (thread, port), connect(port) as sock:
+            sock.sendall(lookup_request(list(range(10, 30)), {}))
+            status, _, _ = read_response(sock, bytearray())
+            assert status == 200
+            core = thread.core
+            held = sys.getrefcount(core)
+            thread.stop()
+            assert sys.getrefcount(core) == held - 1
+            with pytest.raises(RuntimeError, match="closed"):
+                thread.server.set_answer([], [], 0)
+            with pytest.raises(RuntimeError):
+                thread.server.start()
+            assert thread.server.samples() == [] and thread.server.take() == []
+            assert thread.counts()[:2] == (1, 0)
+            thread.refresh()  # nothing to push to: no error
+    finally:
+        fleet.close()
+
+
 def test_lookups_beside_ingest() -> None:
     """The thread's lookups (by tokens with LoRA names and salts, and by hashes) while
     another thread applies batches with fresh names and new publishers, for 2 s: every

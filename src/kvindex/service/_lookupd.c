@@ -101,6 +101,7 @@ typedef struct {
     pthread_t thread;
     int running;
     int stopping; /* atomic */
+    int closed;   /* `close` freed what answers need: never started again */
     /* the rules */
     size_t max_body, head_limit;
     size_t nconns;
@@ -767,7 +768,7 @@ static int Server_init(ServerObject *s, PyObject *args, PyObject *kwargs) {
 
 /* start(): the thread runs. */
 static PyObject *Server_start(ServerObject *s, PyObject *Py_UNUSED(unused)) {
-    if (s->api == NULL || s->running || s->epfd < 0) {
+    if (s->api == NULL || s->running || s->closed || s->epfd < 0) {
         PyErr_SetString(PyExc_RuntimeError, "the server can't start (started, stopped or not made)");
         return NULL;
     }
@@ -814,6 +815,10 @@ static PyObject *Server_set_answer(ServerObject *s, PyObject *args) {
     unsigned long long gen;
     if (!PyArg_ParseTuple(args, "O!O!K", &PyList_Type, &slots_obj, &PyList_Type, &statuses, &gen))
         return NULL;
+    if (s->closed) {
+        PyErr_SetString(PyExc_RuntimeError, "the server is closed");
+        return NULL;
+    }
     Py_ssize_t n = PyList_GET_SIZE(slots_obj);
     if (PyList_GET_SIZE(statuses) != n) {
         PyErr_SetString(PyExc_TypeError, "slots and statuses: two lists, as long");
@@ -980,11 +985,10 @@ static PyObject *Server_fileno(ServerObject *s, PyObject *Py_UNUSED(unused)) {
     return PyLong_FromLong(s->handoff_fd);
 }
 
-static void Server_dealloc(ServerObject *s) {
-    if (s->running) { /* not stopped: stop it here, the GIL given away while it ends */
-        PyObject *r = Server_stop(s, NULL);
-        Py_XDECREF(r);
-    }
+/* What a stopped server still holds, freed: the connections handed over and not taken,
+   those given back, the answers' context, the samples, the limits (the object stays: a
+   later `take`, `samples` or `counts` finds nothing, `set_answer` and `start` refuse). */
+static void server_free(ServerObject *s) {
     while (s->handoffs != NULL) {
         handoff_t *h = s->handoffs;
         s->handoffs = h->next;
@@ -992,21 +996,56 @@ static void Server_dealloc(ServerObject *s) {
         free(h->data);
         free(h);
     }
+    s->handoff_tail = &s->handoffs;
     for (size_t i = 0; i < s->nadopted; i++)
         close(s->adopted[i]);
     free(s->adopted);
+    s->adopted = NULL;
+    s->nadopted = s->adopted_cap = 0;
     server_release(s);
-    if (s->api != NULL)
-        pthread_mutex_destroy(&s->mu);
     ctx_free(s->ctx);
+    s->ctx = NULL;
     free(s->ring);
+    s->ring = NULL;
+    s->ring_len = s->ring_start = 0;
     free(s->headers);
+    s->headers = NULL;
     free(s->token);
+    s->token = NULL;
     for (Py_ssize_t i = 0; i < s->nhosts; i++)
         free(s->hosts[i]);
     free(s->hosts);
     free(s->host_lens);
-    Py_XDECREF(s->core);
+    s->hosts = NULL;
+    s->host_lens = NULL;
+    s->nhosts = 0;
+    Py_CLEAR(s->core);
+}
+
+/* close(): stop, then free what the server holds, at once rather than when the object
+   goes (serve keeps it alive to the end: gc.freeze). Idempotent. */
+static PyObject *Server_close(ServerObject *s, PyObject *Py_UNUSED(unused)) {
+    PyObject *r = Server_stop(s, NULL);
+    if (r == NULL)
+        return NULL;
+    Py_DECREF(r);
+    if (s->api != NULL) {
+        pthread_mutex_lock(&s->mu);
+        server_free(s);
+        pthread_mutex_unlock(&s->mu);
+    }
+    s->closed = 1;
+    Py_RETURN_NONE;
+}
+
+static void Server_dealloc(ServerObject *s) {
+    if (s->running) { /* not stopped: stop it here, the GIL given away while it ends */
+        PyObject *r = Server_stop(s, NULL);
+        Py_XDECREF(r);
+    }
+    server_free(s);
+    if (s->api != NULL)
+        pthread_mutex_destroy(&s->mu);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
@@ -1021,6 +1060,7 @@ static PyObject *Server_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
 static PyMethodDef Server_methods[] = {
     {"start", (PyCFunction)Server_start, METH_NOARGS, NULL},
     {"stop", (PyCFunction)Server_stop, METH_NOARGS, NULL},
+    {"close", (PyCFunction)Server_close, METH_NOARGS, NULL},
     {"set_answer", (PyCFunction)Server_set_answer, METH_VARARGS, NULL},
     {"take", (PyCFunction)Server_take, METH_NOARGS, NULL},
     {"adopt", (PyCFunction)Server_adopt, METH_O, NULL},

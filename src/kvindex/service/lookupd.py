@@ -142,6 +142,7 @@ class LookupThread:
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
         self.running = False
+        self._closed = False
 
     def start(self, protocol: Callable[[], asyncio.Protocol]) -> None:
         loop = asyncio.get_running_loop()
@@ -155,7 +156,8 @@ class LookupThread:
     def stop(self) -> None:
         """The thread ends: its idle connections closed, those with a request under way
         handed to uvicorn's protocol, told to close once answered (uvicorn's graceful stop
-        waits for them as for its own; called as it begins). Idempotent."""
+        waits for them as for its own; called as it begins); then the server is closed
+        (it never starts again; its counts stay readable). Idempotent."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -168,9 +170,15 @@ class LookupThread:
         for fd, _, _ in self.server.take():  # no loop to serve them on
             socket.socket(fileno=fd).close()
         self.read_samples()
+        # Its buffers (the samples' ring, the answers, the limits) and its hold on the core
+        # go now: serve keeps this object to the end (gc.freeze), past the core's life.
+        self.server.close()
+        self._closed = True
 
     def refresh(self) -> None:
         """Push the instances and their statuses to the thread if they moved."""
+        if self._closed:
+            return
         gen = self.core.sources_gen()  # before the slots: a later move makes them stale
         slots = self.fleet._answer_slots()
         statuses = self.fleet._statuses_json(slots)

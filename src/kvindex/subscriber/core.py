@@ -493,6 +493,9 @@ class Subscriber:
 
     def _close_source(self, src: _SourceSockets) -> None:
         self._py(src)
+        # Its state handed back: the C Sequencer (its digest ring) goes with the link, not
+        # with this object (serve keeps it to the process's end: gc.freeze).
+        src.inorder = None
         self._stop_replay(src)
         self._close_sub(src)
 

@@ -195,3 +195,22 @@ def check_recent_prompt_lookup(url: str) -> None:
         rows = {r["name"]: r for r in answer["instances"]}
         found += rows[prompt["instance"]]["matched_blocks"] > 0
     assert found >= len(prompts) // 2  # the rest may have been evicted since
+
+
+def test_snapshot_marks_an_engine_without_events_approximate() -> None:
+    """An events=none engine's row: `approximate`, and the blocks /v1/route sent there."""
+    from kvindex.service.lookups import Routing
+    from kvindex.subscriber import InstanceSpec
+
+    fleet = Fleet([InstanceSpec.parse("n0=events=none,gpu_blocks=64,block_size=4")])
+    with TestClient(create_app(fleet, routing=Routing.of(fleet))) as c:
+        assert c.post("/v1/route", json={"token_ids": list(range(12))}).json()["best"] == "n0"
+
+        def row() -> dict[str, Any]:  # a snapshot a second
+            [found] = c.get("/v1/dashboard/snapshot").json()["snapshot"]["instances"]
+            return dict(found)
+
+        assert wait_until(lambda: row()["approximate_blocks"] == 3, timeout=5)
+        last = row()
+        assert (last["name"], last["status"], last["approximate"]) == ("n0", "live", True)
+        assert last["blocks"] == 0  # the index holds nothing of it: it published nothing

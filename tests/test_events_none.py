@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from array import array
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,6 +15,7 @@ from test_router_serve import started, stored
 from test_router_service import until
 
 from kvindex.runtime.approximate import ApproximateCaches
+from kvindex.subscriber import SourceKey
 from kvindex.subscriber.spec import InstanceSpec, SpecError
 from kvindex.wire.publisher import Publisher
 
@@ -29,6 +31,9 @@ def test_spec_events_none_round_trips_and_refuses_what_does_not_apply() -> None:
     assert (spec.events_none, spec.pool_blocks, spec.approx_ttl) == (True, 100, 30.0)
     assert spec.sources() == [] and spec.ranks() == [0] and not spec.pending
     assert InstanceSpec.parse(spec.render()) == spec
+    loaded = InstanceSpec.parse("n2=events=none,load=tcp://127.0.0.1:5558")  # SGLang's load
+    assert loaded.load_sources() == [(SourceKey("n2", 0), "tcp://127.0.0.1:5558")]
+    assert InstanceSpec.parse(loaded.render()) == loaded and loaded.sources() == []
     for bad, why in (
         ("n0=events=none,dp=2", "unknown option"),
         ("n0=events=none,gpu_blocks=0", "gpu_blocks"),
@@ -140,3 +145,33 @@ def test_serve_routes_a_mixed_fleet_and_learns_the_events_none_engine() -> None:
         finally:
             proc.interrupt()
             assert proc.finish(15) == 0
+
+
+def test_an_events_none_spec_survives_a_restart_and_its_cache_does_not(tmp_path: Path) -> None:
+    """The SQLite store keeps the spec (added by the API), as any other; the approximate
+    cache is not persisted: after a restart the instance is there, empty."""
+    serve = (
+        "serve", "--store", f"sqlite:///{tmp_path / 'k.sqlite'}", "--http", "127.0.0.1:0",
+    )  # fmt: skip
+    spec = "n0=events=none,gpu_blocks=64,ttl=600.0,model=m,block_size=4"
+    prompt = {"token_ids": list(range(12)), "model": "m"}
+    first = kvindex(*serve)
+    try:
+        with httpx.Client(base_url=started(first), timeout=10) as client:
+            assert client.post("/v1/instances", json={"spec": spec}).status_code == 201
+            assert client.post("/v1/route", json=prompt).json()["predicted"]["blocks"] == 3
+            scored = client.post("/v1/lookup", json={**prompt, "score": True}).json()
+            assert scored["instances"][0]["matched_blocks"] == 3
+    finally:
+        first.interrupt()
+        assert first.finish(15) == 0
+    again = kvindex(*serve)
+    try:
+        with httpx.Client(base_url=started(again), timeout=10) as client:
+            [view] = client.get("/v1/instances").json()["instances"]
+            assert (view["spec"], view["approximate"], view["status"]) == (spec, True, "live")
+            scored = client.post("/v1/lookup", json={**prompt, "score": True}).json()
+            assert scored["instances"][0]["matched_blocks"] == 0
+    finally:
+        again.interrupt()
+        assert again.finish(15) == 0

@@ -176,6 +176,39 @@ def test_routing_bench_smoke_through_serve(tmp_path: Path) -> None:
     assert "| kvindex |" in proc.stdout
 
 
+def test_routing_bench_half_the_fleet_without_events(tmp_path: Path) -> None:
+    """`--events-none 2`: kvindex_mixed runs beside kvindex on 2 of 4 engines publishing
+    nothing (events=none in serve); serve's view of the others stays exact, and routing on
+    what it sent the silent ones still beats round-robin's hits."""
+    out = tmp_path / "r.json"
+    args = ["--smoke", "--events-none", "2", "--policies", "kvindex,round_robin"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvindex", "bench", "routing", *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["engines_without_events"] == 2
+    policies = doc["policies"]
+    assert set(policies) == {"kvindex", "round_robin", "kvindex_mixed"}
+    mixed = policies["kvindex_mixed"]
+    assert mixed["applied"]["engines_without_events"] == 2 and mixed["applied"]["exact"]
+    assert mixed["applied"]["batches"] > 0  # the two engines with events published
+    assert sum(mixed["per_engine"]) == doc["requests"] and min(mixed["per_engine"]) > 0
+    assert mixed["hit_tokens"] > policies["round_robin"]["hit_tokens"]
+    assert "| kvindex_mixed |" in proc.stdout and "2 engines without KV events" in proc.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvindex", "bench", "routing", "--smoke", "--events-none", "5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and bad.stderr.startswith("kvindex bench routing: --events-none")
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
 def test_routing_bench_bad_trace_is_one_line(tmp_path: Path) -> None:
     bad = _rows(tmp_path / "bad.jsonl", [{"timestamp": "x"}])
     for trace in (bad, tmp_path / "missing.jsonl"):

@@ -593,6 +593,10 @@ class Fleet:
             if spec is None:
                 raise UnknownInstance(name)
             ranks = [self._rank_view(source) for source in self._ranks[name]]
+        if spec.events_none:  # no publisher: rank 0 as routed to, with its load stream's
+            source = SourceKey(name, 0)
+            load = self._load_of(source)
+            ranks = [RankView(0, Status.LIVE, None, 0, 0, 0, 0, 0, 0, 0, None, None, load=load)]
         counts = self._counts_of(name)
         stats = counts.stats
         return InstanceView(

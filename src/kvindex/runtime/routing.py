@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from kvindex.index.multimodal import MMFeature, MMKey, PromptKeys
+from kvindex.runtime.approximate import ApproximateCaches
 from kvindex.runtime.views import InstanceMatch, LookupAnswer, RankMatch
 from kvindex.subscriber import Status
 
@@ -438,7 +439,9 @@ class Router:
         self.weights = weights or Weights()
         self.loads = list(loads)
         self.predictions = predictions if predictions is not None else Predictions()
-        self.approximate = fleet.approximate  # the events=none engines' caches
+        # the events=none engines' caches (none without a fleet: the routing bench's
+        # oracle scores the engines' true caches alone)
+        self.approximate = fleet.approximate if fleet is not None else ApproximateCaches()
         self._sizes: dict[str, int] = {}  # instance -> block size its answers showed
         self.routed = 0
 
@@ -541,6 +544,8 @@ class Router:
     ) -> LookupAnswer:
         """`answer` with each events=none instance's row filled in from its approximate
         cache (its index row is always empty: it publishes nothing)."""
+        if self.fleet is None:
+            return answer
         rows = []
         changed = False
         for row in answer.instances:
@@ -700,7 +705,7 @@ class Router:
             by_name.setdefault(cand.row.name, []).append(cand)
         now = time.monotonic()
         rows = []
-        specs = self.fleet.specs
+        specs = self.fleet.specs if self.fleet is not None else {}
         for row in answer.instances:
             mine = by_name.get(row.name, [])
             spec = specs.get(row.name)

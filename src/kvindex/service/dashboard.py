@@ -157,6 +157,9 @@ class Dashboard:
             "last_seq": view.last_seq,
             "ingest_lag_s": view.ingest_lag_seconds,
             "load": _load(view),
+            # an engine without KV events: its blocks are what kvindex routed there
+            "approximate": view.approximate,
+            "approximate_blocks": cache.blocks if (cache := view.approximate_cache) else None,
         }
 
     def analyse_sharing(self) -> dict[str, Any]:

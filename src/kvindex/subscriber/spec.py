@@ -29,8 +29,9 @@ endpoint (the host's own sockets). Where it may connect is checked by the engine
 allow-list (kvindex.security.engines).
 
 An engine that publishes no KV events is `NAME=events=none[,gpu_blocks=N][,ttl=S]` (with
-`model=`, `http=`, `metrics=`, `block_size=`, `routing_group=` as for any instance): no
-publisher, no socket (`sources()` is empty); the router learns its cache from what
+`model=`, `http=`, `metrics=`, `load=`, `block_size=`, `routing_group=` as for any
+instance): no KV-event publisher (`sources()` is empty; its load still comes from
+`metrics=`/`http=` or an SGLang `load=` stream); the router learns its cache from what
 `/v1/route` sent there, in an LRU of at most `gpu_blocks` blocks (its KV pool, default
 `APPROX_DEFAULT_BLOCKS`) aged by `ttl` seconds (default `APPROX_DEFAULT_TTL`), and marks
 every answer from it `approximate` (kvindex.runtime.approximate).
@@ -91,7 +92,16 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 DISCOVERY_SCHEMES = ("sglang+http://", "sglang+https://")
 EVENTS_NONE = "events=none"
 # An engine without KV events: what its spec may say beside `events=none`.
-_NONE_OPTIONS = ("model", "http", "metrics", "block_size", "routing_group", "gpu_blocks", "ttl")
+_NONE_OPTIONS = (
+    "model",
+    "http",
+    "metrics",
+    "load",
+    "block_size",
+    "routing_group",
+    "gpu_blocks",
+    "ttl",
+)
 APPROX_DEFAULT_BLOCKS = 65_536  # an events=none engine's pool when `gpu_blocks=` is not given
 APPROX_DEFAULT_TTL = 600.0  # seconds a block routed to an events=none engine is assumed kept
 _MAX_GPU_BLOCKS = 1 << 31
@@ -208,9 +218,11 @@ class InstanceSpec:
     def _check_events_none(self) -> None:
         if self.endpoint or self.discover is not None or self.dp != 1 or self.extra_ranks:
             raise SpecError("events=none names no publisher (no endpoint, dp=, rank@R= or URL)")
-        for option in ("replay_endpoint", "load_endpoint", "curve", "client_key", "credential"):
+        for option in ("replay_endpoint", "curve", "client_key", "credential"):
             if getattr(self, option) is not None:
                 raise SpecError(f"events=none: {option} does not apply (no publisher)")
+        if self.load_endpoint is not None:  # SGLang's load stream: load, not KV events
+            _check_endpoint(self.load_endpoint, "load endpoint")
         if self.gpu_blocks is not None and not 1 <= self.gpu_blocks <= _MAX_GPU_BLOCKS:
             raise SpecError(f"gpu_blocks must be between 1 and {_MAX_GPU_BLOCKS}")
         if self.ttl is not None and not (math.isfinite(self.ttl) and 0 < self.ttl <= 1e9):
@@ -496,6 +508,7 @@ class InstanceSpec:
         return cls(
             name=name,
             endpoint="",
+            load_endpoint=fields.get("load") or None,
             model=fields.get("model") or None,
             http=fields.get("http") or None,
             metrics=fields.get("metrics") or None,
@@ -555,6 +568,8 @@ class InstanceSpec:
                 value = getattr(self, key)
                 if value is not None:
                     text += f",{key}={value}"
+            if self.load_endpoint is not None:
+                text += f",load={self.load_endpoint}"
             if self.block_size is not None:
                 text += f",block_size={self.block_size}"
             return text

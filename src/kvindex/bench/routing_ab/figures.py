@@ -85,6 +85,10 @@ def _notes(f: dict[str, Any], ref: dict[str, Any]) -> str:
     applied = f.get("applied")
     if applied:
         state = "exact" if applied["exact"] else f"{applied['blocks_off']} blocks off"
+        silent = applied.get("engines_without_events")
+        if silent:
+            notes.append(f"{silent} engines without KV events (approximate)")
+            state += " on the others"
         notes.append(f"serve's view at the end: {state} ({applied['batches']} batches)")
     if f.get("refused"):
         notes.append(f"{f['refused']} refused (larger than a pool)")

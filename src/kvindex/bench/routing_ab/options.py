@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["POLICIES", "add_arguments"]
+__all__ = ["MIXED", "POLICIES", "add_arguments"]
 
 # kvindex's two policies (through serve), then the baselines (policies.py)
 POLICIES = ("kvindex", "kvindex_longest", "round_robin", "least_loaded", "approximate", "oracle")
+# kvindex's /v1/route on a fleet where some engines publish no KV events (--events-none)
+MIXED = "kvindex_mixed"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +30,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policies",
         default=",".join(POLICIES),
-        help=f"comma-separated, of {', '.join(POLICIES)} (default: all)",
+        help=f"comma-separated, of {', '.join(POLICIES)}, {MIXED} (default: all but {MIXED})",
+    )
+    p.add_argument(
+        "--events-none",
+        type=int,
+        metavar="K",
+        help=f"also run {MIXED}: kvindex's /v1/route on a fleet whose last K engines publish "
+        "no KV events (events=none instances: kvindex learns their caches from its own "
+        f"routing); {MIXED} in --policies without it: half the engines",
     )
     p.add_argument(
         "--weights",

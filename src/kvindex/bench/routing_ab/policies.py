@@ -40,6 +40,7 @@ __all__ = [
     "KVINDEX",
     "Approximate",
     "KvindexLongest",
+    "KvindexMixed",
     "KvindexRoute",
     "LeastLoaded",
     "Oracle",
@@ -47,7 +48,7 @@ __all__ = [
     "RoundRobin",
 ]
 
-KVINDEX = ("kvindex", "kvindex_longest")
+KVINDEX = ("kvindex", "kvindex_longest", "kvindex_mixed")
 BASELINES = ("round_robin", "least_loaded", "approximate", "oracle")
 
 
@@ -215,6 +216,13 @@ class KvindexRoute:
 
     def close(self) -> None:
         self.client.close()
+
+
+class KvindexMixed(KvindexRoute):
+    """`POST /v1/route` on a fleet where some engines publish no KV events (`events=none`
+    instances: serve knows of them only what it routed there)."""
+
+    name = "kvindex_mixed"
 
 
 class KvindexLongest:

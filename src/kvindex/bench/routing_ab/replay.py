@@ -8,6 +8,10 @@ stream, `serve` follows them, and **before every decision the replay checks that
 has applied everything** (each engine's last seq, and its load as sent) - the check
 Dynamo's A/B guide insists on, made per request. At the end of the run every engine's
 pool is compared with the blocks serve holds for it.
+
+With `events_none` K, the fleet's last K engines publish no KV events (their load stream
+only): serve follows them as `events=none` instances, whose caches it learns from its own
+routing (kvindex.runtime.approximate); their pools are left out of the comparison.
 """
 
 from __future__ import annotations
@@ -53,9 +57,12 @@ class RunResult:
 class LiveFleet:
     """The engines' publishers and load streams, and serve's view of them."""
 
-    def __init__(self, engines: Sequence[ModelEngine], workdir: Path) -> None:
+    def __init__(self, engines: Sequence[ModelEngine], workdir: Path, events_none: int = 0) -> None:
         self.engines = list(engines)
         self.workdir = workdir
+        # the last `events_none` engines publish no KV events
+        silent = self.engines[len(self.engines) - events_none :] if events_none else []
+        self.silent = {e.name for e in silent}
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.pubs = [Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") for _ in engines]
         self.loads: list[zmq.Socket[bytes]] = []
@@ -72,6 +79,12 @@ class LiveFleet:
         out = []
         for e, pub, load in zip(self.engines, self.pubs, self.loads, strict=True):
             load_ep = load.getsockopt_string(zmq.LAST_ENDPOINT)
+            if e.name in self.silent:
+                out.append(
+                    f"{e.name}=events=none,gpu_blocks={e.model.gpu_blocks},load={load_ep},"
+                    f"block_size={e.model.block_size}"
+                )
+                continue
             out.append(
                 f"{e.name}={pub.endpoint},replay={pub.replay_endpoint},load={load_ep},"
                 f"block_size={e.model.block_size}"
@@ -83,7 +96,7 @@ class LiveFleet:
         ts = time.time()
         for e, pub, sock in zip(self.engines, self.pubs, self.loads, strict=True):
             events = e.take_events()
-            if events:
+            if events and e.name not in self.silent:
                 pub.publish_payload(encode_step(events, ts, 0, e.model.block_size))
             m = e.model
             stat = LoadStat(
@@ -107,6 +120,8 @@ class LiveFleet:
             view = views.get(e.name)
             if view is None or view["last_seq"] != (pub.next_seq - 1 if pub.next_seq else None):
                 return False
+            if not view["ranks"]:
+                return False
             load = view["ranks"][0].get("load")
             shown = None
             if load is not None:
@@ -125,6 +140,8 @@ class LiveFleet:
         off = 0
         blocks = 0
         for e in self.engines:
+            if e.name in self.silent:  # nothing published: serve's view is approximate
+                continue
             truth = {str(wire_hash(d, "int")) for d in e.cached}
             held = {
                 str(h) for h in http_json(url, f"/v1/instances/{e.name}/blocks")["block_hashes"]
@@ -132,7 +149,13 @@ class LiveFleet:
             off += len(truth ^ held)
             blocks += len(truth)
         batches = sum(p.next_seq for p in self.pubs)
-        return {"exact": off == 0, "blocks_off": off, "blocks": blocks, "batches": batches}
+        return {
+            "exact": off == 0,
+            "blocks_off": off,
+            "blocks": blocks,
+            "batches": batches,
+            "engines_without_events": len(self.silent),
+        }
 
     def close(self) -> None:
         for pub in self.pubs:
@@ -216,9 +239,11 @@ def live_run(
     seed: int = 0,
     options: Sequence[str] = (),
     stop: Callable[[], bool] | None = None,
+    events_none: int = 0,
 ) -> RunResult:
-    """`replay` with a kvindex policy: publishers, serve, the run, everything stopped."""
-    fleet = LiveFleet(engines, workdir)
+    """`replay` with a kvindex policy: publishers, serve, the run, everything stopped (the
+    last `events_none` engines publishing no KV events)."""
+    fleet = LiveFleet(engines, workdir, events_none)
     try:
         with start_serve(fleet, workdir, engines[0].name + str(id(fleet)), options) as c:
             srv = Serve(c)

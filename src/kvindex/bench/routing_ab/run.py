@@ -15,11 +15,12 @@ from typing import Any
 from kvindex.bench.common import machine_info
 from kvindex.bench.routing_ab.engines import ModelEngine, ServiceModel
 from kvindex.bench.routing_ab.figures import figures, plot, table
-from kvindex.bench.routing_ab.options import POLICIES, add_arguments
+from kvindex.bench.routing_ab.options import MIXED, POLICIES, add_arguments
 from kvindex.bench.routing_ab.policies import (
     KVINDEX,
     Approximate,
     KvindexLongest,
+    KvindexMixed,
     KvindexRoute,
     LeastLoaded,
     Oracle,
@@ -50,6 +51,7 @@ class RoutingPlan:
     model: ServiceModel
     shape: SharedPrefix
     weights: dict[str, float] = field(default_factory=dict)  # serve --weights, the oracle's
+    events_none: int = 0  # kvindex_mixed: the last K engines publish no KV events
 
 
 MODES = {
@@ -83,8 +85,12 @@ def plan_of(args: argparse.Namespace) -> RoutingPlan:
     if args.skew is not None:
         shape = replace(shape, skew=args.skew)
     weights = parse_weights(args.weights) if args.weights else {}
+    engines = args.engines or plan.engines
+    none = engines // 2 if args.events_none is None else args.events_none
+    if not 0 <= none <= engines:
+        raise ValueError(f"--events-none must be between 0 and the {engines} engines, got {none}")
     return replace(
-        plan, engines=args.engines or plan.engines, model=model, shape=shape, weights=weights
+        plan, engines=engines, model=model, shape=shape, weights=weights, events_none=none
     )
 
 
@@ -132,6 +138,8 @@ def make_policy(
         return Oracle(engines, Weights.of(weights))
     if url is None:
         raise ValueError(f"{name} needs serve")
+    if name == MIXED:
+        return KvindexMixed(url)
     return KvindexRoute(url) if name == "kvindex" else KvindexLongest(url)
 
 
@@ -156,6 +164,7 @@ def run_policy(
             workdir,
             options=options,
             stop=stop,
+            events_none=plan.events_none if name == MIXED else 0,
         )
     else:
         policy = make_policy(name, engines, None, plan.weights)
@@ -200,10 +209,13 @@ def main(args: argparse.Namespace, stop: Callable[[], bool] | None = None) -> in
         print(f"kvindex bench routing: {exc}", file=sys.stderr)
         return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = sorted(set(policies) - set(POLICIES))
+    if args.events_none is not None and MIXED not in policies:
+        policies.append(MIXED)
+    unknown = sorted(set(policies) - {*POLICIES, MIXED})
     if unknown:
         print(
-            f"kvindex bench routing: unknown policy {unknown[0]!r} ({', '.join(POLICIES)})",
+            f"kvindex bench routing: unknown policy {unknown[0]!r} "
+            f"({', '.join((*POLICIES, MIXED))})",
             file=sys.stderr,
         )
         return 2
@@ -221,12 +233,15 @@ def main(args: argparse.Namespace, stop: Callable[[], bool] | None = None) -> in
             print("kvindex bench routing: stopped; no results written", file=sys.stderr)
             return 0
     title = f"{trace_name}; {len(trace)} requests, {plan.engines} engines"
+    if MIXED in policies:
+        title += f" ({MIXED}: {plan.events_none} without KV events)"
     doc = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "mode": plan.mode,
         "trace": trace_name,
         "requests": len(trace),
         "engines": plan.engines,
+        "engines_without_events": plan.events_none if MIXED in policies else 0,
         "service_model": asdict(plan.model),
         "weights": Weights.of(plan.weights).as_dict(),
         "machine": machine_info(),

@@ -210,11 +210,14 @@
         ? `<td class="num" data-col="lower" title="${esc(lower.parts.map((t) => `${t} ${fmtInt(tiers[t])}`).join(" · "))}">${fmtInt(lower.total)}</td>`
         : `<td class="num zero" data-col="lower">–</td>`;
       const dp = r.dp > 1 ? `<span class="dp">dp ${r.dp}</span>` : "";
+      const approx = r.approximate
+        ? `<span class="dp" title="${esc(`no KV events (events=none): ${fmtInt(r.approximate_blocks || 0)} blocks routed there, within its pool and TTL`)}">approximate</span>`
+        : "";
       const load = loadCell(r.load);
       return `<tr data-instance="${esc(r.name)}" data-blocks="${r.blocks}" data-last-seq="${r.last_seq === null ? "" : r.last_seq}">
-        <td class="name">${esc(r.name)}${dp}</td>
+        <td class="name">${esc(r.name)}${dp}${approx}</td>
         <td><span class="pill ${esc(r.status)}">${esc(r.status)}</span></td>
-        <td class="num" data-col="gpu">${fmtInt(tiers.gpu || 0)}</td>${cpu}
+        <td class="num" data-col="gpu">${fmtInt(r.approximate ? r.approximate_blocks || 0 : tiers.gpu || 0)}</td>${cpu}
         <td>${sparkline(state.trends[r.name])}</td>
         <td class="num">${fmtRate(r.stores_per_s)}</td>
         <td class="num">${fmtRate(r.removes_per_s)}</td>

@@ -175,3 +175,27 @@ def test_an_events_none_spec_survives_a_restart_and_its_cache_does_not(tmp_path:
     finally:
         again.interrupt()
         assert again.finish(15) == 0
+
+
+def test_peers_workers_list_an_events_none_engine_as_approximate() -> None:
+    from service_workload import TestClient
+
+    from kvindex.runtime import Fleet
+    from kvindex.service.app import create_app
+    from kvindex.service.lookups import Routing
+
+    fleet = Fleet([InstanceSpec.parse("7=events=none,model=llama,block_size=4")])
+    with TestClient(create_app(fleet, routing=Routing.of(fleet))) as client:
+        [worker] = client.get("/workers").json()
+        assert (worker["source"], worker["status"], worker["endpoints"]) == (
+            "approximate", "active", {}
+        )  # fmt: skip
+        prompt = {"token_ids": list(range(8)), "model_name": "llama"}
+        assert (
+            client.post("/v1/route", json={"token_ids": prompt["token_ids"]}).json()["best"] == "7"
+        )
+        # the peers' /query answers from the index: the engine published nothing
+        answer = client.post("/query", json=prompt)
+        assert answer.status_code == 200 and not any(
+            any(ranks.values()) for ranks in answer.json()["scores"].values()
+        ), answer.text

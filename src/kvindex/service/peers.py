@@ -225,7 +225,9 @@ def _workers(fleet: Fleet, model_name: str | None, routing_group: str | None) ->
             (worker, spec.model, group),
             {
                 "instance_id": int(worker) if worker.isdigit() else worker,
-                "source": "zmq",
+                # an engine without KV events (events=none): its blocks are what kvindex
+                # routed there, in /v1/route and scored lookups only
+                "source": "approximate" if spec.events_none else "zmq",
                 "status": "active",
                 "model_name": spec.model,
                 "routing_group": group,

@@ -170,7 +170,12 @@ def test_adds_removes_and_rediscoveries_while_lookups_and_views_run() -> None:
 def test_counts_are_never_kept_from_before_a_batch() -> None:
     """By reading (`_counts_of`): counts computed before a batch, stored after the batch
     dropped the cache, would be shown until the instance changes again. Views read while
-    batches arrive; once ingest is idle, the view must count every block."""
+    batches arrive; once ingest is idle, the view must count every block. Idle: the
+    worker's step that applied the last batch is over (a no-op run on its thread), not
+    10 ms after the index holds it: C applies a batch during the read, the cache is
+    dropped after it, and a loaded machine can keep the thread off the CPU in between
+    (2 in 18 runs failed so; the C path's own drop, without the epoch, was the bug
+    this found, 1 in 18)."""
 
     async def main() -> None:
         with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
@@ -189,7 +194,7 @@ def test_counts_are_never_kept_from_before_a_batch() -> None:
                         pub.publish(stored(round_ * 50 + i))
                     want = (round_ + 1) * 50
                     wait_until(lambda want=want: fleet.index.block_count("a") == want)
-                    await asyncio.sleep(0.01)
+                    fleet._workers[0].call(lambda: None)
                     assert fleet.instance_view("a").blocks == want
             finally:
                 stop.set()

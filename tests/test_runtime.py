@@ -36,11 +36,11 @@ def test_ingest_yields_to_other_tasks_in_the_middle_of_a_burst() -> None:
             for i in range(3000):
                 pub.publish(stored(i))  # buffered: the late join replays them in one burst
             fleet = Fleet([InstanceSpec("a", pub.endpoint, pub.replay_endpoint)])
-            backlog_seen: list[int] = []
+            counts_seen: list[int] = []
 
             async def ticker() -> None:
                 while True:
-                    backlog_seen.append(fleet.backlog)
+                    counts_seen.append(fleet.index.block_count("a"))
                     await asyncio.sleep(0)
 
             await fleet.start()
@@ -50,8 +50,12 @@ def test_ingest_yields_to_other_tasks_in_the_middle_of_a_burst() -> None:
             finally:
                 tick.cancel()
                 await fleet.stop()
-            # Other tasks ran while read items were still waiting to be applied.
-            assert max(backlog_seen) > 0
+            # Other tasks ran in the middle of the burst: some tick saw part of it applied.
+            # (Not `backlog` > 0, items read and not applied yet: the ingest thread drops
+            # the GIL in each poll, before its items are read, and applies a slice within
+            # the 5 ms it then holds it; a tick landed mid-slice only by chance, in 5 of 6
+            # runs it did not with KVINDEX_PURE=1.)
+            assert any(0 < n < 3000 for n in counts_seen), sorted(set(counts_seen))[:10]
             assert fleet.ingest.slices > 3
 
     asyncio.run(main())

@@ -15,16 +15,20 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
+from driver_proc import Driver
 from follow import caught_up, run_until
 from netutil import free_port
 
 from kvindex.index import FleetIndex
 from kvindex.subscriber import InstanceSpec, Lost, ReplayPolicy, SourceKey, Subscriber
 
-pytestmark = pytest.mark.interop
+# The drivers' vLLM import may take minutes of wall time on a loaded machine (their
+# readiness wait goes on while they use CPU: driver_proc.Driver.wait_ready).
+pytestmark = [pytest.mark.interop, pytest.mark.timeout(360)]
 
 COMMON = [
     "--steps",
@@ -169,3 +173,30 @@ def _check_library_and_service(
             body = {"token_ids": probe["token_ids"], "lora_name": probe["lora_name"]}
             rows = {r["name"]: r for r in _get(http, "/v1/lookup", body)["instances"]}
             assert rows[name]["matched_blocks"] == probe["num_cached_blocks"], (name, probe)
+
+
+def _driver_of(code: str, tmp_path: Path) -> Driver:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    return Driver(proc, tmp_path / "out.json")
+
+
+def test_the_readiness_wait_fails_on_a_hang_not_on_a_slow_import(tmp_path: Path) -> None:
+    """wait_ready goes on while the driver uses CPU (a slow vLLM import on a loaded
+    machine) and fails soon on one that uses none (blocked: a hang)."""
+    hung = _driver_of("import time; time.sleep(60)", tmp_path)
+    busy = _driver_of(
+        "import json, time\nend = time.thread_time() + 3\nwhile time.thread_time() < end: pass\n"
+        "print(json.dumps({'event': 'ready'}), flush=True)\ntime.sleep(60)",
+        tmp_path,
+    )
+    try:
+        start = time.monotonic()
+        with pytest.raises(AssertionError, match="used no CPU for 2 s"):
+            hung.wait_ready(timeout=30, stall=2)
+        assert time.monotonic() - start < 10
+        assert busy.wait_ready(timeout=60, stall=2) == {"event": "ready"}  # 3 CPU s
+    finally:
+        hung.stop()
+        busy.stop()

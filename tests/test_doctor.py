@@ -266,3 +266,20 @@ def test_the_engine_probe_finds_a_served_prompt_or_says_why_not(
             assert line.startswith("[problem] served_prompt: e0: the engine served a new")
             assert proc.returncode == 1
         assert any(p == "/v1/completions" for p, _ in engine.requests)
+
+
+def test_an_engine_without_events_by_its_spec_is_no_problem() -> None:
+    """events=none: an engine serving (its /metrics counts prefix-cache queries) with no
+    batch ever and no replay endpoint is what the spec says, not a mis-wiring."""
+    engine = FakeEngine()
+    engine.metrics = vllm_metrics(waiting=0, running=1, kv=0.1, queries=640, hits=320)
+    with serve_engine(engine) as engine_url:
+        spec = InstanceSpec.parse(f"n0=events=none,http={engine_url},block_size=16")
+        with served([spec]) as url:
+            httpx.post(url + "/v1/route", json={"token_ids": TOKENS})
+            assert wait_until(lambda: verdict(url, "metrics", "n0") == "ok", timeout=30)
+            found = findings(url)
+            assert found[("events", "n0")]["verdict"] == "note"
+            assert "4 blocks routed there" in found[("events", "n0")]["message"]
+            assert found[("replay", "n0")]["verdict"] == "note"
+            assert httpx.get(url + "/v1/doctor", timeout=10).json()["problems"] == 0

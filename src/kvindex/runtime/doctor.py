@@ -15,6 +15,7 @@ A problem, by check:
   while no event batch ever came (events disabled, or published elsewhere); or batches
   were lost or undecodable.
 - `replay`: the spec has no replay endpoint (a gap can't be filled), or replays failed.
+  (An engine without events by its spec, `events=none`, gets a note for both instead.)
 - `block_size`: the engine's `/metrics` (`cache_config_info`) and kvindex (what its
   routing answers showed: `/v1/route` and scored lookups, or the spec's `block_size=`)
   disagree.
@@ -115,6 +116,12 @@ def diagnose(
 
 def _events(view: InstanceView, engine: Mapping[int, EngineFigures]) -> Finding:
     name = view.name
+    if view.spec.events_none:  # no events by design: nothing to arrive
+        cache = view.approximate_cache
+        held = f": {cache.blocks:,} blocks routed there held" if cache is not None else ""
+        return Finding(
+            "events", name, "note", f"events=none: its cache is learnt from routing{held}"
+        )
     queries = sum(f.queries or 0 for f in engine.values())
     if view.batches == 0 and queries > 0:
         return Finding(
@@ -156,6 +163,8 @@ def _replay(view: InstanceView) -> Finding:
     spec = view.spec
     if spec.pending or spec.discover is not None:
         return Finding("replay", view.name, "note", "publishers read from the engine's URL")
+    if spec.events_none:
+        return Finding("replay", view.name, "note", "events=none: no publisher to replay from")
     if spec.replay_endpoint is None:
         return Finding(
             "replay",

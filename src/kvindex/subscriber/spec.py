@@ -561,29 +561,26 @@ class InstanceSpec:
             for rank in range(self.dp)
         ]
 
+    def _options(self, *keys: str | tuple[str, str]) -> str:
+        """`,OPTION=VALUE` for each of `keys` set (a key: the option and field's name, or
+        (option, field))."""
+        text = ""
+        for key in keys:
+            option, name = (key, key) if isinstance(key, str) else key
+            value = getattr(self, name)
+            if value is not None:
+                text += f",{option}={value}"
+        return text
+
     def render(self) -> str:
         if self.events_none:
-            text = f"{self.name}={EVENTS_NONE}"
-            for key in ("gpu_blocks", "ttl", "model", "http", "metrics", "routing_group"):
-                value = getattr(self, key)
-                if value is not None:
-                    text += f",{key}={value}"
-            if self.load_endpoint is not None:
-                text += f",load={self.load_endpoint}"
-            if self.block_size is not None:
-                text += f",block_size={self.block_size}"
-            return text
+            none_options = ("gpu_blocks", "ttl", "model", "http", "metrics", "routing_group")
+            return f"{self.name}={EVENTS_NONE}" + self._options(
+                *none_options, ("load", "load_endpoint"), "block_size"
+            )
         if self.discover is not None:  # the URL, never what it resolved to
-            text = f"{self.name}={self.discover}"
-            if self.api_key_env is not None:
-                text += f",api_key_env={self.api_key_env}"
-            if self.api_key_file is not None:
-                text += f",api_key_file={self.api_key_file}"
-            if self.model is not None:
-                text += f",model={self.model}"
-            if self.credential is not None:
-                text += f",credential={self.credential}"
-            return text
+            discovery = ("api_key_env", "api_key_file", "model", "credential")
+            return f"{self.name}={self.discover}" + self._options(*discovery)
         text = f"{self.name}={self.endpoint}"
         if self.replay_endpoint:
             text += f",replay={self.replay_endpoint}"

@@ -199,3 +199,36 @@ def test_peers_workers_list_an_events_none_engine_as_approximate() -> None:
         assert answer.status_code == 200 and not any(
             any(ranks.values()) for ranks in answer.json()["scores"].values()
         ), answer.text
+
+
+def test_pool_from_the_engines_metrics_and_a_sleep_clears_what_was_routed() -> None:
+    """No `gpu_blocks=`: the bound is the engine's `num_gpu_blocks` once its `/metrics`
+    is read (2048 here); when it says it sleeps, the blocks routed there are gone."""
+    from httpfixture import FakeEngine, serve_engine, vllm_metrics
+    from netutil import wait_until
+    from service_workload import TestClient
+    from test_sleep import sleep_state
+
+    from kvindex.runtime import Fleet
+    from kvindex.service.app import create_app
+    from kvindex.service.lookups import Routing
+
+    engine = FakeEngine()
+    engine.metrics = vllm_metrics(waiting=0, running=0, kv=0.1) + sleep_state(awake=True)
+    with serve_engine(engine) as engine_url:
+        fleet = Fleet([InstanceSpec.parse(f"n0=events=none,http={engine_url},block_size=16")])
+        with TestClient(create_app(fleet, routing=Routing.of(fleet))) as client:
+
+            def cache() -> dict[str, int]:
+                [view] = client.get("/v1/instances").json()["instances"]
+                return dict(view["approximate_cache"])
+
+            assert wait_until(lambda: cache()["capacity"] == 2048, timeout=10)
+            routed = client.post("/v1/route", json={"token_ids": list(range(64))}).json()
+            assert routed["predicted"]["blocks"] == 4 and cache()["blocks"] == 4
+            engine.metrics = vllm_metrics(waiting=0, running=0, kv=0.0) + sleep_state(False)
+            assert wait_until(lambda: cache()["blocks"] == 0, timeout=10)
+            again = {"token_ids": list(range(64)), "score": True}
+            assert (
+                client.post("/v1/lookup", json=again).json()["instances"][0]["matched_blocks"] == 0
+            )

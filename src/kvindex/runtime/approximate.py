@@ -9,12 +9,14 @@ prompts routed there:
 - a block is its whole chain from the prompt's first token (model, LoRA adapter, cache
   salt and multimodal keys included, as predictions are namespaced), so two prompts share
   exactly the blocks of their common whole-block prefix;
-- an LRU bounded by the engine's pool (`gpu_blocks=` in the spec): routing a prompt there
+- an LRU bounded by the engine's pool (`gpu_blocks=` in the spec, else its `/metrics`'
+  `num_gpu_blocks`, else a default): routing a prompt there
   touches its blocks, deepest first, so its first blocks are the most recent and a pool
   past its bound drops the deepest blocks of the least recently routed prompts first (as
   vLLM's free queue evicts a request's tail blocks before its head);
 - each block expires `ttl=` seconds after it was last routed (the engine's own traffic,
-  which kvindex never sees, evicts it sooner or later).
+  which kvindex never sees, evicts it sooner or later); an engine whose `/metrics` says it
+  sleeps has dropped them all.
 
 A lookup that asks for a score and `/v1/route` count an events=none instance's blocks from
 here, and every row from it says `approximate: true`; the index itself stays exact (a
@@ -83,14 +85,30 @@ class ApproximateCaches:
         self._pools: dict[str, _Pool] = {}
 
     def configure(self, instance: str, capacity: int, ttl: float) -> None:
-        """Keep at most `capacity` blocks for `instance`, each `ttl` seconds (a pool kept
-        with the same settings goes on; other settings start it empty)."""
+        """Keep at most `capacity` blocks for `instance`, each `ttl` seconds. A pool kept
+        goes on with its blocks: a smaller bound drops the least recent ones (evicted), a
+        new TTL applies from each block's next routing."""
         if capacity < 1 or not ttl > 0:
             raise ValueError(f"an approximate cache needs capacity >= 1 and ttl > 0 ({instance})")
         with self._lock:
             pool = self._pools.get(instance)
-            if pool is None or (pool.stats.capacity, pool.stats.ttl) != (capacity, ttl):
+            if pool is None:
                 self._pools[instance] = _Pool(capacity, ttl)
+                return
+            pool.stats.capacity, pool.stats.ttl = capacity, ttl
+            while len(pool.blocks) > capacity:
+                pool.blocks.popitem(last=False)
+                pool.stats.evicted += 1
+
+    def clear(self, instance: str) -> int:
+        """The engine dropped its whole cache (it sleeps): forget its blocks; how many."""
+        with self._lock:
+            pool = self._pools.get(instance)
+            if pool is None:
+                return 0
+            dropped = len(pool.blocks)
+            pool.blocks.clear()
+            return dropped
 
     def forget(self, instance: str) -> None:
         with self._lock:

@@ -146,6 +146,8 @@ class MetricsScraper:
         self.on_sleep: Callable[[str, int, bool], None] | None = None
         # Each rank's KV-cache usage as read (instance, rank, usage 0-1), likewise.
         self.on_usage: Callable[[str, int, float], None] | None = None
+        # (instance, rank, num_gpu_blocks) at each scrape that says it: the pool's size
+        self.on_pool: Callable[[str, int, int], None] | None = None
 
     # -- LoadSource --------------------------------------------------------------------
 
@@ -220,6 +222,8 @@ class MetricsScraper:
                 self.on_sleep(name, rank, figures.awake)
             if self.on_usage is not None and figures.kv_usage is not None:
                 self.on_usage(name, rank, figures.kv_usage)
+            if self.on_pool is not None and figures.capacity_blocks:
+                self.on_pool(name, rank, figures.capacity_blocks)
 
     def _scrape(self, client: httpx.Client, target: _Target) -> None:
         target.scrapes += 1

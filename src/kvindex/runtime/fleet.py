@@ -468,6 +468,11 @@ class Fleet:
         engine will say it holds), once per sleep, counted and said in the log; the rank
         shows `asleep` until it sends a batch again or says it is awake."""
         source = SourceKey(instance, rank)
+        spec = self._specs.get(instance)
+        if spec is not None and spec.events_none:  # what was routed there is gone too
+            if not awake and self.approximate.clear(instance):
+                log.warning("%r: the engine sleeps: the blocks routed there are gone", instance)
+            return
         if awake:
             self._asleep.pop(source, None)
             return
@@ -479,6 +484,13 @@ class Fleet:
         worker.call(lambda: self._clear_asleep(source))
         self.sleep_resets += 1
         log.warning("%r: the engine sleeps (vllm:engine_sleep_state): its blocks are gone", source)
+
+    def pool_state(self, instance: str, rank: int, blocks: int) -> None:
+        """What an engine's `/metrics` says of its GPU pool (the scraper's `on_pool`): the
+        bound of an events=none engine's approximate cache, unless its spec gives one."""
+        spec = self._specs.get(instance)
+        if spec is not None and spec.events_none and spec.gpu_blocks is None and rank == 0:
+            self.approximate.configure(instance, blocks, spec.approx_ttl)
 
     def usage_state(self, instance: str, rank: int, kv_usage: float) -> None:
         """What an engine's `/metrics` says of one DP rank's KV-cache usage (the scraper's

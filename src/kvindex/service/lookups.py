@@ -52,6 +52,7 @@ class Routing:
         scraper = MetricsScraper(lambda: _metrics_targets(fleet))
         scraper.on_sleep = fleet.sleep_state  # an engine asleep: its blocks are gone
         scraper.on_usage = fleet.usage_state  # idle with blocks: said and counted, kept
+        scraper.on_pool = fleet.pool_state  # an events=none engine's pool, where unset
         return cls(
             fleet,
             # The engines' own load streams first (SGLang's, pushed), then their /metrics.

@@ -32,8 +32,9 @@ An engine that publishes no KV events is `NAME=events=none[,gpu_blocks=N][,ttl=S
 `model=`, `http=`, `metrics=`, `load=`, `block_size=`, `routing_group=` as for any
 instance): no KV-event publisher (`sources()` is empty; its load still comes from
 `metrics=`/`http=` or an SGLang `load=` stream); the router learns its cache from what
-`/v1/route` sent there, in an LRU of at most `gpu_blocks` blocks (its KV pool, default
-`APPROX_DEFAULT_BLOCKS`) aged by `ttl` seconds (default `APPROX_DEFAULT_TTL`), and marks
+`/v1/route` sent there, in an LRU of at most `gpu_blocks` blocks (its KV pool; else what
+its `/metrics` says, else `APPROX_DEFAULT_BLOCKS`) aged by `ttl` seconds (default
+`APPROX_DEFAULT_TTL`), and marks
 every answer from it `approximate` (kvindex.runtime.approximate).
 """
 
@@ -231,7 +232,8 @@ class InstanceSpec:
 
     @property
     def pool_blocks(self) -> int:
-        """An events=none engine's pool: `gpu_blocks=`, else APPROX_DEFAULT_BLOCKS."""
+        """An events=none engine's pool: `gpu_blocks=`, else APPROX_DEFAULT_BLOCKS (until
+        its `/metrics` says: Fleet.pool_state)."""
         return self.gpu_blocks if self.gpu_blocks is not None else APPROX_DEFAULT_BLOCKS
 
     @property

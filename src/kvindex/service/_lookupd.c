@@ -1029,11 +1029,9 @@ static PyObject *Server_close(ServerObject *s, PyObject *Py_UNUSED(unused)) {
     if (r == NULL)
         return NULL;
     Py_DECREF(r);
-    if (s->api != NULL) {
-        pthread_mutex_lock(&s->mu);
-        server_free(s);
-        pthread_mutex_unlock(&s->mu);
-    }
+    /* The thread is joined and the GIL held from here on: nobody else reads these (the
+       core's reference is released with no lock of ours held). */
+    server_free(s);
     s->closed = 1;
     Py_RETURN_NONE;
 }

@@ -85,6 +85,16 @@ class Proc:
         except (ValueError, OSError):
             pass  # the test closed the pipe on purpose
 
+    def listening_url(self, timeout: float = 30.0) -> str:
+        """The base URL `serve` says it listens on (as printed, trailing slash included);
+        the process is killed if it never says so, so a failed start leaves nothing behind."""
+        try:
+            line = self.wait_for(self.out, lambda s: "listening on" in s, timeout=timeout)
+        except AssertionError:
+            self.kill()
+            raise
+        return line.split("listening on ")[1].split()[0]
+
     def wait_for(
         self, lines: list[str], predicate: Callable[[str], bool], timeout: float = 10.0
     ) -> str:

@@ -30,12 +30,7 @@ def serve(*args: str) -> tuple[Proc, str, int]:
         "serve", "--store", "memory", "--http", "127.0.0.1:0", "--token", TOKEN,
         "--max-header-bytes", "16384", "--header-timeout", "1", *args,
     )  # fmt: skip
-    try:
-        line = proc.wait_for(proc.out, lambda s: "listening on" in s, timeout=30)
-    except AssertionError:
-        proc.kill()
-        raise
-    url = line.split("listening on ")[1].split()[0]
+    url = proc.listening_url()
     return proc, url, int(url.rstrip("/").rsplit(":", 1)[1])
 
 

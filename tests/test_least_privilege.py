@@ -135,8 +135,7 @@ def test_only_an_admin_token_leaves_reads_open_and_fleet_changes_closed(pub: Pub
 
 def serve(*args: str) -> tuple[Proc, str]:
     proc = kvindex("serve", "--store", "memory", "--http", "127.0.0.1:0", *args)
-    line = proc.wait_for(proc.out, lambda s: "listening on" in s, timeout=30)
-    return proc, line.split("listening on ")[1].split()[0]
+    return proc, proc.listening_url()
 
 
 def test_serve_takes_the_admin_token_from_its_config_file_and_refuses_fleet_changes(

@@ -432,8 +432,7 @@ def served() -> Iterator[tuple[Proc, int, list[int]]]:
     )  # fmt: skip
     tokens = list(range(64))
     try:
-        line = proc.wait_for(proc.out, lambda s: "listening on" in s)
-        port = urlsplit(line.split("listening on ")[1].split()[0]).port or 0
+        port = urlsplit(proc.listening_url(timeout=10)).port or 0
         time.sleep(0.5)  # the SUB socket connects
         pub.publish([BlockStored([1, 2, 3, 4], None, tokens, 16)])
 
@@ -554,8 +553,7 @@ def test_the_fronts_header_limit_holds_for_the_thread() -> None:
         "--instance", f"a={pub.endpoint}",
     )  # fmt: skip
     try:
-        line = proc.wait_for(proc.out, lambda s: "listening on" in s)
-        port = urlsplit(line.split("listening on ")[1].split()[0]).port or 0
+        port = urlsplit(proc.listening_url(timeout=10)).port or 0
         tokens = list(range(32))
         with connect(port) as sock:
             sock.sendall(lookup_request(tokens, X_Padding="p" * 600))  # under 1 KiB: taken

@@ -20,8 +20,7 @@ pytestmark = pytest.mark.timeout(90)
 
 def started(proc: Proc) -> str:
     """The base URL serve says it listens on."""
-    line = proc.wait_for(proc.out, lambda text: "listening on" in text, timeout=30)
-    return line.split("listening on ")[1].split()[0].rstrip("/")
+    return proc.listening_url().rstrip("/")
 
 
 def test_serve_scores_and_predicts_with_the_weights_and_ttl_it_is_given(tmp_path: Path) -> None:

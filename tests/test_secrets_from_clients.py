@@ -75,12 +75,7 @@ def listener() -> Iterator[CaptureListener]:
 
 def serve(*args: str, env: dict[str, str] | None = None) -> tuple[Proc, str]:
     proc = kvindex("serve", "--http", "127.0.0.1:0", *args, env=env)
-    try:
-        line = proc.wait_for(proc.out, lambda s: "listening on" in s, timeout=30)
-    except AssertionError:
-        proc.kill()
-        raise
-    return proc, line.split("listening on ")[1].split()[0]
+    return proc, proc.listening_url()
 
 
 def stop(proc: Proc) -> None:

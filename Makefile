@@ -14,9 +14,11 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP) $(CORE_STAMP)
 
-# The compiled core again when its C sources change (an editable install built it once).
+# The C extensions again when any of their sources change (an editable install built them
+# once): the core's csrc/, and the C receive and lookup thread beside their Python faces.
 CORE_STAMP := $(VENV)/.core-built
-$(CORE_STAMP): $(STAMP) $(wildcard src/kvindex/index/csrc/*)
+C_SOURCES := $(wildcard src/kvindex/index/csrc/*) $(wildcard src/kvindex/*/*.c src/kvindex/*/*.h)
+$(CORE_STAMP): $(STAMP) $(C_SOURCES)
 	$(BIN)/python setup.py -q build_ext --inplace
 	touch $(CORE_STAMP)
 

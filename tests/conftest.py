@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import enginevenv
-from netutil import free_port
+from netutil import free_port, reap_tracked
 
 pytest_plugins = ["skipsummary"]  # the run's last lines say what it skipped and why
 
@@ -22,6 +22,12 @@ pytest_plugins = ["skipsummary"]  # the run's last lines say what it skipped and
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Venvs of engines' own code are built here, before any (timed) test starts.
     enginevenv.prepare(session)
+
+
+@pytest.fixture(autouse=True)
+def _reap_tracked() -> Iterator[None]:
+    yield
+    reap_tracked()
 
 
 @pytest.fixture

@@ -1,10 +1,28 @@
-"""Test helpers: free loopback ports, waiting for a condition."""
+"""Test helpers: free loopback ports, waiting for a condition, reaping started processes."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 from collections.abc import Callable
+
+# Every child a test registered (`track`): conftest's autouse `reap_tracked` kills those
+# still running after each test, so a failing test leaves no `serve` behind.
+_TRACKED: list[subprocess.Popen[str]] = []
+
+
+def track(proc: subprocess.Popen[str]) -> subprocess.Popen[str]:
+    _TRACKED.append(proc)
+    return proc
+
+
+def reap_tracked() -> None:
+    while _TRACKED:
+        proc = _TRACKED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def free_port() -> int:

@@ -21,12 +21,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from netutil import wait_until
+from netutil import track, wait_until
 from sglang_fake import FakeSGLang
 from test_store_crash import BS, Workload
 
@@ -37,17 +37,6 @@ pytestmark = pytest.mark.timeout(240)
 SECONDS = float(os.environ.get("KVINDEX_STRESS_SECONDS", "5"))
 STABLE = ["s0", "s1"]  # never removed: every answer holds them
 CHURNED = ["c0", "c1"]  # added and removed all the time, all following publisher `c`
-_STARTED: list[subprocess.Popen[str]] = []
-
-
-@pytest.fixture(autouse=True)
-def reap() -> Iterator[None]:
-    yield
-    while _STARTED:
-        proc = _STARTED.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 class Service:
@@ -61,7 +50,7 @@ class Service:
             cmd += ["--instance", spec]
         with self.log.open("a") as err:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-        _STARTED.append(self.proc)
+        track(self.proc)
         assert self.proc.stdout is not None
         self.start_line = self.proc.stdout.readline()
         assert "listening on" in self.start_line, self.log.read_text()

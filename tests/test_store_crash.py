@@ -16,12 +16,11 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from netutil import wait_until
+from netutil import track, wait_until
 
 from kvindex.index import FleetIndex
 from kvindex.subscriber import Delivery, SourceKey
@@ -30,18 +29,6 @@ from kvindex.wire.publisher import Publisher, encode_batch
 
 pytestmark = pytest.mark.timeout(120)
 BS = 16
-# every `serve` a test started, so a failing test doesn't leave them running
-_STARTED: list[subprocess.Popen[str]] = []
-
-
-@pytest.fixture(autouse=True)
-def reap_serves() -> Iterator[None]:
-    yield
-    while _STARTED:
-        proc = _STARTED.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 class Workload:
@@ -95,7 +82,7 @@ class Serve:
         for spec in specs:
             cmd += ["--instance", spec]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=workdir)
-        _STARTED.append(self.proc)
+        track(self.proc)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         assert "listening on" in line, line

@@ -27,7 +27,6 @@ from test_store_crash import (
     Workload,
     assert_same,
     caught_up,
-    reap_serves,  # noqa: F401  (autouse: stops the serves a failed test left running)
 )
 
 from kvindex.index import FleetIndex

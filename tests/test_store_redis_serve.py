@@ -24,7 +24,6 @@ from test_store_crash import (
     assert_same,
     caught_up,
     kill_mid_ingest_then_converge,
-    reap_serves,  # noqa: F401  (autouse: stops the serves a failed test left running)
 )
 
 from kvindex.index import FleetIndex

@@ -17,6 +17,25 @@ def track(proc: subprocess.Popen[str]) -> subprocess.Popen[str]:
     return proc
 
 
+def serve_line(proc: subprocess.Popen[str], context: Callable[[], object] = str) -> str:
+    """The first line a `serve` started with stdout piped prints ("listening on URL ...").
+    Anything else kills it and fails with `context()`; the process is tracked, so a test
+    that fails later leaves nothing behind either."""
+    track(proc)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on " not in line:
+        proc.kill()
+        proc.wait(10)
+        raise AssertionError(f"serve did not start: {line!r} {context()}")
+    return line
+
+
+def serve_url(proc: subprocess.Popen[str], context: Callable[[], object] = str) -> str:
+    """The base URL of `serve_line` (trailing slash included)."""
+    return serve_line(proc, context).split("listening on ")[1].split()[0]
+
+
 def reap_tracked() -> None:
     while _TRACKED:
         proc = _TRACKED.pop()

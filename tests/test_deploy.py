@@ -113,7 +113,7 @@ class Stack:
             "serve", *flags, "--store", "memory", "--http", f"127.0.0.1:{self.http_port}"
         )
         self.procs.append(serve)
-        serve.wait_for(serve.out, lambda line: "listening on" in line, timeout=20)
+        serve.listening_url(timeout=20)
         self.prom_port = free_port()
         shutil.copy(PROMETHEUS_DIR / "kvindex-alerts.yml", tmp / "kvindex-alerts.yml")
         config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())

@@ -119,7 +119,9 @@ def test_engines_join_and_leave_with_the_answer(dnsmasq: Dnsmasq) -> None:
         dnsmasq.hosts({"other.test": ["127.0.0.9"]})
         assert wait_until(lambda: not fleet.specs)
         assert not fleet.index.instances()
-        assert reconciler.added == 3 and reconciler.removed == 3
+        # counted on the finder's thread just after the fleet let go of the instance
+        assert wait_until(lambda: reconciler.removed == 3)
+        assert reconciler.added == 3
     finally:
         reconciler.stop()
         asyncio.run(fleet.stop())
@@ -182,7 +184,7 @@ def test_serve_waits_for_min_engines_and_shows_how_each_was_found(
     )
     url = f"http://127.0.0.1:{http}"
     try:
-        proc.wait_for(proc.out, lambda s: "listening on" in s, timeout=30)
+        proc.listening_url(timeout=30)
         assert wait_until(lambda: len(httpx.get(f"{url}/v1/instances").json()["instances"]) == 1)
         health = httpx.get(f"{url}/healthz")
         assert health.status_code == 503

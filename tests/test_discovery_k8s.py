@@ -260,7 +260,7 @@ def test_serve_discovers_pods(kube: KubeAPI, tmp_path: Path) -> None:
     )  # fmt: skip
     url = f"http://127.0.0.1:{http}"
     try:
-        proc.wait_for(proc.out, lambda s: "listening on" in s, timeout=30)
+        proc.listening_url(timeout=30)
         assert wait_until(lambda: httpx.get(f"{url}/healthz").status_code == 200, 15)
         (instance,) = httpx.get(f"{url}/v1/instances").json()["instances"]
         assert instance["name"] == "vllm-a"

@@ -48,8 +48,7 @@ def served() -> Iterator[Served]:
         "--instance", "b=tcp://127.0.0.1:9,dp=2",
     )  # fmt: skip
     try:
-        line = proc.wait_for(proc.out, lambda s: "listening on" in s)
-        url = urlsplit(line.split("listening on ")[1].split()[0])
+        url = urlsplit(proc.listening_url(timeout=10))
         served = Served(proc, url.hostname or "127.0.0.1", url.port or 0)
         time.sleep(0.5)  # the SUB socket connects
         pub.publish([BlockStored(list(range(1, 7)), None, TOKENS, BS)])

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from clitools import Proc, child_env
-from netutil import wait_until
+from netutil import serve_url, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -101,12 +101,7 @@ def serve(*args: str, nofile: int | None = None) -> tuple[subprocess.Popen[str],
         env=child_env(),
         preexec_fn=fd_limit(nofile) if nofile else None,
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise AssertionError(f"serve did not start: {line} {proc.communicate()}")
-    return proc, line.split("listening on ")[1].split()[0]
+    return proc, serve_url(proc, proc.communicate)
 
 
 def stop(proc: subprocess.Popen[str]) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from clitools import Proc
-from netutil import free_port, wait_until
+from netutil import free_port, serve_url, wait_until
 from service_workload import Conversation, RefRank
 
 from kvindex.index import FleetIndex
@@ -161,10 +161,7 @@ def start_service(traffic: Traffic, store: str = "memory") -> tuple[subprocess.P
     for spec in traffic.specs:
         cmd += ["--instance", spec]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert "listening on" in line, line
-    return proc, line.split("listening on ")[1].split()[0]
+    return proc, serve_url(proc)
 
 
 def converged(client: httpx.Client, traffic: Traffic) -> bool:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import zmq
 from clitools import child_env, kvindex
-from netutil import wait_until
+from netutil import serve_url, wait_until
 from service_workload import TestClient
 from test_config import serve_args
 from test_link_diagnostics import CurvePublisher
@@ -126,10 +126,7 @@ def test_last_seq_is_known_right_after_a_warm_start(tmp_path: Path) -> None:
                  "127.0.0.1:0", "--instance", spec],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_env(),
             )  # fmt: skip
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            assert "listening on" in line, line
-            return proc, line.split("listening on ")[1].split()[0]
+            return proc, serve_url(proc)
 
         def last_seq(url: str) -> object:
             return httpx.get(url + "v1/instances", timeout=5).json()["instances"][0]["last_seq"]

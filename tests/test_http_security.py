@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from netutil import wait_until
+from netutil import serve_url, wait_until
 from service_workload import TestClient
 
 from kvindex.cli.serve import DEFAULT_HTTP
@@ -184,10 +184,7 @@ def serve(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Pop
         text=True,
         env={**os.environ, **(env or {})},
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert "listening on" in line, (line, proc.stderr.read() if proc.stderr else "")
-    return proc, line.split("listening on ")[1].split()[0]
+    return proc, serve_url(proc, lambda: proc.stderr.read() if proc.stderr else "")
 
 
 def test_serve_with_tls_and_a_token_from_the_environment(tmp_path: Path) -> None:

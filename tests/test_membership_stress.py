@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from netutil import track, wait_until
+from netutil import serve_line, wait_until
 from sglang_fake import FakeSGLang
 from test_store_crash import BS, Workload
 
@@ -50,10 +50,7 @@ class Service:
             cmd += ["--instance", spec]
         with self.log.open("a") as err:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-        track(self.proc)
-        assert self.proc.stdout is not None
-        self.start_line = self.proc.stdout.readline()
-        assert "listening on" in self.start_line, self.log.read_text()
+        self.start_line = serve_line(self.proc, self.log.read_text)
         where = self.start_line.split("listening on http://")[1].split()[0].rstrip("/")
         self.host, port = where.rsplit(":", 1)
         self.port = int(port)

@@ -17,7 +17,7 @@ from typing import IO
 
 import httpx
 import pytest
-from netutil import free_ports, wait_until
+from netutil import free_ports, serve_url, wait_until
 from service_workload import Conversation, RefRank
 
 from kvindex.wire import render_hash
@@ -66,12 +66,7 @@ def start_service(fleet: Fleet, errors: IO[str]) -> tuple[subprocess.Popen[str],
     # The default store (sqlite:///kvindex.sqlite) goes to a scratch working directory.
     workdir = tempfile.mkdtemp(prefix="kvindex-e2e-")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True, cwd=workdir)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on http://" not in line:
-        errors.seek(0)
-        pytest.fail(f"kvindex serve did not start: {line!r} {errors.read()}")
-    return proc, line.split("listening on ")[1].split()[0]
+    return proc, serve_url(proc, lambda: (errors.seek(0), errors.read())[1])
 
 
 def ranks_state(client: httpx.Client) -> dict[tuple[str, int], tuple[str, int | None]]:
@@ -241,8 +236,7 @@ def test_serve_reads_a_config_file(tmp_path: Path) -> None:
             text=True,
         )
         try:
-            assert proc.stdout is not None
-            url = proc.stdout.readline().split("listening on ")[1].split()[0]
+            url = serve_url(proc)
             with httpx.Client(base_url=url, timeout=5) as client:
                 names = [i["name"] for i in client.get("/v1/instances").json()["instances"]]
                 assert names == ["c"]
@@ -270,8 +264,7 @@ def test_serve_stops_at_once_with_a_dashboard_stream_open(tmp_path: Path) -> Non
         [sys.executable, "-m", "kvindex", "serve", "--http", "127.0.0.1:0", "--store", "memory"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )  # fmt: skip
-    assert proc.stdout is not None
-    url = proc.stdout.readline().split("listening on ")[1].split()[0]
+    url = serve_url(proc)
     stream = urllib.request.urlopen(url + "v1/dashboard/stream", timeout=10)
     assert stream.readline()  # the stream is open and talking
     started = time.monotonic()

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from netutil import wait_until
+from netutil import serve_url, wait_until
 from service_workload import TestClient
 from sglang_fake import FakeSGLang, load_stat
 
@@ -339,8 +339,8 @@ def test_serve_starts_with_the_engine_down_and_finds_it(engine: FakeSGLang, tmp_
     engine.api_key = "k"
     proc = serve("--instance", f"sgl={engine.url},api_key_file={key}")
     try:
-        assert proc.stdout is not None and proc.stderr is not None
-        url = proc.stdout.readline().split("listening on ")[1].split()[0]
+        assert proc.stderr is not None
+        url = serve_url(proc)
         warning = proc.stderr.readline()
         assert "WARNING sgl:" in warning and "does not answer" in warning
         with httpx.Client(base_url=url, timeout=5) as client:
@@ -370,8 +370,7 @@ def test_config_file_names_an_engine_by_url(engine: FakeSGLang, tmp_path: Path) 
     )
     proc = serve("--config", str(config), env={"SGL_KEY": "k"})
     try:
-        assert proc.stdout is not None
-        url = proc.stdout.readline().split("listening on ")[1].split()[0]
+        url = serve_url(proc)
         row = httpx.get(url + "v1/instances", timeout=5).json()["instances"][0]
         assert row["dp"] == 2 and row["spec"] == f"sgl={engine.url},api_key_env=SGL_KEY"
     finally:

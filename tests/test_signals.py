@@ -196,7 +196,7 @@ def serve(flowing: Flowing, store: str, *extra: str) -> tuple[Proc, int]:
         "serve", "--instance", f"a={flowing.spec}", "--store", store,
         "--http", f"127.0.0.1:{port}", *extra, group=True,
     )  # fmt: skip
-    proc.wait_for(proc.out, lambda line: "listening on" in line, timeout=20)
+    proc.listening_url(timeout=20)
     return proc, port
 
 

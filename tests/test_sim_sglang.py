@@ -17,7 +17,7 @@ import httpx
 import msgspec
 import pytest
 from clitools import child_env, kvindex
-from netutil import wait_until
+from netutil import serve_url, wait_until
 from service_workload import TestClient
 
 from kvindex.index import FleetIndex
@@ -197,8 +197,7 @@ def test_serve_follows_simulate_by_url() -> None:
              "127.0.0.1:0", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
         )  # fmt: skip
-        assert serve.stdout is not None
-        url = serve.stdout.readline().split("listening on ")[1].split()[0]
+        url = serve_url(serve)
         with httpx.Client(base_url=url, timeout=10) as client:
 
             def every_tier() -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from netutil import track, wait_until
+from netutil import serve_line, wait_until
 
 from kvindex.index import FleetIndex
 from kvindex.subscriber import Delivery, SourceKey
@@ -82,12 +82,8 @@ class Serve:
         for spec in specs:
             cmd += ["--instance", spec]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=workdir)
-        track(self.proc)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert "listening on" in line, line
-        self.url = line.split("listening on ")[1].split()[0].rstrip("/")
-        self.start_line = line
+        self.start_line = serve_line(self.proc)
+        self.url = self.start_line.split("listening on ")[1].split()[0].rstrip("/")
 
     def get(self, path: str) -> Any:
         with urllib.request.urlopen(self.url + path, timeout=5) as resp:

@@ -1,14 +1,17 @@
 """What the in-order path in C gives end to end, in the same run: the e2e ingest stream (4
 publishers -> `kvindex serve`, memory store) with ordinary batches in C and with every
-batch through Python (`KVINDEX_C_INGEST=0`), the SQLite store beside (its record hook
-keeps every batch on the Python path), and Dynamo's standalone indexer when it is
-installed (the `[bench]` extra):
+batch through Python (`KVINDEX_C_INGEST=0`), the SQLite store beside, with the C path (its
+batches recorded in bulk, once per read) and without (`sqlite_python`: every batch through
+Python, as before the C path served persistent stores), timed until the store has committed
+them, and
+Dynamo's standalone indexer when it is installed (the `[bench]` extra):
 
     python bench/e2e_ingest_c.py [--mode smoke|quick|full] [--rounds N]
 
 The cases alternate round by round, so all see the machine in the same state. Prints one
 JSON object: per case each round's block events/s, exactness and the consumer process's
-CPU seconds per million block events over the burst, the best rates, their ratios to
+CPU seconds per million block events over the burst (and the SQLite writer process's,
+until it has committed all), the best rates, their ratios to
 Dynamo's and the C path's to the Python path's, and the load averages.
 """
 
@@ -33,7 +36,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     sizes = PLANS[args.mode].e2e
-    runs: dict[str, list[dict[str, Any]]] = {"c": [], "python": [], "sqlite": [], "dynamo": []}
+    runs: dict[str, list[dict[str, Any]]] = {
+        "c": [],
+        "python": [],
+        "sqlite": [],
+        "sqlite_python": [],
+        "dynamo": [],
+    }
     loads = []
     with tempfile.TemporaryDirectory(prefix="kvindex-c-ab-") as tmp:
         workdir = Path(tmp)
@@ -43,9 +52,11 @@ def main() -> None:
             for key, flag in (("c", "1"), ("python", "0")):
                 os.environ["KVINDEX_C_INGEST"] = flag  # the serve child inherits it
                 runs[key].append(case_serve(work, sizes, workdir, "memory", f"{key}-{r}"))
+            for key, flag in (("sqlite", "1"), ("sqlite_python", "0")):
+                os.environ["KVINDEX_C_INGEST"] = flag
+                store = f"sqlite:///{workdir}/{key}-{r}.sqlite"
+                runs[key].append(case_serve(work, sizes, workdir, store, f"{key}-{r}"))
             os.environ["KVINDEX_C_INGEST"] = "1"
-            store = f"sqlite:///{workdir}/store-{r}.sqlite"
-            runs["sqlite"].append(case_serve(work, sizes, workdir, store, f"sqlite-{r}"))
             if peer.get("available"):
                 runs["dynamo"].append(case_dynamo(work, sizes, workdir, f"dynamo-{r}"))
             loads.append(os.getloadavg())
@@ -55,6 +66,8 @@ def main() -> None:
         "send_seconds",
         "exact",
         "serve_cpu_seconds_per_m_events",  # serve's (kvindex)
+        "store_worker_cpu_seconds_per_m_events",  # its store's worker process (SQLite)
+        "persist_lag_seconds",
         "cpu_seconds_per_m_events",  # the indexer's (Dynamo)
     )
     out: dict[str, Any] = {
@@ -68,7 +81,8 @@ def main() -> None:
     best = out["best"]
     out["c_vs_python"] = best["c"] / best["python"]
     if "dynamo" in best:
-        out["vs_dynamo"] = {k: best[k] / best["dynamo"] for k in ("c", "python", "sqlite")}
+        cases = ("c", "python", "sqlite", "sqlite_python")
+        out["vs_dynamo"] = {k: best[k] / best["dynamo"] for k in cases}
     print(json.dumps(out, indent=1))
 
 

@@ -2,7 +2,8 @@
 Fleet's ingest thread. Ordinary batches skip Python; the rest (batches lost on the wire
 and replayed, a malformed message, a batch the fast parser leaves to the decoder, an
 engine restart) goes back to the Python state machine, and the index ends exact either
-way. With an item hook (a store that persists every batch) nothing goes through C.
+way. With an item hook nothing goes through C; a store that persists every batch
+(`Fleet.record_into`) takes the C path's batches in bulk.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ import pytest
 
 from kvindex.index import COMPILED
 from kvindex.runtime import Fleet
-from kvindex.subscriber import InstanceSpec, Item, ReplayPolicy
+from kvindex.subscriber import (
+    Delivery,
+    InstanceSpec,
+    Item,
+    Lost,
+    ReplayPolicy,
+    Restarted,
+    SourceKey,
+)
 from kvindex.subscriber.inorder import available
 from kvindex.wire import BlockRemoved, BlockStored
 from kvindex.wire.publisher import Publisher
@@ -200,5 +209,63 @@ def test_a_closed_subscriber_lets_go_of_its_c_sequencers() -> None:
             assert sys.getrefcount(sequencer) == held - 1
             assert src.inorder is None
             assert subscriber.checkpoint(src.spec.source) == where  # handed back whole
+
+    asyncio.run(main())
+
+
+class _Log:
+    """A persistent store's view of what the index applied, as `Fleet.record_into` hands
+    it: every batch (seq, payload) in order, restarts and lost ranges between them."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[object, ...]] = []
+        self.in_bulk = 0  # batches that came through record_batches
+
+    def record(self, item: Item) -> None:
+        if isinstance(item, Delivery):
+            self.entries.append(("b", item.seq, item.payload))
+        elif isinstance(item, Restarted):
+            self.entries.append(("r",))
+        elif isinstance(item, Lost):
+            self.entries.append(("l", item.first, item.last))
+
+    def record_batches(self, source: SourceKey, first_seq: int, payloads: list[bytes]) -> None:
+        self.in_bulk += len(payloads)
+        for seq, payload in enumerate(payloads, first_seq):
+            self.entries.append(("b", seq, payload))
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_a_store_logs_every_batch_with_the_c_path_on_as_with_python(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A persistent store (`record_into`) no longer keeps every batch on the Python path:
+    the C path applies the ordinary ones and hands their payloads over in bulk, once per
+    read. Through gaps and replays, malformed messages, decoder batches and restarts, the
+    store sees exactly what it sees with every batch in Python: each batch once, in order,
+    as the publisher sent it, with the restarts where they were."""
+    rng = random.Random(seed)
+
+    async def main() -> None:
+        with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", subscriptions=True) as pub:
+            spec = InstanceSpec("a", pub.endpoint, pub.replay_endpoint)
+            fleets, logs = [], []
+            for flag in ("1", "0"):
+                monkeypatch.setenv("KVINDEX_C_INGEST", flag)
+                fleet, log = Fleet([spec], policy=FAST), _Log()
+                fleet.record_into(log.record, log.record_batches)
+                fleets.append(fleet)
+                logs.append(log)
+            for fleet in fleets:
+                await fleet.start()
+            try:
+                await _random_steps(rng, pub, fleets)
+            finally:
+                for fleet in fleets:
+                    await fleet.stop()
+            c_path, python_path = fleets
+            assert c_path.ingest.batches_in_c > 0 and python_path.ingest.batches_in_c == 0
+            assert logs[0].in_bulk == c_path.ingest.batches_in_c and logs[1].in_bulk == 0
+            assert logs[0].entries == logs[1].entries
 
     asyncio.run(main())

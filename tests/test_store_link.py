@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from kvindex.store.link import PIPE_GROUPS, WorkerLink
-from kvindex.store.protocol import AppliedBatch, Group, LostMark, WorkerReport
+from kvindex.store.protocol import AppliedBatch, AppliedBatches, Group, LostMark, WorkerReport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,4 +78,28 @@ def test_groups_go_to_a_worker_in_order_and_come_again_after_a_restart() -> None
         assert again.id == 11
     finally:
         worker.close(linger=0)
+        link.close(1)
+
+
+def test_batches_in_bulk_are_dropped_past_the_bound_as_one_lost_run() -> None:
+    """The C path's batches come as one AppliedBatches per read: past the bound all of its
+    batches are counted dropped, and once there is room again the publisher's next batch
+    comes after one LostMark covering every seq of the dropped messages."""
+    link = WorkerLink("the test worker", max_bytes=1 << 20)
+    link.open()
+    try:
+        payload = b"x" * 1000
+        for first in range(0, 20_000, 100):  # 20 MB of batches, 100 a message
+            link.post(AppliedBatches("a", 0, first, [payload] * 100), 100 * len(payload))
+        link.flush()
+        assert link.dropped_batches % 100 == 0 and link.dropped_batches > 15_000
+        link._take(WorkerReport(link._kept[-1].id))
+        link.post(AppliedBatches("a", 0, 20_000, [payload] * 2), 2 * len(payload))
+        link.flush()
+        group = msgspec.msgpack.decode(link._kept[-1].data, type=Group)
+        assert group.messages == [
+            LostMark("a", 0, 20_000 - link.dropped_batches, 19_999),
+            AppliedBatches("a", 0, 20_000, [payload] * 2),
+        ]
+    finally:
         link.close(1)

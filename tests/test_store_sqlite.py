@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from kvindex.index import FleetIndex
 from kvindex.store import StoreError, open_store
 from kvindex.store.protocol import (
     AppliedBatch,
+    AppliedBatches,
     Group,
     LostMark,
     RemoveInstance,
@@ -621,3 +623,54 @@ def test_a_backlog_past_the_payloads_kept_in_memory_is_folded_from_the_log(
     assert result.log_batches_replayed == 0  # type: ignore[attr-defined]
     same_state(loaded, h.reference, PROMPTS)
     h.writer.close()
+
+
+def test_batches_in_bulk_are_logged_as_one_by_one(tmp_path: Path) -> None:
+    """AppliedBatches (the C path's batches of one read) log exactly what the same batches
+    one by one do: the same log rows and checkpoint (the last batch's digest), seqs past
+    2**63 included; a group handed again after a writer restart, overlapping what was
+    committed, has the overlap refused and the rest logged."""
+    base = 2**63 - 3
+    payloads = [encode_batch([BlockStored([i], None, [i] * BS, BS)]) for i in range(12)]
+    one = SQLiteWriter(str(tmp_path / "one.sqlite"), WriterOptions(0.01, 1e9, 1_000_000))
+    bulk = SQLiteWriter(str(tmp_path / "bulk.sqlite"), WriterOptions(0.01, 1e9, 1_000_000))
+    for seq, payload in enumerate(payloads, base):
+        one.commit([Group(0, [AppliedBatch("b", 1, seq, payload)])])
+    bulk.commit([Group(0, [AppliedBatches("b", 1, base, payloads[:5])])])
+    bulk.commit([Group(0, [AppliedBatches("b", 1, base + 3, payloads[3:9])])])  # 3 again
+    bulk.commit(
+        [
+            Group(
+                0,
+                [
+                    AppliedBatches("b", 1, base + 9, payloads[9:]),
+                    SaveInstance("b", "b=tcp://127.0.0.1:1"),
+                ],
+            )
+        ]
+    )
+    one.commit([Group(0, [SaveInstance("b", "b=tcp://127.0.0.1:1")])])
+    assert (one.refused, bulk.refused) == (0, 2)
+    for writer in (one, bulk):
+        writer.close()
+    tables = []
+    for name in ("one", "bulk"):
+        db = sqlite3.connect(tmp_path / f"{name}.sqlite")
+        tables.append(
+            (
+                db.execute(
+                    "SELECT instance, rank, kind, seq, payload FROM log ORDER BY id"
+                ).fetchall(),
+                db.execute("SELECT * FROM sources").fetchall(),
+            )
+        )
+        db.close()
+    assert tables[0] == tables[1]
+    assert len(tables[0][0]) == 12
+    for name in ("one", "bulk"):
+        index = FleetIndex()
+        result = SQLiteStore(tmp_path / f"{name}.sqlite").load(index)
+        assert index.block_hashes("b") == set(range(12))
+        checkpoint = result.checkpoints[SourceKey("b", 1)]
+        assert checkpoint.next_seq == base + 12
+        assert checkpoint.last_digest == zlib.crc32(payloads[-1])

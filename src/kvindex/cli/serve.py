@@ -359,8 +359,8 @@ def _start_fleet(
         raise UsageError(f"can't follow the instances: {exc}") from None
     if settings.idle_grace is not None:
         fleet.idle_grace = settings.idle_grace
-    if store.url != "memory":  # the memory store records nothing: batches may skip Python
-        fleet.on_item.append(store.record)
+    if store.url != "memory":  # the memory store records nothing
+        fleet.record_into(store.record, store.record_batches)
     fleet.on_read.append(store.flush)
     fleet.on_remove.append(store.remove_instance)
     fleet.on_add.append(store.save_instance)

@@ -16,6 +16,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any, Protocol
 
 import msgspec
@@ -47,6 +48,7 @@ from kvindex.runtime.views import (
 )
 from kvindex.subscriber import (
     DEFAULT_SUB_HWM,
+    Applied,
     CapacityError,
     Checkpoint,
     Connection,
@@ -83,6 +85,9 @@ IDLE_GRACE = 60.0  # seconds an engine's KV usage reads 0 with blocks held befor
 
 ItemHook = Callable[[Item], None]
 RemoveHook = Callable[[str], None]
+# Consecutive batches of one publisher the C path applied (its seq of the first, their
+# payloads in order): what a persistent store logs of them, in bulk (see Fleet.record_into).
+BatchesHook = Callable[[SourceKey, int, list[bytes]], None]
 
 
 _STATUS_JSON = {status: msgspec.json.encode(status) for status in Status}
@@ -148,10 +153,11 @@ class Fleet:
     """Follows a set of vLLM instances and keeps their exact state.
 
     `start()` starts the ingest threads, `stop()` stops them and closes every socket.
-    `on_item` hooks see every item after the index applied it (a store layer can persist
-    from there); `on_add` and `on_remove` hooks see every instance added or removed here
-    at runtime (not those a `membership` feed reports: they were made elsewhere). Hooks run
-    one at a time, whichever thread calls them.
+    `on_item` hooks see every item after the index applied it; a store persists from
+    `record_into`'s hooks, which see the same, the C path's batches in bulk; `on_add` and
+    `on_remove` hooks see every instance added or removed here at runtime (not those a
+    `membership` feed reports: they were made elsewhere). Hooks run one at a time,
+    whichever thread calls them.
     """
 
     def __init__(
@@ -197,7 +203,12 @@ class Fleet:
         self._add_first(list(instances))
 
     def _init_hooks(self) -> None:
+        # Hooks that see every item, each batch as one: the C path is off while any is set.
         self.on_item: list[ItemHook] = []
+        # A store's: every item but the ordinary batches C applied, which go to its
+        # batches hook in bulk (`record_into`).
+        self._record_items: list[ItemHook] = []
+        self._record_batches: list[BatchesHook] = []
         self.on_read: list[Callable[[], None]] = []  # after each read's items are applied
         self.on_remove: list[RemoveHook] = []
         self.on_add: list[Callable[[InstanceSpec], None]] = []  # runtime additions only
@@ -236,6 +247,7 @@ class Fleet:
             idle_wait=idle_wait,
             in_c=self._in_c if c_ingest_wanted() else None,
             on_applied=self._applied_in_c,
+            keep_payloads=lambda: bool(self._record_batches),
         )
 
     def _init_members(self, discovery_interval: float) -> None:
@@ -438,7 +450,7 @@ class Fleet:
         if kept:
             why = "the engine no longer publishes there (/server_info changed)"
             for source in closed:
-                for item_hook in list(self.on_item):
+                for item_hook in [*self.on_item, *self._record_items]:
                     self._call_hook(item_hook, Restarted(source, reason=why))
         elif before:  # what a store kept of the old publishers is gone with them
             for remove_hook in list(self.on_remove):
@@ -543,16 +555,32 @@ class Fleet:
         if isinstance(notice, Unreachable):  # its publishers may have moved
             self.discovery.reread(notice.source.instance, f"can't follow rank {notice.source.rank}")
 
+    def record_into(self, record: ItemHook, record_batches: BatchesHook) -> None:
+        """A persistent store: `record` sees every item in order, except the ordinary
+        batches the C path applied, which `record_batches` gets in bulk instead (a
+        publisher's consecutive batches of one read, with their payloads: one call, not
+        one per batch), before the items of that read. Per publisher the store sees
+        everything in the order the index applied it, as with `on_item`; the C path stays
+        on. Set before the Fleet starts."""
+        self._record_items.append(record)
+        self._record_batches.append(record_batches)
+
     def _in_c(self) -> bool:
-        """Whether ordinary batches may skip Python: not while an item hook (a store that
-        persists them) must see every one."""
+        """Whether ordinary batches may skip Python: not while an item hook must see every
+        one (a store takes them in bulk: `record_into`)."""
         return not self.on_item
 
-    def _applied_in_c(self, source: SourceKey) -> None:
-        """The C path applied batches of `source` (on an ingest thread): what `_on_item`
-        does for a Delivery: the cached counts dropped and the epoch bumped, so counts a
-        reader computed before these batches are not stored after them."""
-        self._drop_counts(source.instance)
+    def _applied_in_c(self, done: Applied) -> None:
+        """The C path applied batches of `done.source` (on an ingest thread): what
+        `_on_item` does for a Delivery: the cached counts dropped and the epoch bumped, so
+        counts a reader computed before these batches are not stored after them; and a
+        store's batches hook gets them, if they were kept for it."""
+        self._drop_counts(done.source.instance)
+        payloads = done.payloads
+        if payloads:
+            first = done.last_seq - len(payloads) + 1
+            for hook in self._record_batches:
+                self._call_hook(partial(hook, done.source, first, payloads), None)
 
     def _after_apply(self) -> None:
         """After each read an ingest worker applied (on its thread): the `on_read` hooks
@@ -970,6 +998,8 @@ class Fleet:
         if isinstance(item, Restarted) or (isinstance(item, Connection) and not item.connected):
             self.discovery.reread(item.instance, item.describe())
         for hook in self.on_item:
+            self._call_hook(hook, item)
+        for hook in self._record_items:
             self._call_hook(hook, item)
 
     def _call_hook(self, hook: Callable[..., None], arg: object) -> None:

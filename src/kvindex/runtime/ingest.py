@@ -7,12 +7,14 @@ released, so the HTTP loop answers lookups on another core meanwhile, and lookup
 index's read lock, so they never see half a batch. With the pure-Python index a lock does
 the same (`IndexGuard`), and ingest and lookups share one core.
 
-With the compiled index and nothing that must see every batch (no item hooks: the memory
-store), the in-order path runs in C (kvindex.subscriber.inorder): each live batch whose seq
-is the one due is received, checked, digested, parsed and applied without the GIL and
-without a Python object; Python sees only what is not ordinary (a gap, a restart, a
-malformed message, a batch the fast parser leaves to the decoder) and the counters, in
-bulk, once per read. `KVINDEX_C_INGEST=0` keeps every batch on the Python path.
+With the compiled index and nothing that must see every batch as an item (no item hooks;
+a persistent store takes them in bulk), the in-order path runs in C
+(kvindex.subscriber.inorder): each live batch whose seq is the one due is received,
+checked, digested, parsed and applied without the GIL and without a Python object; Python
+sees only what is not ordinary (a gap, a restart, a malformed message, a batch the fast
+parser leaves to the decoder) and the counters, in bulk, once per read, with the batches'
+payloads when a store must log them (`keep_payloads`). `KVINDEX_C_INGEST=0` keeps every
+batch on the Python path.
 
 Changes of membership come from other threads (an API call adding an instance): they
 are handed to the owning worker as commands and run between two reads; a pipe wakes the
@@ -136,14 +138,15 @@ class IngestWorker:
         after_apply: Callable[[], None] | None = None,
         idle_wait: float = 0.05,
         in_c: Callable[[], bool] | None = None,
-        on_applied: Callable[[SourceKey], None] | None = None,
+        on_applied: Callable[[Applied], None] | None = None,
+        keep_payloads: Callable[[], bool] | None = None,
     ) -> None:
         """`on_item` sees every item after the index applied it (the Fleet's hooks);
         `after_read` runs on this thread after each read, before its items are applied (a
         shared store's membership), `after_apply` once they are (a store's flush).
         `in_c`, asked before each read: whether the ordinary batches may be applied in C
-        now (they then reach no `on_item`; `on_applied` sees each publisher C applied
-        batches of, once per read)."""
+        now (they then reach no `on_item`; `on_applied` sees what C applied of each
+        publisher, once per read, with the payloads if `keep_payloads()` says so)."""
         self.name = name
         self.subscriber = subscriber
         self.counters = IngestCounters()
@@ -160,6 +163,7 @@ class IngestWorker:
         self._idle_wait = idle_wait
         self._in_c = in_c
         self._on_applied = on_applied
+        self._keep_payloads = keep_payloads
         self._c_api: tuple[object, object] | None = _c_api(index)
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._pending: list[Item] = []
@@ -305,10 +309,11 @@ class IngestWorker:
         """The C path on or off for this read (off: the Python path, as before)."""
         subscriber, api = self.subscriber, self._c_api
         want = api is not None and self._in_c is not None and self._in_c()
-        if want and not subscriber.in_c and api is not None:
+        keep = want and self._keep_payloads is not None and self._keep_payloads()
+        if want and api is not None and (not subscriber.in_c or subscriber.keeps_payloads != keep):
             index = self._index
             assert isinstance(index, _compiled_type())
-            subscriber.apply_in_c(api[0], api[1], index.publisher_bit)
+            subscriber.apply_in_c(api[0], api[1], index.publisher_bit, keep)
         elif not want and subscriber.in_c:
             subscriber.apply_in_python()
 
@@ -325,8 +330,12 @@ class IngestWorker:
             with contextlib.suppress(KeyError):  # closed since (removed, moved)
                 self.subscriber.stats(done.source).last_ts = done.ts
                 self.lag[done.source] = max(0.0, time.time() - done.ts)
+        if done.payloads is not None and not self.subscriber.follows(done.source.instance):
+            # Removed since (a shared store's membership, after the read): as for an item
+            # of it, nothing is recorded (the store has forgotten it already).
+            done = done._replace(payloads=None)
         if self._on_applied is not None:
-            self._on_applied(done.source)
+            self._on_applied(done)
 
     def apply(self, item: Item) -> None:
         source = getattr(item, "source", None)

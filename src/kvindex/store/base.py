@@ -44,6 +44,10 @@ class Store(Protocol):
     def record(self, item: Item) -> None:
         """Called for every item the index applied, in order. Must not block."""
 
+    def record_batches(self, source: SourceKey, first_seq: int, payloads: list[bytes]) -> None:
+        """Consecutive batches of `source` the index applied (seqs first_seq, first_seq + 1,
+        ...; the C path's of one read), in order with `record`'s items. Must not block."""
+
     def flush(self) -> None:
         """Hand over what `record` has queued (called after each read the ingest applied:
         a store may group records, but not hold them back waiting for more)."""
@@ -99,6 +103,9 @@ class MemoryStore:
         pass
 
     def record(self, item: Item) -> None:
+        pass
+
+    def record_batches(self, source: SourceKey, first_seq: int, payloads: list[bytes]) -> None:
         pass
 
     def flush(self) -> None:

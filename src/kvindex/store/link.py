@@ -42,6 +42,7 @@ from kvindex.runtime import StoreHealth
 from kvindex.store.base import StoreError
 from kvindex.store.protocol import (
     AppliedBatch,
+    AppliedBatches,
     ControlRequest,
     Group,
     LostMark,
@@ -52,7 +53,7 @@ from kvindex.store.protocol import (
     WorkerReport,
     decode_report,
 )
-from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted
+from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted, SourceKey
 from kvindex.subscriber.spec import InstanceSpec
 
 __all__ = ["Command", "WorkerCommand", "WorkerLink", "WorkerStore"]
@@ -238,15 +239,19 @@ class WorkerLink:
         full = self._kept_bytes >= self.max_bytes
         out: list[Message] = []
         for message in messages:
-            if isinstance(message, AppliedBatch):
+            if isinstance(message, AppliedBatch | AppliedBatches):
                 source = (message.instance, message.rank)
                 run = self._dropped.get(source)
                 if full:
-                    self.dropped_batches += 1
-                    if run is None:
-                        self._dropped[source] = [message.seq, message.seq]
+                    if isinstance(message, AppliedBatch):
+                        first = last = message.seq
                     else:
-                        run[1] = message.seq
+                        first, last = message.first_seq, message.last_seq
+                    self.dropped_batches += last - first + 1
+                    if run is None:
+                        self._dropped[source] = [first, last]
+                    else:
+                        run[1] = last
                     continue
                 if run is not None:
                     del self._dropped[source]
@@ -458,6 +463,11 @@ class WorkerStore:
             post(RestartMark(source.instance, source.rank))
         elif isinstance(item, Lost):
             post(LostMark(source.instance, source.rank, item.first, item.last))
+
+    def record_batches(self, source: SourceKey, first_seq: int, payloads: list[bytes]) -> None:
+        """The C path's batches of one read: one message for them all."""
+        size = sum(map(len, payloads))
+        self._link.post(AppliedBatches(source.instance, source.rank, first_seq, payloads), size)
 
     def save_instance(self, spec: InstanceSpec) -> None:
         self._link.post(SaveInstance(spec.name, spec.render()))

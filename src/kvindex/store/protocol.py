@@ -2,7 +2,7 @@
 for both backends (SQLite's writer, Redis's worker).
 
 Service -> worker, in `Group`s (one ZMQ message each, numbered in sending order): what the
-index applied (`AppliedBatch`, `RestartMark`, `LostMark`), the fleet's membership
+index applied (`AppliedBatch`, `AppliedBatches`, `RestartMark`, `LostMark`), the fleet's membership
 (`SaveInstance`, `RemoveInstance`), the status of the publishers this replica ingests
 (`StatusReport`, Redis only) and control (`ControlRequest`: sync, compact, stop).
 
@@ -24,6 +24,7 @@ import msgspec
 
 __all__ = [
     "AppliedBatch",
+    "AppliedBatches",
     "ControlRequest",
     "Group",
     "LostMark",
@@ -52,6 +53,23 @@ class AppliedBatch(_PublisherMessage, tag="b"):
 
     seq: int
     payload: bytes
+
+
+class AppliedBatches(_PublisherMessage, tag="B"):
+    """Consecutive batches the index applied (the C path's of one read): seqs `first_seq`,
+    `first_seq + 1`, ..., each as the publisher sent it. One message, not one per batch;
+    the worker takes them as that many `AppliedBatch`es (`batches()`)."""
+
+    first_seq: int
+    payloads: list[bytes]
+
+    @property
+    def last_seq(self) -> int:
+        return self.first_seq + len(self.payloads) - 1
+
+    def batches(self) -> list[AppliedBatch]:
+        instance, rank, first = self.instance, self.rank, self.first_seq
+        return [AppliedBatch(instance, rank, first + i, p) for i, p in enumerate(self.payloads)]
 
 
 class RestartMark(_PublisherMessage, tag="r"):
@@ -95,6 +113,7 @@ class ControlRequest(msgspec.Struct, tag="q", array_like=True, gc=False):
 
 Message = (
     AppliedBatch
+    | AppliedBatches
     | RestartMark
     | LostMark
     | SaveInstance

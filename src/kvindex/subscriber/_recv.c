@@ -22,6 +22,12 @@
  * it is armed by Python only when the Python state is plain (no replay, no held batches,
  * no reconnect check pending), so C only ever takes the one decision Python would take
  * there: deliver.
+ *
+ * A persistent store must log every batch the index applied. With `keep_payloads` the
+ * Sequencer also keeps the payloads of the batches C applied (copied, without the GIL, into
+ * one growing buffer), and `kept()` hands them to Python in one call per read: the first
+ * seq and the payloads as a list, in order (the seqs C takes are consecutive). So the store
+ * still sees every batch, and Python still does nothing per batch but make its bytes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -265,12 +271,28 @@ typedef struct {
     int has_ts;
     double last_ts, last_traffic;
     int64_t counts[3]; /* stored, removed, clears */
+    /* keep_payloads: the payloads of the batches C applied since the last kept(), each
+     * written as [u32 size][bytes] into `kbuf` (klen used of kcap), `kcount` of them, the
+     * first of seq `kfirst`, the rest following it one by one. */
+    int keep;
+    unsigned char *kbuf;
+    size_t klen, kcap;
+    uint64_t kfirst;
+    Py_ssize_t kcount;
 } SequencerObject;
 
+/* A read stops taking batches once this much is kept (it resumes at the next read, after
+   Python took them): a bound on a read's memory however large the batches are. */
+#define KEEP_LIMIT ((size_t)64 << 20)
+/* A buffer larger than this is freed once taken (a publisher that sent a burst once does
+   not hold its memory for good). */
+#define KEEP_RETAIN ((size_t)1 << 20)
+
 static int Sequencer_init(SequencerObject *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"digests_kept", NULL};
+    static char *names[] = {"digests_kept", "keep_payloads", NULL};
     unsigned int kept = 4096;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|I", names, &kept))
+    int keep = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|Ip", names, &kept, &keep))
         return -1;
     if (kept == 0 || kept > (1u << 24)) {
         PyErr_SetString(PyExc_ValueError, "digests_kept must be 1 to 2**24");
@@ -284,12 +306,18 @@ static int Sequencer_init(SequencerObject *self, PyObject *args, PyObject *kwarg
     self->kept = kept;
     self->armed = 0;
     self->pushed = 0;
+    free(self->kbuf);
+    self->kbuf = NULL;
+    self->klen = self->kcap = 0;
+    self->kcount = 0;
+    self->keep = keep;
     return 0;
 }
 
 static void Sequencer_dealloc(SequencerObject *self) {
     free(self->ring_seq);
     free(self->ring_crc);
+    free(self->kbuf);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -317,6 +345,36 @@ static int ring_room(SequencerObject *s) {
     s->ring_crc = crcs;
     s->cap = cap;
     return 1;
+}
+
+/* Room to keep one more payload of `size` bytes (keep_payloads). 0: too large or out of
+   memory (the batch is then left to Python, which records it itself). No GIL needed. */
+static int keep_room(SequencerObject *s, size_t size) {
+    if (size > UINT32_MAX)
+        return 0;
+    size_t need = s->klen + 4 + size;
+    if (need <= s->kcap)
+        return 1;
+    size_t cap = s->kcap ? s->kcap : 64 * 1024;
+    while (cap < need)
+        cap *= 2;
+    unsigned char *buf = realloc(s->kbuf, cap);
+    if (buf == NULL)
+        return 0;
+    s->kbuf = buf;
+    s->kcap = cap;
+    return 1;
+}
+
+/* Keep the payload of the batch `seq` just applied; the caller made room (keep_room). */
+static void keep_payload(SequencerObject *s, uint64_t seq, const void *data, size_t size) {
+    if (s->kcount == 0)
+        s->kfirst = seq;
+    uint32_t n = (uint32_t)size;
+    memcpy(s->kbuf + s->klen, &n, 4);
+    memcpy(s->kbuf + s->klen + 4, data, size);
+    s->klen += 4 + size;
+    s->kcount++;
 }
 
 /* Record the delivery of the batch due (state.py's on_live + _deliver, plain state); the
@@ -428,6 +486,40 @@ static PyObject *Sequencer_take(SequencerObject *self, PyObject *Py_UNUSED(unuse
     return out;
 }
 
+/* kept() -> (first_seq, [payload, ...]) | None: the payloads of the batches applied in C
+   since the last call (keep_payloads), in seq order from first_seq; None if there are none.
+   What a persistent store records of them: one call per read, not one per batch. */
+static PyObject *Sequencer_kept(SequencerObject *self, PyObject *Py_UNUSED(unused)) {
+    if (self->kcount == 0)
+        Py_RETURN_NONE;
+    PyObject *list = PyList_New(self->kcount);
+    if (list == NULL)
+        return NULL;
+    size_t at = 0;
+    for (Py_ssize_t i = 0; i < self->kcount; i++) {
+        uint32_t n;
+        memcpy(&n, self->kbuf + at, 4);
+        PyObject *payload = PyBytes_FromStringAndSize((const char *)self->kbuf + at + 4, n);
+        if (payload == NULL) {
+            Py_DECREF(list);
+            return NULL; /* kept as they are: a later call may succeed */
+        }
+        PyList_SET_ITEM(list, i, payload);
+        at += 4 + (size_t)n;
+    }
+    PyObject *out = Py_BuildValue("(KN)", (unsigned long long)self->kfirst, list);
+    if (out == NULL)
+        return NULL;
+    self->kcount = 0;
+    self->klen = 0;
+    if (self->kcap > KEEP_RETAIN) {
+        free(self->kbuf);
+        self->kbuf = NULL;
+        self->kcap = 0;
+    }
+    return out;
+}
+
 /* digests() -> [(seq, digest), ...]: those of the batches delivered since armed, oldest
    first, at most digests_kept. */
 static PyObject *Sequencer_digests(SequencerObject *self, PyObject *Py_UNUSED(unused)) {
@@ -472,6 +564,7 @@ static PyMethodDef Sequencer_methods[] = {
     {"disarm", (PyCFunction)Sequencer_disarm, METH_NOARGS, NULL},
     {"offer", (PyCFunction)Sequencer_offer, METH_VARARGS, NULL},
     {"take", (PyCFunction)Sequencer_take, METH_NOARGS, NULL},
+    {"kept", (PyCFunction)Sequencer_kept, METH_NOARGS, NULL},
     {"digests", (PyCFunction)Sequencer_digests, METH_NOARGS, NULL},
     {"digest", (PyCFunction)Sequencer_digest, METH_O, NULL},
     {NULL, NULL, 0, NULL},
@@ -543,7 +636,8 @@ static int read_message(void *sock, zmq_msg *pay, int *frames, uint64_t *seq, in
        -> (taken, stop, c_seconds, apply_seconds)
 
    Up to `limit` live messages: each that is the batch due is applied to `core` through
-   `api` (Core.ingest_api()) and recorded in `sequencer`, all without the GIL. `stop`: None
+   `api` (Core.ingest_api()) and recorded in `sequencer` (its payload kept there too, with
+   keep_payloads, up to KEEP_LIMIT bytes a read), all without the GIL. `stop`: None
    (the socket had no more now, or the limit was reached), or the first message C did not
    take, for Python to decide: (seq, payload), or (-1, frame count) for a message that is
    not [topic, 8-byte seq, payload]. `c_seconds`: this thread's CPU time in the loop, the
@@ -581,7 +675,7 @@ static PyObject *ingest_live(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     cpu_start = clock_now(CLOCK_THREAD_CPUTIME_ID);
     now = monotonic_now();
-    while (taken < limit) {
+    while (taken < limit && !(s->keep && s->klen >= KEEP_LIMIT)) {
         int r = read_message(sock, &pay, &frames, &seq, &good, &err);
         if (r == 0)
             break;
@@ -601,6 +695,10 @@ static PyObject *ingest_live(PyObject *self, PyObject *args) {
         }
         const uint8_t *data = zmq_msg_data_(&pay);
         size_t size = zmq_msg_size_(&pay);
+        if (s->keep && !keep_room(s, size)) {
+            stopped = 1; /* no memory to keep it for the store: Python's */
+            break;
+        }
         double ts = 0;
         int64_t counts[3] = {0, 0, 0};
         uint32_t crc = digest_of(data, size);
@@ -612,6 +710,8 @@ static PyObject *ingest_live(PyObject *self, PyObject *args) {
             stopped = 1; /* Python's again: it decodes it (or finds memory short itself) */
             break;
         }
+        if (s->keep)
+            keep_payload(s, seq, data, size);
         zmq_msg_close_(&pay);
         take_in_order(s, seq, crc, now);
         s->has_ts = 1;

@@ -148,6 +148,7 @@ class _InC:
     api: object  # the core's capsule (Core.ingest_api())
     core: object  # the Core it applies to
     bit_of: Callable[[SourceKey], int | None]  # a publisher's bit, None before its first batch
+    keep_payloads: bool = False  # the batches C applied are handed over with their payloads
 
 
 @dataclass(slots=True)
@@ -325,19 +326,32 @@ class Subscriber:
     def in_c(self) -> bool:
         return self._in_c is not None
 
+    @property
+    def keeps_payloads(self) -> bool:
+        """Whether the C path hands over the payloads of the batches it applied."""
+        return self._in_c is not None and self._in_c.keep_payloads
+
     def apply_in_c(
-        self, api: object, core: object, bit_of: Callable[[SourceKey], int | None]
+        self,
+        api: object,
+        core: object,
+        bit_of: Callable[[SourceKey], int | None],
+        keep_payloads: bool = False,
     ) -> bool:
         """Have every live batch that is the one due applied to the compiled `core` in C,
         through its `api` capsule, without Python (subscriber/inorder.py); the batches C
-        applied are reported by `take_applied`, not as items. False (and nothing changes)
-        where the C receive is not available. Call on the thread that polls."""
+        applied are reported by `take_applied`, not as items, with their payloads if
+        `keep_payloads` (a persistent store logs them). False (and nothing changes) where
+        the C receive is not available. Call on the thread that polls."""
         if _ingest_live is None or not inorder_available():
             return False
-        self._in_c = _InC(api, core, bit_of)
+        self._in_c = _InC(api, core, bit_of, keep_payloads)
         for src in self._sources.values():
+            if src.inorder is not None and src.inorder.keep_payloads != keep_payloads:
+                self._py(src)  # what it holds is handed over first
+                src.inorder = None
             if src.inorder is None:
-                src.inorder = InOrder(src.state, self._applied)
+                src.inorder = InOrder(src.state, self._applied, keep_payloads)
         return True
 
     def apply_in_python(self) -> None:
@@ -440,7 +454,7 @@ class Subscriber:
         link = LinkWatch(spec.endpoint, spec.curve is not None, time.monotonic())
         src = _SourceSockets(spec, state, sub, monitor, BatchDecoder(self._opts.max_payload), link)
         if self._in_c is not None:
-            src.inorder = InOrder(state, self._applied)
+            src.inorder = InOrder(state, self._applied, self._in_c.keep_payloads)
         self._sources[spec.source] = src
         self._watch(src)
         return src

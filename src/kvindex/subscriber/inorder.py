@@ -12,6 +12,10 @@ digests, counters) sits in the Sequencer until Python needs it:
   stopped at, a replay reply, a link change, a tick, a close): the digests too, so the
   state is exactly what `on_live` would have made of each batch.
 
+With `keep_payloads` (a persistent store, which logs every batch the index applied), the
+C path also keeps the payloads of the batches it applied, and `sync()` hands them over with
+the counters: one list per publisher and read (`Applied.payloads`), never an item per batch.
+
 Python arms it again only at the start of a poll (`Subscriber._process`): the items Python
 produced for the publisher before are all applied by then, so C never applies a batch
 ahead of one Python still holds. `tests/test_inorder.py` holds the two paths to the same
@@ -46,17 +50,24 @@ class Applied(NamedTuple):
     last_seq: int
     ts: float | None  # the last batch's (None: offered without an apply, in tests)
     counts: tuple[int, int, int]  # block events stored, removed, and clears
+    # With keep_payloads: the batches' payloads as the publisher sent them, in seq order,
+    # seqs last_seq - len(payloads) + 1 .. last_seq (every batch of this sync).
+    payloads: list[bytes] | None = None
 
 
 class InOrder:
     """The C sequencer of one publisher, kept in step with its Python `SourceState`."""
 
-    def __init__(self, state: SourceState, sink: list[Applied]) -> None:
-        """`sink` gets an `Applied` for each sync that found batches applied in C."""
+    def __init__(
+        self, state: SourceState, sink: list[Applied], keep_payloads: bool = False
+    ) -> None:
+        """`sink` gets an `Applied` for each sync that found batches applied in C, with
+        their payloads if `keep_payloads`."""
         if _Sequencer is None:
             raise RuntimeError("the C receive (kvindex.subscriber._recv) was not built")
         self.state = state
-        self.sequencer = _Sequencer(state.policy.digests_kept)
+        self.sequencer = _Sequencer(state.policy.digests_kept, keep_payloads)
+        self.keep_payloads = keep_payloads
         self._sink = sink
 
     @property
@@ -79,7 +90,16 @@ class InOrder:
         if not received:
             return
         self.state.advanced(delivered, next_seq, last_live, traffic)
-        self._sink.append(Applied(self.state.source, delivered, next_seq - 1, ts, counts))
+        payloads = None
+        if self.keep_payloads:
+            kept = self.sequencer.kept()
+            payloads = [] if kept is None else kept[1]
+            # Every batch C delivered since the last sync, and only those (offer() keeps
+            # none: tests only, never with keep_payloads).
+            if len(payloads) != delivered or (kept is not None and kept[0] + delivered != next_seq):
+                raise RuntimeError("the C path's kept payloads do not match its deliveries")
+        applied = Applied(self.state.source, delivered, next_seq - 1, ts, counts, payloads)
+        self._sink.append(applied)
 
     def disarm(self) -> None:
         """Hand everything back to the state (digests included) and stop the C path."""

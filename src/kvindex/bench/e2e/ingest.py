@@ -19,6 +19,7 @@ from typing import Any
 from kvindex.bench.common import redis_server
 from kvindex.bench.e2e.dynamo import standalone
 from kvindex.bench.e2e.probes import (
+    children_cpu_seconds,
     counters,
     cpu_per_m_events,
     cpu_seconds,
@@ -146,12 +147,17 @@ def case_serve(
         wait_applied(srv.url, work.names, warm["next_seqs"], sizes.timeout)
         rss_before = rss_mib(srv.child.proc.pid)
         cpu_before = cpu_seconds(srv.child.proc.pid)
+        worker_before = children_cpu_seconds(srv.child.proc.pid)
         sent = pub.burst(sizes.timeout)
         applied = wait_applied(srv.url, work.names, sent["next_seqs"], sizes.timeout)
         # serve's CPU over the burst (its HTTP answers to this bench's polls included; the
         # SQLite writer is a process of its own, not counted).
         cpu = cpu_per_m_events(cpu_before, cpu_seconds(srv.child.proc.pid), work.events)
         persisted = wait_persisted(store, work.names, sent["next_seqs"], sizes.timeout)
+        # The store's worker process (SQLite's writer, Redis's worker) until it holds all.
+        worker_cpu = cpu_per_m_events(
+            worker_before, children_cpu_seconds(srv.child.proc.pid), work.events
+        )
         out = ingest_figures(work, sent["t0"], applied, persisted)
         out |= counters(srv.url)
         out["exact"] = served_blocks(srv.url, work.names) == work.reference
@@ -161,6 +167,8 @@ def case_serve(
         out["replays_served"] = pub.stats()["replays_served"]
         out["send_seconds"] = sent["t1"] - sent["t0"]
         out["serve_cpu_seconds_per_m_events"] = cpu
+        if kind != "memory":
+            out["store_worker_cpu_seconds_per_m_events"] = worker_cpu
     out["ingest_workers"] = workers or "default"
     return {"store": kind, "instances": len(work.names), "batches": work.measured, **out}
 

@@ -241,6 +241,20 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def children_cpu_seconds(pid: int) -> float | None:
+    """The CPU time so far of the process's running children (a store's worker process:
+    serve's `cpu_seconds` does not count it), summed; None if they can't be read."""
+    try:
+        kids: list[int] = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids.extend(int(k) for k in f.read().split())
+    except (OSError, ValueError):
+        return None
+    times = [cpu_seconds(kid) for kid in kids]
+    return sum(t for t in times if t is not None)
+
+
 def cpu_per_m_events(before: float | None, after: float | None, events: int) -> float | None:
     """CPU seconds per million block events between two `cpu_seconds` readings."""
     if before is None or after is None or events <= 0:

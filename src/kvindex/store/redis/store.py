@@ -181,6 +181,10 @@ class RedisStore(WorkerStore):
             super().record(item)
         # else: another replica's batch, read from its log: nothing to append
 
+    def record_batches(self, source: SourceKey, first_seq: int, payloads: list[bytes]) -> None:
+        if self.config.ingest.ingests(source.instance):
+            super().record_batches(source, first_seq, payloads)
+
     # -- control: sync, compact, close come from WorkerStore ----------------------------
 
     def health(self) -> StoreHealth:

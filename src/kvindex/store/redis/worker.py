@@ -36,6 +36,7 @@ from kvindex.store.link import PIPE_GROUPS
 from kvindex.store.mirror import Mirror
 from kvindex.store.protocol import (
     AppliedBatch,
+    AppliedBatches,
     LostMark,
     Message,
     RemoveInstance,
@@ -299,7 +300,8 @@ class Worker:
         queue's bound drops batches rather than the service's memory growing."""
         room = self.config.buffer - len(self.appender.queue) if self.link.up else 20_000
         out: list[Message] = []
-        while len(out) < min(20_000, max(room, 100)):
+        taken = 0  # batches counted one by one (an AppliedBatches holds many)
+        while taken < min(20_000, max(room, 100)):
             try:
                 group = decode_group(self.inbox.recv(zmq.NOBLOCK))
             except zmq.Again:
@@ -307,6 +309,9 @@ class Worker:
             if group.id > self.taken:  # not one sent again after a restart of this worker
                 out.extend(group.messages)
                 self.taken = group.id
+                taken += sum(
+                    len(m.payloads) if isinstance(m, AppliedBatches) else 1 for m in group.messages
+                )
         return out
 
     def _take(self, messages: list[Message]) -> None:
@@ -314,6 +319,10 @@ class Worker:
             if isinstance(message, AppliedBatch):
                 source = SourceKey(message.instance, message.rank)
                 self.appender.batch(source, message.seq, message.payload)
+            elif isinstance(message, AppliedBatches):
+                source = SourceKey(message.instance, message.rank)
+                for seq, payload in enumerate(message.payloads, message.first_seq):
+                    self.appender.batch(source, seq, payload)
             elif isinstance(message, LostMark):
                 source = SourceKey(message.instance, message.rank)
                 self.appender.lost(source, message.first, message.last)

@@ -47,6 +47,7 @@ from kvindex.store.link import PIPE_GROUPS
 from kvindex.store.mirror import Mirror
 from kvindex.store.protocol import (
     AppliedBatch,
+    AppliedBatches,
     ControlRequest,
     Group,
     LostMark,
@@ -215,6 +216,8 @@ class SQLiteWriter:
                 for message in group.messages:
                     if isinstance(message, AppliedBatch):
                         appends.add(message)
+                    elif isinstance(message, AppliedBatches):
+                        appends.add_many(message)
                     elif isinstance(message, ControlRequest):
                         requests.append(message)
                     else:
@@ -410,6 +413,32 @@ class _Appends:
         self.checkpoints[source] = (seq + 1, zlib.crc32(payload))
         self.next_seq[source] = seq + 1
         self.pending.append((self.log_id, source.instance, source.rank, KIND_BATCH, payload))
+
+    def add_many(self, message: AppliedBatches) -> None:
+        """`add` for each of its batches, in bulk: only the last one's digest is kept."""
+        source = SourceKey(message.instance, message.rank)
+        first, payloads = message.first_seq, message.payloads
+        if not payloads:
+            return
+        skip = self.seq_of(source) - first
+        if skip > 0:  # applied before a restart of this writer
+            self.refused += min(skip, len(payloads))
+            if skip >= len(payloads):
+                return
+            first, payloads = first + skip, payloads[skip:]
+        instance, rank, log_id = source.instance, source.rank, self.log_id
+        self.rows.extend(
+            (log_id + i, instance, rank, KIND_BATCH, sql_seq(first + i - 1), payload)
+            for i, payload in enumerate(payloads, 1)
+        )
+        self.pending.extend(
+            (log_id + i, instance, rank, KIND_BATCH, payload)
+            for i, payload in enumerate(payloads, 1)
+        )
+        self.log_id = log_id + len(payloads)
+        last = first + len(payloads) - 1
+        self.checkpoints[source] = (last + 1, zlib.crc32(payloads[-1]))
+        self.next_seq[source] = last + 1
 
     def flush(self) -> None:
         if not self.rows:

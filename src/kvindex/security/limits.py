@@ -23,7 +23,9 @@ request's head is counted from the read after the one its predecessor ended in.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +59,13 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # Each answer goes out at once, whatever is unacknowledged: asyncio sets it only on
+        # a socket whose protocol number says TCP (not one made by `socket.socket()`), and
+        # without it an answer's last segment waits for the client's delayed ACK (40 ms).
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if len(self.connections) > self.limits.max_connections:
             self._refuse(503, f"over {self.limits.max_connections} connections: try again later")
             return

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -40,7 +41,7 @@ from kvindex.service.metrics import ServiceMetrics
 from kvindex.service.schema import BadBody, HashLookupRequest, decode_body, encode
 from kvindex.wire import parse_hash
 
-__all__ = ["LookupAnswerer", "LookupFastPath", "LookupProtocol", "lookup_protocol"]
+__all__ = ["LookupAnswerer", "LookupFastPath", "LookupProtocol", "OneWrite", "lookup_protocol"]
 
 PATH = "/v1/lookup"
 HASHES_PATH = "/v1/lookup/hashes"
@@ -173,11 +174,56 @@ def lookup_protocol(
     return type("ServiceLookupProtocol", (LookupProtocol,), parts)
 
 
+class OneWrite:
+    """A response cycle's transport (uvicorn's `RequestResponseCycle.transport`) that
+    writes two writes made in one step of the loop as one: uvicorn writes an ASGI
+    answer's head and body apart, two segments where one would do (the client woken twice;
+    and a client whose peer lacked TCP_NODELAY would wait on its delayed ACK for the
+    second). A write is held until the next, which goes with it; one left alone goes at
+    the loop's next turn (a streamed answer's head, waiting for its first chunk), at
+    `flush` (the protocol calls it as the response completes) or before a `close`."""
+
+    __slots__ = ("_handle", "_held", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+        self._handle: asyncio.Handle | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        held = self._held
+        if held is None:
+            self._held = bytes(data)
+            if self._handle is None:
+                self._handle = self._loop.call_soon(self.flush)
+            return
+        self._held = None
+        self._transport.write(held + data)
+
+    def flush(self) -> None:
+        """What is held, written now."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:  # the rest is the transport's
+        return getattr(self._transport, name)
+
+
 class LookupProtocol(LimitedProtocol):
     """uvicorn's httptools protocol with plain lookups answered in it, on the front's
     limits (LimitedProtocol: a head is bounded in size and time before it gets here);
     `lookup_protocol` makes one for a service (its answerer, guard, body limit and limits
-    as class attributes)."""
+    as class attributes). The other answers (the ASGI app's) go out in one write
+    (`OneWrite`)."""
 
     answerer: LookupAnswerer
     guard: HttpGuard
@@ -186,6 +232,7 @@ class LookupProtocol(LimitedProtocol):
     def on_headers_complete(self) -> None:
         if not self._takes_lookup():
             super().on_headers_complete()
+            self._one_write()
             return
         cycle = _Collecting(_RAW_PATHS[self.url])
         cycle.deadline = self.loop.call_later(self.guard.request_timeout, self._too_slow, cycle)
@@ -246,8 +293,23 @@ class LookupProtocol(LimitedProtocol):
     def _to_the_app(self, body: bytes) -> None:
         self.cycle = None  # type: ignore[assignment]
         super().on_headers_complete()
+        self._one_write()
         super().on_body(body)
         super().on_message_complete()
+
+    def _one_write(self) -> None:
+        """The ASGI cycle just made writes its answer's head with its body."""
+        cycle: Any = self.cycle
+        if cycle is not None and not isinstance(cycle, _Collecting):
+            cycle.transport = OneWrite(self.transport, self.loop)
+
+    def on_response_complete(self) -> None:
+        # the answer's last bytes written before anything else (the keep-alive, the next
+        # pipelined request, the lookup thread taking the connection back)
+        transport: Any = getattr(self.cycle, "transport", None)
+        if isinstance(transport, OneWrite):
+            transport.flush()
+        super().on_response_complete()
 
     def _too_slow(self, cycle: _Collecting) -> None:
         """The body did not arrive in time: 408, as the ASGI stack's deadline says it,

@@ -133,10 +133,23 @@ def _drain(plan: Plan) -> dict[str, Any]:
     return drain_case(w, rounds=e2e.ingest_runs)
 
 
+def _stores_only(plan: Plan) -> dict[str, Any]:
+    """`--only stores`: the stores' section, and SQLite again with every batch handed over
+    as an item (as before the C path served persistent stores), the forms interleaved."""
+    w = _workload(plan, plan.store_instances)
+    with tempfile.TemporaryDirectory(prefix="kvindex-bench-") as tmp:
+        workdir = Path(tmp)
+        items = cases.store_case("sqlite", w, plan.slices, workdir, bulk=False)
+        out = _stores(plan, {plan.store_instances: w}, workdir)
+    out["sqlite_items"] = items
+    return out
+
+
 # In-process sections `--only` can run apart too.
 IN_PROCESS_ONLY: dict[str, Callable[[Plan], dict[str, Any]]] = {
     "page_shapes": _page_shapes,
     "drain": _drain,
+    "stores": _stores_only,
 }
 
 

@@ -266,6 +266,8 @@ class WorkerLink:
         sock = self.sockets.get("in")
         if sock is None:
             raise StoreError(f"{self.what} was not started")
+        if self._sent >= self._next_id - 1:
+            return  # all sent: nothing to look through (the supervisor asks per report)
         for kept in self._kept:
             if kept.id <= self._sent:
                 continue

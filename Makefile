@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml setup.py
 # The C extensions again when any of their sources change (an editable install built them
 # once): the core's csrc/, and the C receive and lookup thread beside their Python faces.
 CORE_STAMP := $(VENV)/.core-built
-C_SOURCES := $(wildcard src/kvindex/index/csrc/*) $(wildcard src/kvindex/*/*.c src/kvindex/*/*.h)
+C_SOURCES := $(wildcard src/kvindex/index/csrc/*) $(wildcard src/kvindex/*/*.c src/kvindex/*/*.h) \
+	$(wildcard src/kvindex/*/*/*.c)
 $(CORE_STAMP): $(STAMP) $(C_SOURCES)
 	$(BIN)/python setup.py -q build_ext --inplace
 	touch $(CORE_STAMP)

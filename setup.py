@@ -11,6 +11,11 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 CORE = "src/kvindex/index/csrc"
+# Extensions kvindex does without (what then), e.g. when a header is missing.
+OPTIONAL = {
+    "kvindex.store.sqlite._snapload": "a warm start reads the SQLite snapshot in Python "
+    "(slower; install libsqlite3-dev to build it)",
+}
 
 
 class OptionalBuildExt(build_ext):
@@ -34,6 +39,10 @@ class OptionalBuildExt(build_ext):
         try:
             super().build_extension(ext)
         except Exception as exc:  # the compiler or headers failed on this extension
+            if ext.name in OPTIONAL:  # the rest runs without it
+                print(f"kvindex: WARNING: {ext.name} was not built ({_first_line(exc)}); "
+                      f"{OPTIONAL[ext.name]}", file=sys.stderr)
+                return
             self._failed.append(_first_line(exc))
 
 
@@ -71,6 +80,14 @@ setup(
             include_dirs=[CORE],
             extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
             extra_link_args=["-ldl", "-lz"],
+        ),
+        Extension(
+            "kvindex.store.sqlite._snapload",
+            sources=["src/kvindex/store/sqlite/_snapload.c"],
+            depends=[f"{CORE}/{name}" for name in ("ingest_api.h", "msgpack.h")],
+            include_dirs=[CORE],
+            libraries=["sqlite3"],
+            extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
         ),
     ],
     cmdclass={"build_ext": OptionalBuildExt},

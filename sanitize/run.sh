@@ -40,7 +40,7 @@ rm -rf "$reports" && mkdir -p "$reports"
 
 if [ $# -eq 0 ]; then
     set -- tests/test_core*.py tests/test_index*.py tests/test_subscriber.py tests/test_hostile.py \
-        tests/test_lookupd.py tests/test_inorder.py tests/test_ingest_c.py
+        tests/test_lookupd.py tests/test_inorder.py tests/test_ingest_c.py tests/test_store_fastload.py
 fi
 status=0
 env LD_PRELOAD="$asan" PYTHONPATH="$out" \

@@ -201,6 +201,8 @@ def test_smoke_run_has_every_case_with_real_figures(smoke_run: Any) -> None:
         )
     warm = data["warm_restart"]
     assert warm["loaded_blocks"] == warm["blocks"] > 0 and warm["load_seconds"] > 0
+    assert warm["loaded_blocks_python"] == warm["blocks"] and warm["python_load_seconds"] > 0
+    assert warm["healthz_seconds"] > 0 and warm["python_healthz_seconds"] > 0  # serve's start
     lookup = data["lookup"]
     sizes = [(c["instances"], c["per_instance"]) for c in lookup["instances"]]
     assert sizes == list(plan.lookup_instances)

@@ -278,7 +278,7 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     # to a whole switch interval (5 ms by default) behind an ingest thread's Python work.
     sys.setswitchinterval(float(os.environ.get("KVINDEX_SWITCH_INTERVAL", "0.0005")))
     configured = check_discovered(settings.instances)
-    store, index, loaded = _open_store(settings.store, settings.local_hashes)
+    store, index, loaded = _open_store_importing(settings.store, settings.local_hashes)
     with contextlib.ExitStack() as on_failure:
         on_failure.callback(store.close)
         sock = listen(host, port)
@@ -556,6 +556,56 @@ def _open_store(url: str, local_hashes: bool = False) -> tuple[Store, FleetIndex
         store.close()  # frees what it took (the store's lock)
         raise UsageError(str(exc)) from None
     return store, index, loaded
+
+
+# What serving imports after the warm start (the fleet, the app, uvicorn): imported while
+# the store loads (see _open_store_importing). One missing is imported where it is used.
+SERVING_MODULES = (
+    "zmq",
+    "kvindex.runtime",
+    "kvindex.runtime.discovery",
+    "kvindex.runtime.routing",
+    "kvindex.runtime.finders",
+    "kvindex.runtime.tokenize",
+    "kvindex.service.lookups",
+    "kvindex.service.app",
+    "kvindex.service.fastpath",
+    "kvindex.service.lookupd",
+    "uvicorn",
+    "uvicorn.protocols.http.httptools_impl",
+    "uvicorn.lifespan.on",
+)
+
+
+def _open_store_importing(
+    url: str, local_hashes: bool = False
+) -> tuple[Store, FleetIndex, LoadResult]:
+    """`_open_store` on a thread while this one imports what serving needs: a compiled
+    index's snapshot is read and applied in C without the GIL (kvindex.store.sqlite
+    .fastload), so the load and the imports (about half a second each) run side by side
+    instead of one after the other. The index is whole when this returns: nothing is
+    served from it before."""
+    import importlib
+    import threading
+
+    done: list[tuple[Store, FleetIndex, LoadResult] | BaseException] = []
+
+    def load() -> None:
+        try:
+            done.append(_open_store(url, local_hashes))
+        except BaseException as exc:  # raised here, on the caller's thread
+            done.append(exc)
+
+    loader = threading.Thread(target=load, name="kvindex-warm-start", daemon=True)
+    loader.start()
+    for name in SERVING_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    loader.join()
+    (outcome,) = done
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
 
 
 def _with_runtime_instances(

@@ -134,8 +134,17 @@ class CompiledIndex(IndexBase[_Pub]):
         pub = self._sources.get(source)
         return None if pub is None else pub.bit
 
+    def register_publisher(self, source: SourceKey) -> int:
+        """The core's bit of `source`, numbered now if new: what a C loader that applies
+        batches through `ingest_api` asks before the first (kvindex.store.sqlite.fastload)."""
+        return self._pub(source).bit
+
     def applied_in_c(
-        self, source: SourceKey, last_seq: int, ts: float | None, counts: tuple[int, int, int]
+        self,
+        source: SourceKey,
+        last_seq: int | None,
+        ts: float | None,
+        counts: tuple[int, int, int],
     ) -> None:
         """The bookkeeping of batches a C loop applied (apply_payload's, in bulk)."""
         pub = self._sources.get(source)

@@ -51,7 +51,7 @@ class SQLiteStore(WorkerStore):
         try:
             db = connect(self.path)
             try:
-                return load_database(db, index)
+                return load_database(db, index, self.path)
             finally:
                 db.close()
         except sqlite3.DatabaseError as exc:

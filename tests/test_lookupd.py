@@ -490,6 +490,10 @@ def test_serve_answers_in_the_thread_and_hands_over_the_rest(
     assert after[handed] - before[handed] >= 1  # the metrics scrapes are handed over too
     requests = 'kvindex_lookup_requests_total{kind="tokens"}'
     assert after[requests] - before[requests] == 3  # the thread's answers counted too
+    # and timed by stage: each of its answers once in each (its receive time known here)
+    for stage in ("queue", "parse", "answer", "total"):
+        count = f'kvindex_lookup_thread_stage_seconds_count{{stage="{stage}"}}'
+        assert after[count] - before[count] == 2, stage
 
 
 def test_a_connection_that_never_looks_up_stays_with_python(
@@ -562,6 +566,57 @@ def test_the_fronts_header_limit_holds_for_the_thread() -> None:
             sock.sendall(lookup_request(tokens, X_Padding="p" * 2000))
             assert read_response(sock, bytearray())[0] == 431
     finally:
+        proc.interrupt()
+        proc.finish()
+        pub.close()
+
+
+def test_max_connections_counts_the_threads_connections_too() -> None:
+    """serve's --max-connections is one cap over the connections the thread holds and
+    Python's: past it, a lookup (the thread's) and a GET (Python's) both get 503."""
+    pub = Publisher("tcp://127.0.0.1:*")
+    proc = kvindex(
+        "serve", "--store", "memory", "--http", "127.0.0.1:0", "--max-connections", "4",
+        "--instance", f"a={pub.endpoint}",
+    )  # fmt: skip
+    held: list[socket.socket] = []
+    try:
+        port = urlsplit(proc.listening_url(timeout=10)).port or 0
+        tokens = list(range(32))
+        health = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        # three connections the thread holds (idle after a lookup), one Python keeps (a
+        # health checker's: handed over twice with nothing answered by the thread)
+        for _ in range(3):
+            sock = connect(port)
+            held.append(sock)
+            sock.sendall(lookup_request(tokens))
+            assert read_response(sock, bytearray())[0] == 200
+        checker = connect(port)
+        held.append(checker)
+        pending = bytearray()
+        for _ in range(3):
+            checker.sendall(health)
+            assert read_response(checker, pending)[0] == 200
+            time.sleep(0.05)
+        for request in (lookup_request(tokens), health):
+            with connect(port) as sock:
+                sock.sendall(request)
+                status, headers, body = read_response(sock, bytearray())
+                assert status == 503, body
+                assert b"over 4 connections" in body and headers["connection"] == "close"
+        # one closed: room again, for either kind
+        held.pop(0).close()
+        for request in (lookup_request(tokens), health):
+
+            def admitted(request: bytes = request) -> bool:
+                with connect(port) as sock:
+                    sock.sendall(request)
+                    return read_response(sock, bytearray())[0] == 200
+
+            assert wait_until(admitted, 10)
+    finally:
+        for sock in held:
+            sock.close()
         proc.interrupt()
         proc.finish()
         pub.close()

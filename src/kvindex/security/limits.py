@@ -11,7 +11,7 @@ with them, the base of the service's own (kvindex.service.fastpath.LookupProtoco
 | --- | --- | --- |
 | `max_header_bytes`: request line and headers | 64 KiB | 431, closed |
 | `header_timeout`: from a request's first byte to its end | 10 s | 408, closed |
-| `max_connections`: HTTP connections open at once | 1000 | 503, closed at once |
+| `max_connections`: HTTP connections open at once, the lookup thread's too | 1000 | 503, closed |
 | `tls_handshake_timeout`: a TLS handshake (`--tls-cert`) | 10 s | closed |
 
 Bytes are counted as they arrive, before the parser keeps them: a head over the limit is
@@ -57,6 +57,11 @@ class LimitedProtocol(HttpToolsProtocol):
 
     # -- the connection ------------------------------------------------------------------
 
+    def held_elsewhere(self) -> int:
+        """Connections the service holds outside this protocol's server (the C lookup
+        thread's, kvindex.service.lookupd), counted against `max_connections` too."""
+        return 0
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         # Each answer goes out at once, whatever is unacknowledged: asyncio sets it only on
@@ -66,7 +71,7 @@ class LimitedProtocol(HttpToolsProtocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if len(self.connections) > self.limits.max_connections:
+        if len(self.connections) + self.held_elsewhere() > self.limits.max_connections:
             self._refuse(503, f"over {self.limits.max_connections} connections: try again later")
             return
         self._watch_head()

@@ -35,7 +35,10 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <sched.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -75,6 +78,10 @@ typedef struct conn {
     size_t out_len, out_off;
     double started; /* when the pending request's first byte came; 0: none pending */
     double active;  /* the last byte read or written */
+    /* the last read that brought bytes: when the kernel received them (SO_TIMESTAMPNS,
+     * CLOCK_REALTIME; 0: not known) and when the read returned (the same clock) */
+    double rx_stamp, rx_read_real;
+    double rx_read; /* the same read's time, CLOCK_MONOTONIC (now_s) */
     int handing;    /* hand it to Python once the output is out */
     int adopted;    /* given back by Python (`adopt`) and not answered here since */
     struct conn *prev, *next;
@@ -88,10 +95,21 @@ typedef struct handoff {
     struct handoff *next;
 } handoff_t;
 
+/* One answer's time, by stage (seconds; a stage not measured is -1):
+ * - queue: from the kernel's receipt of the request's last bytes to this thread's read
+ *   of them (the wake-up: the thread waiting for a core, or busy with other sockets);
+ * - parse: from that read to the walk (the HTTP head, the body's token ids);
+ * - seconds: the walk and the JSON, the core's read lock taken and let go (what the
+ *   service's lookup histogram measures);
+ * - write: from the answer made to the send returned.
+ * preempted / blocked: the thread was switched out involuntarily (a core taken from it)
+ * / voluntarily (waiting for the read lock) during `seconds` (getrusage's counts). */
 typedef struct {
-    float seconds;
+    float seconds, queue, parse, write;
     uint8_t hit, hashes; /* hashes: a lookup by block hashes, else by tokens */
+    uint8_t preempted, blocked;
 } sample_t;
+
 
 typedef struct {
     PyObject_HEAD
@@ -104,7 +122,9 @@ typedef struct {
     int closed;   /* `close` freed what answers need: never started again */
     /* the rules */
     size_t max_body, head_limit;
-    size_t nconns;
+    size_t nconns;    /* the connections served here (atomic: Python reads it) */
+    size_t max_conns; /* --max-connections, over this thread's and Python's; 0: no cap */
+    size_t others;    /* the connections Python serves, as it last said (atomic) */
     uint32_t max_items;
     char *token;
     size_t token_len;
@@ -120,10 +140,12 @@ typedef struct {
     pthread_mutex_t mu;
     ctx_t *ctx;
     handoff_t *handoffs, **handoff_tail;
+    size_t nhandoffs; /* handed over and not taken yet */
     int *adopted; /* sockets Python gives back (`adopt`), for the thread to take */
     size_t nadopted, adopted_cap;
     sample_t *ring;
     size_t ring_start, ring_len;
+    unsigned long long ring_added; /* samples ever added: the newest is ring_added - 1 */
     unsigned long long answered, handed, stale, dropped, returned;
     /* the thread's own */
     conn_t *conns;
@@ -139,6 +161,24 @@ static double now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+static double real_s(void) { /* the clock of the kernel's receive timestamps */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* This thread's context switches so far: voluntary (it waited: a lock) and not (a core
+ * taken from it). */
+static void switches(long *voluntary, long *involuntary) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_THREAD, &ru) == 0) {
+        *voluntary = ru.ru_nvcsw;
+        *involuntary = ru.ru_nivcsw;
+    } else {
+        *voluntary = *involuntary = 0;
+    }
+}
+
 /* -- the thread ---------------------------------------------------------------------- */
 
 static void conn_close(ServerObject *s, conn_t *c, int close_fd) {
@@ -151,7 +191,7 @@ static void conn_close(ServerObject *s, conn_t *c, int close_fd) {
         s->conns = c->next;
     if (c->next)
         c->next->prev = c->prev;
-    s->nconns--;
+    __atomic_sub_fetch(&s->nconns, 1, __ATOMIC_RELAXED);
     free(c->in);
     free(c->out);
     free(c);
@@ -169,12 +209,13 @@ static void hand_off(ServerObject *s, conn_t *c) {
     h->len = c->in_len;
     h->bounced = c->adopted;
     c->in = NULL;
-    conn_close(s, c, 0);
-    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->mu); /* queued before it leaves nconns: counted throughout */
     *s->handoff_tail = h;
     s->handoff_tail = &h->next;
+    s->nhandoffs++;
     s->handed++;
     pthread_mutex_unlock(&s->mu);
+    conn_close(s, c, 0);
     uint64_t one = 1;
     (void)!write(s->handoff_fd, &one, sizeof one);
 }
@@ -343,8 +384,8 @@ static const char *date_line(ServerObject *s) {
     return s->date_line;
 }
 
-static void add_sample(ServerObject *s, double seconds, int hit, int hashes) {
-    /* under s->mu */
+/* Under s->mu; returns the sample's number (see set_write). */
+static unsigned long long add_sample(ServerObject *s, const sample_t *sample) {
     size_t at = (s->ring_start + s->ring_len) % RING;
     if (s->ring_len == RING) { /* Python has not read for long: the oldest goes */
         s->ring_start = (s->ring_start + 1) % RING;
@@ -352,14 +393,21 @@ static void add_sample(ServerObject *s, double seconds, int hit, int hashes) {
     } else {
         s->ring_len++;
     }
-    s->ring[at].seconds = (float)seconds;
-    s->ring[at].hit = (uint8_t)hit;
-    s->ring[at].hashes = (uint8_t)hashes;
+    s->ring[at] = *sample;
+    return s->ring_added++;
 }
 
-/* The answer to the request `r` at the start of c->in appended to c->out: 1; 0 when
- * Python must answer it (a body not of the plain shape, the instances moved, no memory). */
-static int answer(ServerObject *s, conn_t *c, const request_t *r) {
+/* Under s->mu: sample number `k`'s write time, if Python has not read it yet. */
+static void set_write(ServerObject *s, unsigned long long k, double seconds) {
+    unsigned long long first = s->ring_added - s->ring_len; /* the oldest still kept */
+    if (k >= first && k < s->ring_added)
+        s->ring[(s->ring_start + (size_t)(k - first)) % RING].write = (float)seconds;
+}
+
+/* The answer to the request `r` at the start of c->in appended to c->out, its times but
+ * the write's in `sample`: 1; 0 when Python must answer it (a body not of the plain
+ * shape, the instances moved, no memory). */
+static int answer(ServerObject *s, conn_t *c, const request_t *r, sample_t *sample) {
     lookup_body_t body;
     hashes_body_t hashes;
     int parsed = r->hashes
@@ -374,6 +422,8 @@ static int answer(ServerObject *s, conn_t *c, const request_t *r) {
     pthread_mutex_unlock(&s->mu);
     int res = LOOKUP_STALE, hit = 0;
     jbuf_t json = {0};
+    long vol0, invol0, vol1, invol1;
+    switches(&vol0, &invol0);
     double start = now_s(), seconds = 0;
     if (x != NULL) {
         res = r->hashes
@@ -381,6 +431,15 @@ static int answer(ServerObject *s, conn_t *c, const request_t *r) {
                   : s->api->answer_tokens(s->core, &body, x->slots, x->n, x->gen, &json, &hit);
         seconds = now_s() - start;
     }
+    switches(&vol1, &invol1);
+    sample->seconds = (float)seconds;
+    sample->queue = c->rx_stamp > 0 ? (float)(c->rx_read_real - c->rx_stamp) : -1.0f;
+    sample->parse = (float)(start - c->rx_read);
+    sample->write = -1.0f;
+    sample->hit = (uint8_t)hit;
+    sample->hashes = (uint8_t)r->hashes;
+    sample->preempted = invol1 != invol0;
+    sample->blocked = vol1 != vol0;
     if (r->hashes)
         s->api->hashes_free(&hashes);
     else
@@ -389,7 +448,6 @@ static int answer(ServerObject *s, conn_t *c, const request_t *r) {
     int unused = x != NULL && --x->refs == 0;
     if (res == LOOKUP_ANSWERED) {
         s->answered++;
-        add_sample(s, seconds, hit, r->hashes);
     } else if (res == LOOKUP_STALE) {
         s->stale++;
     }
@@ -456,15 +514,27 @@ static int flush(ServerObject *s, conn_t *c) {
 /* Answer the whole requests read, in order; hand the connection over at the first one
  * this thread does not take. 0: the connection is gone (closed or handed over). */
 static int process(ServerObject *s, conn_t *c) {
+    /* The answers' samples go to the ring before they are written (a client that has its
+     * answer finds it counted); their write time is added once the send returns. */
+    unsigned long long first = 0;
+    size_t nsamples = 0;
+    double answered = 0; /* when the last answer of this call was made */
     while (c->in_len > 0 && !c->handing) {
         request_t r;
+        sample_t sample;
         int kind = parse_request(s, c, &r);
         if (kind == REQ_INCOMPLETE)
             break;
-        if (kind == REQ_HANDOFF || !answer(s, c, &r)) {
+        if (kind == REQ_HANDOFF || !answer(s, c, &r, &sample)) {
             c->handing = 1;
             break;
         }
+        pthread_mutex_lock(&s->mu);
+        unsigned long long k = add_sample(s, &sample);
+        pthread_mutex_unlock(&s->mu);
+        if (nsamples++ == 0)
+            first = k;
+        answered = now_s();
         c->adopted = 0;
         size_t used = r.head + r.body_len;
         memmove(c->in, c->in + used, c->in_len - used);
@@ -472,6 +542,13 @@ static int process(ServerObject *s, conn_t *c) {
         c->started = c->in_len ? now_s() : 0;
     }
     int flushed = flush(s, c);
+    if (nsamples > 0 && flushed > 0) { /* all out at once: the write's time is known */
+        double seconds = now_s() - answered;
+        pthread_mutex_lock(&s->mu);
+        for (size_t i = 0; i < nsamples; i++)
+            set_write(s, first + i, seconds);
+        pthread_mutex_unlock(&s->mu);
+    }
     if (flushed < 0) {
         conn_close(s, c, 1);
         return 0;
@@ -507,7 +584,25 @@ static void on_readable(ServerObject *s, conn_t *c) {
             c->in_cap = cap;
             room = cap - c->in_len;
         }
-        ssize_t k = recv(c->fd, c->in + c->in_len, room, 0);
+        /* with the kernel's receive time of the bytes (SO_TIMESTAMPNS, set in conn_add) */
+        struct iovec iov = {.iov_base = c->in + c->in_len, .iov_len = room};
+        union {
+            char buf[CMSG_SPACE(sizeof(struct timespec))];
+            struct cmsghdr align;
+        } control;
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                             .msg_controllen = sizeof control.buf};
+        ssize_t k = recvmsg(c->fd, &msg, 0);
+        if (k > 0) {
+            c->rx_read_real = real_s();
+            c->rx_stamp = 0;
+            for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm != NULL; cm = CMSG_NXTHDR(&msg, cm))
+                if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_TIMESTAMPNS) {
+                    struct timespec ts;
+                    memcpy(&ts, CMSG_DATA(cm), sizeof ts);
+                    c->rx_stamp = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+                }
+        }
         if (k < 0 && errno == EINTR)
             continue;
         if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
@@ -519,7 +614,7 @@ static void on_readable(ServerObject *s, conn_t *c) {
         if (c->in_len == 0)
             c->started = now_s();
         c->in_len += (size_t)k;
-        c->active = now_s();
+        c->active = c->rx_read = now_s();
         if ((size_t)k < room)
             break; /* all there is for now */
     }
@@ -535,6 +630,8 @@ static conn_t *conn_add(ServerObject *s, int fd) {
     }
     c->fd = fd;
     c->active = now_s();
+    int one = 1; /* each read says when the kernel received its bytes (the queue stage) */
+    setsockopt(fd, SOL_SOCKET, SO_TIMESTAMPNS, &one, sizeof one);
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
     if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
         close(fd);
@@ -545,8 +642,18 @@ static conn_t *conn_add(ServerObject *s, int fd) {
     if (s->conns)
         s->conns->prev = c;
     s->conns = c;
-    s->nconns++;
+    __atomic_add_fetch(&s->nconns, 1, __ATOMIC_RELAXED);
     return c;
+}
+
+/* The connections held on both sides: served here, handed over or given back and not
+ * taken yet, and Python's own (as it last said). */
+static size_t held(ServerObject *s) {
+    pthread_mutex_lock(&s->mu);
+    size_t queued = s->nhandoffs + s->nadopted;
+    pthread_mutex_unlock(&s->mu);
+    return __atomic_load_n(&s->nconns, __ATOMIC_RELAXED) + queued +
+           __atomic_load_n(&s->others, __ATOMIC_RELAXED);
 }
 
 static void on_accept(ServerObject *s) {
@@ -558,8 +665,12 @@ static void on_accept(ServerObject *s) {
             return; /* EAGAIN, or out of descriptors: the rest wait in the backlog */
         }
         int one = 1;
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* as asyncio's */
-        conn_add(s, fd);
+        /* each answer goes out at once, whatever is unacknowledged (asyncio does it too) */
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        int over = s->max_conns && held(s) >= s->max_conns;
+        conn_t *c = conn_add(s, fd);
+        if (c != NULL && over) /* Python refuses it (503), in its words, and counts it */
+            hand_off(s, c);
     }
 }
 
@@ -606,11 +717,45 @@ static void scan(ServerObject *s, double now) {
     }
 }
 
+/* linux/sched/types.h's struct sched_attr (its first version), for sched_setattr(2) */
+struct sched_attr_ {
+    uint32_t size, sched_policy;
+    uint64_t sched_flags;
+    int32_t sched_nice;
+    uint32_t sched_priority;
+    uint64_t sched_runtime, sched_deadline, sched_period;
+};
+
+/* The thread asks the scheduler for a short time slice. On a busy machine a lookup's
+ * tail was the thread waiting for a core once its socket was readable (the `queue` stage:
+ * p99 0.79 ms under a 200k/s stream on 2 cores): EEVDF (Linux 6.6+) gives a task whose
+ * slice is short an early deadline, so at wake-up it takes a core from one with the
+ * default slice (0.7 ms x (1 + log2 CPUs)), and since 6.12 a SCHED_OTHER task may set its
+ * own (sched_runtime, 0.1-100 ms, no privilege needed). 300 us covers an answer (parse,
+ * walk and JSON: ~0.1-0.2 ms) so it is not cut in the middle. Measured: queue p99 0.79 ->
+ * 0.17 ms, the client's loaded p99 1.73 -> 0.99 ms (docs/performance.md). An older kernel
+ * ignores it, or refuses it: nothing else changes then. */
+#define SLICE_NS 300000ULL
+
+static void short_slice(void) {
+    struct sched_attr_ a;
+    memset(&a, 0, sizeof a);
+    if (syscall(SYS_sched_getattr, 0, &a, sizeof a, 0) != 0)
+        return;
+    if (a.sched_policy != SCHED_OTHER) /* batch, idle or real time: as it was set */
+        return;
+    a.size = sizeof a;
+    a.sched_flags = 0;
+    a.sched_runtime = SLICE_NS; /* the nice value and the rest kept as read */
+    (void)syscall(SYS_sched_setattr, 0, &a, 0);
+}
+
 static void *serve(void *arg) {
     ServerObject *s = arg;
     sigset_t all;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals are the main thread's */
+    short_slice();
     struct epoll_event evs[64];
     double last_scan = now_s();
     while (!__atomic_load_n(&s->stopping, __ATOMIC_ACQUIRE)) {
@@ -660,8 +805,9 @@ static void server_release(ServerObject *s) {
 }
 
 static int Server_init(ServerObject *s, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"api", "core", "fd", "max_body", "max_items", "head_limit", "token",
-                            "hosts", "headers", "date", "keep_alive", "handoff_after", NULL};
+    static char *names[] = {"api",  "core",    "fd",         "max_body",      "max_items",
+                            "head_limit", "token", "hosts", "headers", "date",
+                            "keep_alive", "handoff_after", "max_connections", NULL};
     PyObject *capsule, *core, *token_obj, *hosts_obj;
     int fd, date;
     Py_ssize_t max_body, head_limit;
@@ -669,13 +815,15 @@ static int Server_init(ServerObject *s, PyObject *args, PyObject *kwargs) {
     const char *headers;
     Py_ssize_t headers_len;
     double keep_alive, handoff_after;
+    Py_ssize_t max_conns = 0;
     if (s->api != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Server is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOinInOOy#pdd", names, &capsule, &core, &fd,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOinInOOy#pdd|n", names, &capsule, &core, &fd,
                                      &max_body, &max_items, &head_limit, &token_obj, &hosts_obj,
-                                     &headers, &headers_len, &date, &keep_alive, &handoff_after))
+                                     &headers, &headers_len, &date, &keep_alive, &handoff_after,
+                                     &max_conns))
         return -1;
     const lookup_api_t *api = PyCapsule_GetPointer(capsule, LOOKUP_API_CAPSULE);
     if (api == NULL)
@@ -684,7 +832,7 @@ static int Server_init(ServerObject *s, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_RuntimeError, "the core's lookup_api is another version");
         return -1;
     }
-    if (max_body < 0 || head_limit < 64 || keep_alive <= 0 || handoff_after <= 0) {
+    if (max_body < 0 || head_limit < 64 || keep_alive <= 0 || handoff_after <= 0 || max_conns < 0) {
         PyErr_SetString(PyExc_ValueError, "limits must be positive");
         return -1;
     }
@@ -701,6 +849,7 @@ static int Server_init(ServerObject *s, PyObject *args, PyObject *kwargs) {
     s->handoff_tail = &s->handoffs;
     s->listen_fd = fd;
     s->max_body = (size_t)max_body;
+    s->max_conns = (size_t)max_conns;
     s->head_limit = (size_t)head_limit;
     s->max_items = max_items;
     s->date = date;
@@ -896,6 +1045,7 @@ static PyObject *Server_take(ServerObject *s, PyObject *Py_UNUSED(unused)) {
     handoff_t *h = s->handoffs;
     s->handoffs = NULL;
     s->handoff_tail = &s->handoffs;
+    s->nhandoffs = 0;
     pthread_mutex_unlock(&s->mu);
     PyObject *out = PyList_New(0);
     while (h != NULL) {
@@ -943,8 +1093,10 @@ static PyObject *Server_adopt(ServerObject *s, PyObject *arg) {
     Py_RETURN_TRUE;
 }
 
-/* samples() -> [(seconds, hit, kind), ...]: each answer's time (the walk and the JSON, as
-   the service's lookup histogram measures) since the last call; kind: tokens or hashes. */
+/* samples() -> [(seconds, hit, kind, queue, parse, write, preempted, blocked), ...]: each
+   answer since the last call: its time (the walk and the JSON, as the service's lookup
+   histogram measures), kind tokens or hashes, and its other stages (sample_t; -1: not
+   measured). */
 static PyObject *Server_samples(ServerObject *s, PyObject *Py_UNUSED(unused)) {
     pthread_mutex_lock(&s->mu);
     size_t n = s->ring_len, start = s->ring_start;
@@ -960,8 +1112,12 @@ static PyObject *Server_samples(ServerObject *s, PyObject *Py_UNUSED(unused)) {
         return PyErr_NoMemory();
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out && i < n; i++) {
-        PyObject *item = Py_BuildValue("(dOs)", (double)copy[i].seconds, copy[i].hit ? Py_True : Py_False,
-                                       copy[i].hashes ? "hashes" : "tokens");
+        sample_t *m = &copy[i];
+        PyObject *item = Py_BuildValue("(dOsdddOO)", (double)m->seconds, m->hit ? Py_True : Py_False,
+                                       m->hashes ? "hashes" : "tokens", (double)m->queue,
+                                       (double)m->parse, (double)m->write,
+                                       m->preempted ? Py_True : Py_False,
+                                       m->blocked ? Py_True : Py_False);
         if (item == NULL)
             Py_CLEAR(out);
         else
@@ -978,6 +1134,25 @@ static PyObject *Server_counts(ServerObject *s, PyObject *Py_UNUSED(unused)) {
     unsigned long long r = s->returned;
     pthread_mutex_unlock(&s->mu);
     return Py_BuildValue("(KKKKK)", a, h, st, d, r);
+}
+
+/* connections() -> the connections this side holds: served by the thread, handed over
+   and not taken yet, given back and not served yet (for Python's --max-connections). */
+static PyObject *Server_connections(ServerObject *s, PyObject *Py_UNUSED(unused)) {
+    pthread_mutex_lock(&s->mu);
+    size_t queued = s->nhandoffs + s->nadopted;
+    pthread_mutex_unlock(&s->mu);
+    return PyLong_FromSize_t(__atomic_load_n(&s->nconns, __ATOMIC_RELAXED) + queued);
+}
+
+/* set_others(n): Python serves `n` connections now (the thread counts them against
+   max_connections before it takes one more). */
+static PyObject *Server_set_others(ServerObject *s, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    __atomic_store_n(&s->others, (size_t)(n < 0 ? 0 : n), __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
 }
 
 /* fileno() -> the descriptor that is readable when connections wait to be taken. */
@@ -997,6 +1172,7 @@ static void server_free(ServerObject *s) {
         free(h);
     }
     s->handoff_tail = &s->handoffs;
+    s->nhandoffs = 0;
     for (size_t i = 0; i < s->nadopted; i++)
         close(s->adopted[i]);
     free(s->adopted);
@@ -1065,6 +1241,8 @@ static PyMethodDef Server_methods[] = {
     {"samples", (PyCFunction)Server_samples, METH_NOARGS, NULL},
     {"counts", (PyCFunction)Server_counts, METH_NOARGS, NULL},
     {"fileno", (PyCFunction)Server_fileno, METH_NOARGS, NULL},
+    {"connections", (PyCFunction)Server_connections, METH_NOARGS, NULL},
+    {"set_others", (PyCFunction)Server_set_others, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -23,6 +23,7 @@ the service's lookup metrics at the same pace, and before every /metrics scrape.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import functools
 import os
@@ -30,7 +31,7 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvindex.index import compiled_index
@@ -40,7 +41,7 @@ from kvindex.security.limits import Limits
 from kvindex.service.fastpath import PATH
 from kvindex.service.metrics import LookupMetrics
 
-__all__ = ["LookupThread", "LookupThreadCollector", "available"]
+__all__ = ["STAGES", "LookupThread", "LookupThreadCollector", "StageTimes", "available"]
 
 REFRESH = 0.01  # seconds between two looks at the instances and the samples
 HEAD_LIMIT = 8192  # request line and headers the thread reads before handing over
@@ -53,6 +54,77 @@ try:
 except ImportError:  # no compiled core or thread: Python answers every lookup
     _API = None
     Server = None  # type: ignore[assignment,misc]
+
+
+# Where an answer's time goes, as the thread measures it (_lookupd.c's sample_t):
+STAGES = (
+    "queue",  # the kernel's receipt of the request to the thread's read: its wake-up
+    "parse",  # that read to the walk: the HTTP head and the body
+    "answer",  # the walk and the JSON, the core's read lock taken and let go
+    "write",  # the answer made to the send returned (the client may have it before)
+    "total",  # queue, parse and answer: from the request's receipt to its answer's send
+)
+STAGE_BUCKETS = (
+    5e-6, 1e-5, 2e-5, 3e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2e-4, 3e-4, 5e-4, 7.5e-4,
+    1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 7.5e-3, 1e-2, 2e-2, 5e-2, 0.1, 1.0,
+)  # fmt: skip
+
+
+class StageTimes:
+    """The thread's answers by stage: a histogram per stage (STAGES), and how many were
+    switched out during the walk, involuntarily (preempted: a core taken from the thread)
+    and voluntarily (blocked: waiting for the core's read lock)."""
+
+    def __init__(self) -> None:
+        self.buckets = {stage: [0] * len(STAGE_BUCKETS) for stage in STAGES}
+        self.sums = dict.fromkeys(STAGES, 0.0)
+        self.counts = dict.fromkeys(STAGES, 0)
+        self.preempted = 0
+        self.blocked = 0
+
+    def observe(self, stage: str, seconds: float) -> None:
+        if seconds < 0:  # not measured (no receive timestamp, a write left for later)
+            return
+        self.sums[stage] += seconds
+        self.counts[stage] += 1
+        at = bisect.bisect_left(STAGE_BUCKETS, seconds)  # the first bound >= seconds
+        if at < len(STAGE_BUCKETS):
+            self.buckets[stage][at] += 1
+
+    def add(
+        self,
+        answer: float,
+        queue: float,
+        parse: float,
+        write: float,
+        preempted: bool,
+        blocked: bool,
+    ) -> None:
+        for stage, seconds in (("queue", queue), ("parse", parse), ("answer", answer)):
+            self.observe(stage, seconds)
+        self.observe("write", write)
+        if queue >= 0:
+            self.observe("total", queue + parse + answer)
+        self.preempted += preempted
+        self.blocked += blocked
+
+    def metric(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(
+            "kvindex_lookup_thread_stage_seconds",
+            "Where the C lookup thread's answers spend their time: queue (the kernel's "
+            "receipt of the request to the thread's read of it), parse, answer (the walk "
+            "and the JSON under the core's read lock), write (the send), and total (queue, "
+            "parse and answer).",
+            labels=["stage"],
+        )
+        for stage in STAGES:
+            cumulative, rows = 0, []
+            for bound, n in zip(STAGE_BUCKETS, self.buckets[stage], strict=True):
+                cumulative += n
+                rows.append((repr(bound), cumulative))
+            rows.append(("+Inf", self.counts[stage]))
+            family.add_metric([stage], rows, self.sums[stage])
+        return family
 
 
 def available(fleet: Fleet) -> bool:
@@ -135,6 +207,7 @@ class LookupThread:
             date_header,
             float(keep_alive),
             min(HANDOFF_AFTER, guard.request_timeout, limits.header_timeout),
+            limits.max_connections,  # one cap over the thread's connections and Python's
         )
         self._pushed: tuple[int, object, object] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -143,6 +216,7 @@ class LookupThread:
         self._tasks: set[asyncio.Future[Any]] = set()
         self.running = False
         self._closed = False
+        self.stages = StageTimes()
 
     def start(self, protocol: Callable[[], asyncio.Protocol]) -> None:
         loop = asyncio.get_running_loop()
@@ -190,9 +264,10 @@ class LookupThread:
 
     def read_samples(self) -> None:
         """The thread's answers since the last call, into the lookup metrics."""
-        observe = self.metrics.observe
-        for seconds, hit, kind in self.server.samples():
+        observe, stages = self.metrics.observe, self.stages.add
+        for seconds, hit, kind, queue, parse, write, preempted, blocked in self.server.samples():
             observe(kind, seconds, hit, compiled=kind == "tokens")
+            stages(seconds, queue, parse, write, preempted, blocked)
 
     def counts(self) -> tuple[int, int, int, int, int]:
         """(answered, handed over, stale, samples dropped, given back) since the start."""
@@ -202,12 +277,27 @@ class LookupThread:
         """`base` (uvicorn's httptools protocol, as serve configures it) for the
         connections handed over: once a response is complete and nothing more of the
         connection is pending (no request begun, none pipelined, every byte written), the
-        connection goes back to the thread, which reads its next request."""
+        connection goes back to the thread, which reads its next request. One
+        `--max-connections` covers both sides: the protocol counts the thread's
+        connections, the thread Python's (it hands a connection past the cap straight to
+        Python, whose 503 says so)."""
         thread = self
+        server = self.server
 
         class Returning(base):  # type: ignore[misc,valid-type]
             _begun = 0  # requests whose first byte came and whose last has not
             _kept = False  # never given back (see _take)
+
+            def held_elsewhere(self) -> int:
+                return server.connections()  # type: ignore[no-any-return]
+
+            def connection_made(self, transport: Any) -> None:
+                super().connection_made(transport)
+                server.set_others(len(self.connections))
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                super().connection_lost(exc)
+                server.set_others(len(self.connections))
 
             def on_message_begin(self) -> None:
                 self._begun += 1
@@ -291,6 +381,8 @@ class LookupThreadCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         answered, handed, stale, dropped, returned = self.thread.counts()
+        stages = self.thread.stages
+        yield stages.metric()
         for name, text, value in (
             ("kvindex_lookup_thread_answered", "Lookups the C lookup thread answered.", answered),
             (
@@ -311,6 +403,18 @@ class LookupThreadCollector(Collector):
                 "Lookups handed over because the index's publishers moved since the thread "
                 "last had the instances.",
                 stale,
+            ),
+            (
+                "kvindex_lookup_thread_preempted",
+                "Answers during whose walk the C lookup thread was switched out "
+                "involuntarily (another thread took its core).",
+                stages.preempted,
+            ),
+            (
+                "kvindex_lookup_thread_blocked",
+                "Answers during whose walk the C lookup thread waited (for the core's read "
+                "lock, behind a batch being applied).",
+                stages.blocked,
             ),
             (
                 "kvindex_lookup_thread_samples_dropped",

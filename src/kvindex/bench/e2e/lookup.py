@@ -36,6 +36,8 @@ from kvindex.bench.e2e.probes import (
     heap_bytes,
     lookup_metric,
     rss_mib,
+    stages_between,
+    thread_stages,
     wait_applied,
     wait_live,
 )
@@ -136,9 +138,10 @@ def _kvindex(
     sizes: EndToEnd,
     workdir: Path,
     options: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Iterator[Indexer]:
     tag = "lookup-python" if options else "lookup"
-    with serve(workdir, names, pub.endpoints, "memory", tag, options=options) as srv:
+    with serve(workdir, names, pub.endpoints, "memory", tag, options=options, env=env) as srv:
         wait_live(srv.url, sizes.timeout)
 
         def wait(next_seqs: list[int], _events: int) -> float:
@@ -219,6 +222,11 @@ def _measure(
         "floor_idle": summarize_ms(idle["floor"]),
         "idle": summarize_ms(idle["latencies"], idle.get("in_service_mean_ms")),
         "loaded": summarize_ms(loaded["latencies"], loaded.get("in_service_mean_ms")),
+        "thread_stages": {
+            phase: done["thread_stages"]
+            for phase, done in (("idle", idle), ("loaded", loaded))
+            if done.get("thread_stages")
+        },
         "load_achieved_per_s": paced["batches"] * load.events_per_batch / seconds,
         "load_seconds": seconds,
         "load_ran_out": paced["exhausted"],
@@ -261,9 +269,12 @@ def _lookups(
             load.paced(LOAD_RATE / work.events_per_batch, 3600)
             time.sleep(0.2)  # the indexer's backlog settles at the paced rate
         before = lookup_metric(idx.url) if idx.api == "kvindex" else None
+        stages = thread_stages(idx.url) if idx.api == "kvindex" else {}
         c.send({"op": "go"})
         done = c.expect("done", sizes.timeout + sizes.lookups * 0.1)
         if before is not None:
+            # where the C lookup thread's answers spent their time (its own clock)
+            done["thread_stages"] = stages_between(stages, thread_stages(idx.url))
             after = lookup_metric(idx.url)
             count = after[1] - before[1]
             done["in_service_mean_ms"] = (after[0] - before[0]) / count * 1e3 if count else None

@@ -204,6 +204,50 @@ def lookup_metric(url: str) -> tuple[float, float]:
     return found["sum"], found["count"]
 
 
+def thread_stages(url: str) -> dict[str, Any]:
+    """serve's C lookup thread's answers by stage (kvindex_lookup_thread_stage_seconds:
+    cumulative bucket counts by stage) and its preempted / blocked counts; empty when the
+    thread does not run."""
+    found: dict[str, Any] = {"buckets": {}, "counts": {}}
+    prefix = "kvindex_lookup_thread_stage_seconds_bucket{"
+    for line in metrics_text(url).splitlines():
+        if line.startswith(prefix):
+            labels, value = line[len(prefix) :].rsplit("} ", 1)
+            fields = dict(part.split("=", 1) for part in labels.split(","))
+            stage, bound = fields["stage"].strip('"'), fields["le"].strip('"')
+            found["buckets"].setdefault(stage, []).append((float(bound), float(value)))
+        for name in ("preempted", "blocked", "answered"):
+            if line.startswith(f"kvindex_lookup_thread_{name}_total "):
+                found["counts"][name] = float(line.rsplit(" ", 1)[1])
+    return found if found["buckets"] else {}
+
+
+def stages_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the thread answered between two `thread_stages` reads: per stage, its p50, p90
+    and p99 (ms) as the upper bound of the bucket they fall in, and the share of answers
+    preempted or blocked during their walk."""
+    if not before or not after:
+        return {}
+    out: dict[str, Any] = {}
+    for stage, rows in after["buckets"].items():
+        was = dict(before["buckets"].get(stage, []))
+        diff = [(bound, count - was.get(bound, 0.0)) for bound, count in rows]
+        total = diff[-1][1] if diff else 0.0
+        if not total:
+            continue
+        quantiles = {}
+        for q in (0.5, 0.9, 0.99):
+            bound = next(b for b, c in diff if c >= q * total)
+            quantiles[f"p{round(q * 100)}_ms_le"] = round(bound * 1e3, 4)
+        out[stage] = quantiles
+    answered = after["counts"].get("answered", 0) - before["counts"].get("answered", 0)
+    if answered:
+        for name in ("preempted", "blocked"):
+            done = after["counts"].get(name, 0) - before["counts"].get(name, 0)
+            out[f"{name}_share"] = done / answered
+    return out
+
+
 def heap_bytes(url: str) -> dict[str, float]:
     """serve's `kvindex_heap_bytes` by allocator (kvindex.runtime.heap), and their `total`
     (malloc + pymalloc) when both are there."""

@@ -206,6 +206,7 @@ def serve(
     wait: bool = True,
     spec_options: str = "",
     options: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Iterator[Serve]:
     """`kvindex serve` following `names` at `endpoints`; `spec_options` ends every instance
     spec (e.g. `,model=M`), `options` are more flags."""
@@ -213,7 +214,7 @@ def serve(
     for name, (pub, replay) in zip(names, endpoints, strict=True):
         args += ["--instance", f"{name}={pub},replay={replay}{spec_options}"]
     args += options
-    with child(args, workdir / f"serve-{tag}.log", cwd=workdir) as c:
+    with child(args, workdir / f"serve-{tag}.log", cwd=workdir, env=env) as c:
         s = Serve(c)
         if wait:
             s.wait_url(60)

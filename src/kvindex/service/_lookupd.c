@@ -630,7 +630,8 @@ static conn_t *conn_add(ServerObject *s, int fd) {
     }
     c->fd = fd;
     c->active = now_s();
-    int one = 1; /* each read says when the kernel received its bytes (the queue stage) */
+    int one = 1; /* each read says when the kernel received its bytes (the queue stage; a
+                  * socket accepted here has it from the listener, see Server_init) */
     setsockopt(fd, SOL_SOCKET, SO_TIMESTAMPNS, &one, sizeof one);
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
     if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
@@ -897,6 +898,10 @@ static int Server_init(ServerObject *s, PyObject *args, PyObject *kwargs) {
             s->nhosts = i + 1;
         }
     }
+    /* Accepted sockets inherit it: bytes that came before the accept are stamped too (TCP
+     * gives a read no timestamp for bytes received while none was asked). */
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_TIMESTAMPNS, &one, sizeof one);
     s->epfd = epoll_create1(EPOLL_CLOEXEC);
     s->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     s->handoff_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);

@@ -17,7 +17,8 @@ block events) parsed and applied by threads, each taking its share of the publis
 Builds bench/apply_ceiling.c against the core's sources; the cases alternate round by
 round, best of N; every case must leave each publisher holding what the baseline does.
 
-    python bench/apply_ceiling.py [--rounds N] [--events N] [--instances N]
+    python bench/apply_ceiling.py [--rounds N] [--events N] [--instances N] [--gpu-blocks N]
+                                  [--cases one_lock,separate,...]
 
 Prints one JSON object: per case the best rate, its per-batch wait for the lock(s) and
 time applying under them (`held_us`), its ratio to one thread, and the load averages.
@@ -56,8 +57,8 @@ def build(out: Path) -> None:
     subprocess.run([*cmd, str(ROOT / "bench/apply_ceiling.c"), *sources], check=True)
 
 
-def dump(path: Path, instances: int, events: int) -> None:
-    w = ingest_workload(IngestSpec(instances, events, gpu_blocks=1024))
+def dump(path: Path, instances: int, events: int, gpu_blocks: int) -> None:
+    w = ingest_workload(IngestSpec(instances, events, gpu_blocks=gpu_blocks))
     with path.open("wb") as f:
         f.write(struct.pack("<IIQ", len(w.warmup), len(w.measured), w.events))
         for instance, _, payload in [*w.warmup, *w.measured]:
@@ -70,15 +71,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--instances", type=int, default=4)
+    parser.add_argument(
+        "--gpu-blocks", type=int, default=1024, help="each publisher's pool (the index's size)"
+    )
+    parser.add_argument("--cases", default=",".join(CASES), help="which cases, comma-separated")
     args = parser.parse_args()
+    cases = {name: CASES[name] for name in ["one_thread", *args.cases.split(",")]}
     with tempfile.TemporaryDirectory(prefix="kvindex-ceiling-") as tmp:
         exe, stream = Path(tmp) / "apply_ceiling", Path(tmp) / "stream.bin"
         build(exe)
-        dump(stream, args.instances, args.events)
+        dump(stream, args.instances, args.events, args.gpu_blocks)
         best: dict[str, dict[str, Any]] = {}
         loads = []
         for _ in range(args.rounds):
-            for case, (threads, cores, shards) in CASES.items():
+            for case, (threads, cores, shards) in cases.items():
                 run = subprocess.run(
                     [str(exe), str(stream), str(threads), str(cores), str(shards)],
                     check=True,

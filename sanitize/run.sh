@@ -19,7 +19,8 @@
 #    (tests/test_ingest_c.py, tests/test_inorder.py); ingest, membership churn and every
 #    kind of lookup at once on the library API (tests/test_core_threads.py, whose child
 #    processes run tests/core_threads.py under TSan too: it reports issue 23's names read
-#    outside the lock on the core before the fold); serve's C lookup thread answering by
+#    outside the lock on the core before the fold; its `exact` case applies four
+#    publishers on four threads at once and compares the end with the reference); serve's C lookup thread answering by
 #    tokens and by hashes while another thread applies batches with new names and
 #    publishers (tests/test_lookupd.py's in-process tests: its serve ones start too slowly
 #    under TSan). Reports go to build/tsan/reports; libzmq's own hand-offs are suppressed

@@ -118,6 +118,23 @@ def test_every_kind_of_question_while_publishers_come_and_go() -> None:
     assert "all: ok" in child.stdout
 
 
+def test_publishers_applied_at_once_end_where_the_reference_does() -> None:
+    """Issue 23 item 2: four publishers applied at once, each on its own thread, their
+    chains meeting in the tree (shared prompts, LoRA and salted namespaces, bytes hashes,
+    a CPU tier and a second group, removals and clears), while every kind of question is
+    asked: the end state and every answer equal the reference fed the streams one
+    publisher after the other. What a write side applied in parallel must keep."""
+    child = subprocess.run(
+        [sys.executable, str(HERE / "core_threads.py"), "--seconds", "3", "--only", "exact"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+    )
+    assert child.returncode == 0, child.stdout + child.stderr
+    assert "exact: ok" in child.stdout
+
+
 class _JoinsMidLookup(CompiledIndex):
     """A publisher joins while a lookup builds its rows: exactly when another thread's
     join would land (the empty rows are asked for under the lookup's read lock)."""

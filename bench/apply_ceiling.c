@@ -24,6 +24,9 @@
  * its batch). CORES -1: the same, pipelined (a thread waits for a batch only when it needs
  * its scratch again, so it parses its next batch meanwhile; two in flight per thread).
  *
+ * KEEP_TOKENS=0 in the environment: the cores keep no tokens of shared nodes (core_t's
+ * keep_tokens, on in serve for the dashboard), to weigh that copy.
+ *
  * FILE: u32 warm-up batches, u32 measured batches, u64 measured block events, then each
  * batch as u32 publisher, u32 length, payload. Per batch it samples the monotonic clock
  * around the lock: `wait_us` waiting for it, `held_us` applying under it. */
@@ -404,6 +407,8 @@ int main(int argc, char **argv) {
     cores = calloc((size_t)ncores, sizeof(locked_core));
     for (int k = 0; k < ncores; k++) {
         core_init(&cores[k].c, 1);
+        if (getenv("KEEP_TOKENS") && atoi(getenv("KEEP_TOKENS")) == 0)
+            cores[k].c.keep_tokens = 0; /* what the shared nodes' token copies cost */
         pthread_rwlock_init(&cores[k].lock, NULL);
     }
     uint32_t npubs = 0;

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
 from kvindex.index import COMPILED
@@ -229,8 +230,10 @@ class _Log:
         elif isinstance(item, Lost):
             self.entries.append(("l", item.first, item.last))
 
-    def record_batches(self, source: SourceKey, first_seq: int, payloads: list[bytes]) -> None:
-        self.in_bulk += len(payloads)
+    def record_batches(self, source: SourceKey, first_seq: int, count: int, packed: bytes) -> None:
+        payloads = msgspec.msgpack.decode(packed, type=list[bytes])
+        assert len(payloads) == count
+        self.in_bulk += count
         for seq, payload in enumerate(payloads, first_seq):
             self.entries.append(("b", seq, payload))
 

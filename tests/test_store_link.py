@@ -12,7 +12,16 @@ import pytest
 import zmq
 
 from kvindex.store.link import PIPE_GROUPS, WorkerLink
-from kvindex.store.protocol import AppliedBatch, AppliedBatches, Group, LostMark, WorkerReport
+from kvindex.store.protocol import (
+    AppliedBatch,
+    AppliedBatches,
+    Group,
+    LostMark,
+    PackedBatches,
+    WorkerReport,
+    decode_group,
+    pack_payloads,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,24 +91,27 @@ def test_groups_go_to_a_worker_in_order_and_come_again_after_a_restart() -> None
 
 
 def test_batches_in_bulk_are_dropped_past_the_bound_as_one_lost_run() -> None:
-    """The C path's batches come as one AppliedBatches per read: past the bound all of its
-    batches are counted dropped, and once there is room again the publisher's next batch
-    comes after one LostMark covering every seq of the dropped messages."""
+    """The C path's batches come as one PackedBatches per publisher and read (their payloads
+    packed by the C receive): past the bound all of its batches are counted dropped, and
+    once there is room again the publisher's next batch comes after one LostMark covering
+    every seq of the dropped messages; the worker reads it as an AppliedBatches."""
     link = WorkerLink("the test worker", max_bytes=1 << 20)
     link.open()
     try:
         payload = b"x" * 1000
+        packed = pack_payloads([payload] * 100)
         for first in range(0, 20_000, 100):  # 20 MB of batches, 100 a message
-            link.post(AppliedBatches("a", 0, first, [payload] * 100), 100 * len(payload))
+            link.post(PackedBatches("a", 0, first, msgspec.Raw(packed), 100), len(packed))
         link.flush()
         assert link.dropped_batches % 100 == 0 and link.dropped_batches > 15_000
         link._take(WorkerReport(link._kept[-1].id))
-        link.post(AppliedBatches("a", 0, 20_000, [payload] * 2), 2 * len(payload))
+        two = pack_payloads([payload, b"y"])
+        link.post(PackedBatches("a", 0, 20_000, msgspec.Raw(two), 2), len(two))
         link.flush()
-        group = msgspec.msgpack.decode(link._kept[-1].data, type=Group)
+        group = decode_group(link._kept[-1].data)
         assert group.messages == [
             LostMark("a", 0, 20_000 - link.dropped_batches, 19_999),
-            AppliedBatches("a", 0, 20_000, [payload] * 2),
+            AppliedBatches("a", 0, 20_000, [payload, b"y"]),
         ]
     finally:
         link.close(1)

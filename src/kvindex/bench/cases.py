@@ -164,6 +164,8 @@ def _ingest_with(store: Any, w: IngestWorkload, slices: int, bulk: bool = True) 
     by the core) and each publisher's batches of one read (READ_BATCHES) handed over in
     one `record_batches` call, the store flushed after each read; else as the Python path
     did for every batch: decoded, applied and handed over as an item (`record`)."""
+    from kvindex.store.protocol import pack_payloads as pack
+
     decoder, index = BatchDecoder(), FleetIndex()
     sources = [SourceKey(name) for name in w.names]
     store.load(index)
@@ -184,7 +186,7 @@ def _ingest_with(store: Any, w: IngestWorkload, slices: int, bulk: bool = True) 
                 index.apply_payload(sources[instance], payload, seq)  # the core parses
                 read.setdefault(instance, (seq, []))[1].append(payload)
             for instance, (first, payloads) in read.items():
-                store.record_batches(sources[instance], first, payloads)
+                store.record_batches(sources[instance], first, len(payloads), pack(payloads))
             store.flush()
 
     try:

@@ -85,9 +85,10 @@ IDLE_GRACE = 60.0  # seconds an engine's KV usage reads 0 with blocks held befor
 
 ItemHook = Callable[[Item], None]
 RemoveHook = Callable[[str], None]
-# Consecutive batches of one publisher the C path applied (its seq of the first, their
-# payloads in order): what a persistent store logs of them, in bulk (see Fleet.record_into).
-BatchesHook = Callable[[SourceKey, int, list[bytes]], None]
+# Consecutive batches of one publisher the C path applied (the seq of the first, how many,
+# their payloads packed as one msgpack array of bin): what a persistent store logs of them,
+# in bulk (see Fleet.record_into).
+BatchesHook = Callable[[SourceKey, int, int, bytes], None]
 
 
 _STATUS_JSON = {status: msgspec.json.encode(status) for status in Status}
@@ -558,10 +559,10 @@ class Fleet:
     def record_into(self, record: ItemHook, record_batches: BatchesHook) -> None:
         """A persistent store: `record` sees every item in order, except the ordinary
         batches the C path applied, which `record_batches` gets in bulk instead (a
-        publisher's consecutive batches of one read, with their payloads: one call, not
-        one per batch), before the items of that read. Per publisher the store sees
-        everything in the order the index applied it, as with `on_item`; the C path stays
-        on. Set before the Fleet starts."""
+        publisher's consecutive batches of one read, their payloads packed: one call, not
+        one per batch; see `BatchesHook`), before the items of that read. Per publisher the
+        store sees everything in the order the index applied it, as with `on_item`; the C
+        path stays on. Set before the Fleet starts."""
         self._record_items.append(record)
         self._record_batches.append(record_batches)
 
@@ -574,13 +575,13 @@ class Fleet:
         """The C path applied batches of `done.source` (on an ingest thread): what
         `_on_item` does for a Delivery: the cached counts dropped and the epoch bumped, so
         counts a reader computed before these batches are not stored after them; and a
-        store's batches hook gets them, if they were kept for it."""
+        store's batches hook gets them, if they were kept for it (`Applied.packed`)."""
         self._drop_counts(done.source.instance)
-        payloads = done.payloads
-        if payloads:
-            first = done.last_seq - len(payloads) + 1
+        packed, count = done.packed, done.batches
+        if packed is not None and count:
+            first = done.last_seq - count + 1
             for hook in self._record_batches:
-                self._call_hook(partial(hook, done.source, first, payloads), None)
+                self._call_hook(partial(hook, done.source, first, count, packed), None)
 
     def _after_apply(self) -> None:
         """After each read an ingest worker applied (on its thread): the `on_read` hooks

@@ -330,10 +330,10 @@ class IngestWorker:
             with contextlib.suppress(KeyError):  # closed since (removed, moved)
                 self.subscriber.stats(done.source).last_ts = done.ts
                 self.lag[done.source] = max(0.0, time.time() - done.ts)
-        if done.payloads is not None and not self.subscriber.follows(done.source.instance):
+        if done.packed is not None and not self.subscriber.follows(done.source.instance):
             # Removed since (a shared store's membership, after the read): as for an item
             # of it, nothing is recorded (the store has forgotten it already).
-            done = done._replace(payloads=None)
+            done = done._replace(packed=None)
         if self._on_applied is not None:
             self._on_applied(done)
 

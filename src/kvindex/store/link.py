@@ -44,9 +44,10 @@ from kvindex.store.protocol import (
     AppliedBatch,
     AppliedBatches,
     ControlRequest,
-    Group,
     LostMark,
-    Message,
+    Outgoing,
+    OutgoingGroup,
+    PackedBatches,
     RemoveInstance,
     RestartMark,
     SaveInstance,
@@ -112,7 +113,7 @@ class WorkerLink:
         self._lock = threading.RLock()
         self._answered = threading.Condition(self._lock)
         self._encode = msgspec.msgpack.Encoder().encode
-        self._group: list[Message] = []
+        self._group: list[Outgoing] = []
         self._group_bytes = 0
         self._group_started = 0.0
         self._kept: deque[_Kept] = deque()
@@ -199,7 +200,7 @@ class WorkerLink:
 
     # -- the hot path -------------------------------------------------------------------
 
-    def post(self, message: Message, size: int = 0) -> None:
+    def post(self, message: Outgoing, size: int = 0) -> None:
         """Queue a message for the worker (`size`: its payload's bytes, if any); it goes
         with the next group."""
         with self._lock:
@@ -228,18 +229,18 @@ class WorkerLink:
             messages = self._keep_within_bounds(messages)
         group_id = self._next_id
         self._next_id += 1
-        data = self._encode(Group(group_id, messages))
+        data = self._encode(OutgoingGroup(group_id, messages))
         self._kept.append(_Kept(group_id, data, time.monotonic()))
         self._kept_bytes += len(data)
         self._send_waiting()
 
-    def _keep_within_bounds(self, messages: list[Message]) -> list[Message]:
+    def _keep_within_bounds(self, messages: list[Outgoing]) -> list[Outgoing]:
         """Over the bound: batches are dropped (each publisher's run of them noted); once
         there is room again, a publisher's next batch comes after a LostMark for its run."""
         full = self._kept_bytes >= self.max_bytes
-        out: list[Message] = []
+        out: list[Outgoing] = []
         for message in messages:
-            if isinstance(message, AppliedBatch | AppliedBatches):
+            if isinstance(message, AppliedBatch | AppliedBatches | PackedBatches):
                 source = (message.instance, message.rank)
                 run = self._dropped.get(source)
                 if full:
@@ -479,10 +480,11 @@ class WorkerStore:
         elif isinstance(item, Lost):
             post(LostMark(source.instance, source.rank, item.first, item.last))
 
-    def record_batches(self, source: SourceKey, first_seq: int, payloads: list[bytes]) -> None:
-        """The C path's batches of one read: one message for them all."""
-        size = sum(map(len, payloads))
-        self._link.post(AppliedBatches(source.instance, source.rank, first_seq, payloads), size)
+    def record_batches(self, source: SourceKey, first_seq: int, count: int, packed: bytes) -> None:
+        """The C path's batches of one read: one message for them all, its payloads as
+        they were packed (no object per batch)."""
+        message = PackedBatches(source.instance, source.rank, first_seq, msgspec.Raw(packed), count)
+        self._link.post(message, len(packed))
 
     def save_instance(self, spec: InstanceSpec) -> None:
         self._link.post(SaveInstance(spec.name, spec.render()))

@@ -29,6 +29,9 @@ __all__ = [
     "Group",
     "LostMark",
     "Message",
+    "Outgoing",
+    "OutgoingGroup",
+    "PackedBatches",
     "RemoveInstance",
     "RestartMark",
     "SaveInstance",
@@ -37,6 +40,7 @@ __all__ = [
     "decode_group",
     "decode_report",
     "encode_report",
+    "pack_payloads",
 ]
 
 
@@ -70,6 +74,25 @@ class AppliedBatches(_PublisherMessage, tag="B"):
     def batches(self) -> list[AppliedBatch]:
         instance, rank, first = self.instance, self.rank, self.first_seq
         return [AppliedBatch(instance, rank, first + i, p) for i, p in enumerate(self.payloads)]
+
+
+class PackedBatches(_PublisherMessage, tag="B"):
+    """`AppliedBatches` as the service sends it: its payloads already packed as the msgpack
+    array a list of bytes encodes to (by the C receive, `Applied.packed`), carried as they
+    are; the worker decodes it as an `AppliedBatches` (`count` trails, and is ignored)."""
+
+    first_seq: int
+    payloads: msgspec.Raw
+    count: int
+
+    @property
+    def last_seq(self) -> int:
+        return self.first_seq + self.count - 1
+
+
+def pack_payloads(payloads: list[bytes]) -> bytes:
+    """Payloads packed as `PackedBatches.payloads` carries them."""
+    return msgspec.msgpack.encode(payloads)
 
 
 class RestartMark(_PublisherMessage, tag="r"):
@@ -128,6 +151,17 @@ class Group(msgspec.Struct, array_like=True):
 
     id: int
     messages: list[Message]
+
+
+# What the service sends: a Message, or the C path's batches packed (read as AppliedBatches).
+Outgoing = Message | PackedBatches
+
+
+class OutgoingGroup(msgspec.Struct, array_like=True):
+    """A `Group` as the service writes it (its messages may be PackedBatches)."""
+
+    id: int
+    messages: list[Outgoing]
 
 
 class WorkerReport(msgspec.Struct, array_like=True, gc=False):

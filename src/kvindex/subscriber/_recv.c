@@ -25,9 +25,10 @@
  *
  * A persistent store must log every batch the index applied. With `keep_payloads` the
  * Sequencer also keeps the payloads of the batches C applied (copied, without the GIL, into
- * one growing buffer), and `kept()` hands them to Python in one call per read: the first
- * seq and the payloads as a list, in order (the seqs C takes are consecutive). So the store
- * still sees every batch, and Python still does nothing per batch but make its bytes.
+ * one growing buffer, written as msgpack: an array of bin), and `kept()` hands them to
+ * Python in one call per read: the first seq, the count and that buffer as one bytes
+ * object, which the store's message carries as it is (the seqs C takes are consecutive).
+ * So the store still sees every batch, and Python does nothing per batch at all.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -271,9 +272,10 @@ typedef struct {
     int has_ts;
     double last_ts, last_traffic;
     int64_t counts[3]; /* stored, removed, clears */
-    /* keep_payloads: the payloads of the batches C applied since the last kept(), each
-     * written as [u32 size][bytes] into `kbuf` (klen used of kcap), `kcount` of them, the
-     * first of seq `kfirst`, the rest following it one by one. */
+    /* keep_payloads: the payloads of the batches C applied since the last kept(), as a
+     * msgpack array of bin 32 in `kbuf` (klen used of kcap): 5 bytes for the array's
+     * header (written by kept()), then per payload 0xc6, its size (u32, big-endian) and
+     * its bytes. `kcount` of them, the first of seq `kfirst`, the rest following it. */
     int keep;
     unsigned char *kbuf;
     size_t klen, kcap;
@@ -347,12 +349,23 @@ static int ring_room(SequencerObject *s) {
     return 1;
 }
 
+#define KEEP_HEADER 5 /* msgpack array 32: 0xdd and the count (u32, big-endian) */
+
+/* A msgpack marker byte and a u32, big-endian. */
+static void put_u32(unsigned char *at, unsigned char marker, uint32_t n) {
+    at[0] = marker;
+    at[1] = (unsigned char)(n >> 24);
+    at[2] = (unsigned char)(n >> 16);
+    at[3] = (unsigned char)(n >> 8);
+    at[4] = (unsigned char)n;
+}
+
 /* Room to keep one more payload of `size` bytes (keep_payloads). 0: too large or out of
    memory (the batch is then left to Python, which records it itself). No GIL needed. */
 static int keep_room(SequencerObject *s, size_t size) {
-    if (size > UINT32_MAX)
+    if (size > UINT32_MAX || s->kcount >= (Py_ssize_t)UINT32_MAX)
         return 0;
-    size_t need = s->klen + 4 + size;
+    size_t need = (s->kcount ? s->klen : KEEP_HEADER) + 5 + size;
     if (need <= s->kcap)
         return 1;
     size_t cap = s->kcap ? s->kcap : 64 * 1024;
@@ -368,12 +381,14 @@ static int keep_room(SequencerObject *s, size_t size) {
 
 /* Keep the payload of the batch `seq` just applied; the caller made room (keep_room). */
 static void keep_payload(SequencerObject *s, uint64_t seq, const void *data, size_t size) {
-    if (s->kcount == 0)
+    if (s->kcount == 0) {
         s->kfirst = seq;
-    uint32_t n = (uint32_t)size;
-    memcpy(s->kbuf + s->klen, &n, 4);
-    memcpy(s->kbuf + s->klen + 4, data, size);
-    s->klen += 4 + size;
+        s->klen = KEEP_HEADER;
+    }
+    unsigned char *at = s->kbuf + s->klen;
+    put_u32(at, 0xc6, (uint32_t)size); /* msgpack bin 32 */
+    memcpy(at + 5, data, size);
+    s->klen += 5 + size;
     s->kcount++;
 }
 
@@ -486,28 +501,18 @@ static PyObject *Sequencer_take(SequencerObject *self, PyObject *Py_UNUSED(unuse
     return out;
 }
 
-/* kept() -> (first_seq, [payload, ...]) | None: the payloads of the batches applied in C
-   since the last call (keep_payloads), in seq order from first_seq; None if there are none.
-   What a persistent store records of them: one call per read, not one per batch. */
+/* kept() -> (first_seq, count, packed) | None: the payloads of the batches applied in C
+   since the last call (keep_payloads), in seq order from first_seq, as one msgpack array
+   of bin (what a list of bytes encodes to); None if there are none. What a persistent
+   store records of them: one call and one copy per read, no object per batch. */
 static PyObject *Sequencer_kept(SequencerObject *self, PyObject *Py_UNUSED(unused)) {
     if (self->kcount == 0)
         Py_RETURN_NONE;
-    PyObject *list = PyList_New(self->kcount);
-    if (list == NULL)
-        return NULL;
-    size_t at = 0;
-    for (Py_ssize_t i = 0; i < self->kcount; i++) {
-        uint32_t n;
-        memcpy(&n, self->kbuf + at, 4);
-        PyObject *payload = PyBytes_FromStringAndSize((const char *)self->kbuf + at + 4, n);
-        if (payload == NULL) {
-            Py_DECREF(list);
-            return NULL; /* kept as they are: a later call may succeed */
-        }
-        PyList_SET_ITEM(list, i, payload);
-        at += 4 + (size_t)n;
-    }
-    PyObject *out = Py_BuildValue("(KN)", (unsigned long long)self->kfirst, list);
+    put_u32(self->kbuf, 0xdd, (uint32_t)self->kcount); /* msgpack array 32 */
+    PyObject *packed = PyBytes_FromStringAndSize((const char *)self->kbuf, (Py_ssize_t)self->klen);
+    if (packed == NULL)
+        return NULL; /* kept as they are: a later call may succeed */
+    PyObject *out = Py_BuildValue("(KnN)", (unsigned long long)self->kfirst, self->kcount, packed);
     if (out == NULL)
         return NULL;
     self->kcount = 0;

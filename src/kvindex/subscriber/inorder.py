@@ -14,7 +14,8 @@ digests, counters) sits in the Sequencer until Python needs it:
 
 With `keep_payloads` (a persistent store, which logs every batch the index applied), the
 C path also keeps the payloads of the batches it applied, and `sync()` hands them over with
-the counters: one list per publisher and read (`Applied.payloads`), never an item per batch.
+the counters: one bytes object per publisher and read (`Applied.packed`: a msgpack array of
+the payloads, as a store's message carries it), never an object per batch.
 
 Python arms it again only at the start of a poll (`Subscriber._process`): the items Python
 produced for the publisher before are all applied by then, so C never applies a batch
@@ -50,9 +51,10 @@ class Applied(NamedTuple):
     last_seq: int
     ts: float | None  # the last batch's (None: offered without an apply, in tests)
     counts: tuple[int, int, int]  # block events stored, removed, and clears
-    # With keep_payloads: the batches' payloads as the publisher sent them, in seq order,
-    # seqs last_seq - len(payloads) + 1 .. last_seq (every batch of this sync).
-    payloads: list[bytes] | None = None
+    # With keep_payloads: every batch of this sync as the publisher sent it, seqs
+    # last_seq - batches + 1 .. last_seq in order, packed as one msgpack array of bin (what
+    # `msgspec.msgpack.encode(list_of_payloads)` gives).
+    packed: bytes | None = None
 
 
 class InOrder:
@@ -90,15 +92,15 @@ class InOrder:
         if not received:
             return
         self.state.advanced(delivered, next_seq, last_live, traffic)
-        payloads = None
-        if self.keep_payloads:
+        packed = None
+        if self.keep_payloads and delivered:
             kept = self.sequencer.kept()
-            payloads = [] if kept is None else kept[1]
             # Every batch C delivered since the last sync, and only those (offer() keeps
             # none: tests only, never with keep_payloads).
-            if len(payloads) != delivered or (kept is not None and kept[0] + delivered != next_seq):
+            if kept is None or kept[1] != delivered or kept[0] + delivered != next_seq:
                 raise RuntimeError("the C path's kept payloads do not match its deliveries")
-        applied = Applied(self.state.source, delivered, next_seq - 1, ts, counts, payloads)
+            packed = kept[2]
+        applied = Applied(self.state.source, delivered, next_seq - 1, ts, counts, packed)
         self._sink.append(applied)
 
     def disarm(self) -> None:

@@ -181,9 +181,9 @@ class RedisStore(WorkerStore):
             super().record(item)
         # else: another replica's batch, read from its log: nothing to append
 
-    def record_batches(self, source: SourceKey, first_seq: int, payloads: list[bytes]) -> None:
+    def record_batches(self, source: SourceKey, first_seq: int, count: int, packed: bytes) -> None:
         if self.config.ingest.ingests(source.instance):
-            super().record_batches(source, first_seq, payloads)
+            super().record_batches(source, first_seq, count, packed)
 
     # -- control: sync, compact, close come from WorkerStore ----------------------------
 

@@ -53,27 +53,36 @@ COMMANDS = (
 )
 
 
-def _commands() -> list[ModuleType]:
+def _commands(names: Sequence[str] = COMMANDS) -> list[ModuleType]:
     # Imported only when a parser is built, so that importing `kvindex.cli` does not pull in
     # every command's dependencies (zmq, rich, ...).
-    return [importlib.import_module(f"kvindex.cli.{name}") for name in COMMANDS]
+    return [importlib.import_module(f"kvindex.cli.{name}") for name in names]
 
 
-def build_parser() -> CliParser:
+def build_parser(only: str | None = None) -> CliParser:
+    """The parser of every command, or with `only`, of that one command alone (what a
+    command line naming it needs: the others' modules are not imported, which a `serve`
+    start would wait for)."""
     parser = CliParser(
         prog="kvindex",
         description="An exact, fast index of vLLM's KV-cache events.",
     )
     parser.add_argument("--version", action="version", version=f"kvindex {__version__}")
     sub = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
-    for module in _commands():
+    for module in _commands(COMMANDS if only is None else (only,)):
         module.add_parser(sub)
     return parser
 
 
+def _named_command(argv: Sequence[str]) -> str | None:
+    """The command `argv` starts with, if it starts with one (else every parser is built:
+    `--help`, `--version`, a mistyped command's error listing them all)."""
+    return argv[0] if argv and argv[0] in COMMANDS else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvindex` console script; returns the process exit code."""
-    parser = build_parser()
+    parser = build_parser(_named_command(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace], int] | None = getattr(args, "run", None)
     if run is None:

@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 
 from kvindex.index import ReferenceIndex
@@ -329,6 +330,10 @@ def _exact_round(seed: int) -> list[str]:
         differential.assert_same(pure, index, prompts, runs, local_runs=local)
     except AssertionError:
         errors.append(f"not the reference's state: {traceback.format_exc()}")
+    # Every store carries its tokens, so every shared node keeps them: the reference's key.
+    shared = [Counter(n for n in i.walk_tree() if n[3] & (n[3] - 1)) for i in (index, pure)]
+    if shared[0] != shared[1] or not shared[0]:
+        errors.append(f"shared nodes' tokens: {shared[0] - shared[1]} / {shared[1] - shared[0]}")
     return errors
 
 

@@ -126,7 +126,6 @@ int core_init(core_t *c, uint64_t seed) {
     c->seed = seed;
     pmap_init(&c->children);
     map_init(&c->root_ns);
-    map_init(&c->tokens);
     map_init(&c->partial);
     map_init(&c->ns_by_key);
     map_init(&c->local);
@@ -144,6 +143,7 @@ int core_init(core_t *c, uint64_t seed) {
 }
 
 static void source_free(core_t *c, source_t *s);
+static void tokens_release(core_t *c, uint32_t *copy);
 
 void core_free(core_t *c) {
     for (uint32_t b = 0; b < c->nsources_cap; b++)
@@ -161,11 +161,15 @@ void core_free(core_t *c) {
     pmap_free(&c->children);
     map_free(&c->root_ns);
     map_free(&c->ns_by_key);
-    MAP_FOREACH(&c->tokens, e) { /* the live slots (free ones hold the free list) */
-        free(c->token_store[e->value]);
-    }
-    free(c->token_store);
-    map_free(&c->tokens);
+    for (uint32_t i = 0; i < c->set_tokens_cap; i++) /* a free set's is NULL */
+        if (c->set_tokens[i] != NULL)
+            tokens_release(c, c->set_tokens[i]); /* the malloc'd ones freed */
+    free(c->set_tokens);
+    for (uint32_t k = 0; k < c->ntoken_slabs; k++)
+        for (void *chunk = c->token_slabs[k].chunks, *next; chunk != NULL; chunk = next) {
+            memcpy(&next, chunk, sizeof(void *));
+            free(chunk);
+        }
     map_free(&c->partial);
     interner_free(&c->strings);
     interner_free(&c->bytes);
@@ -226,8 +230,8 @@ static void node_free(core_t *c, uint32_t i) {
         local_forget(c, i);
     node_t *n = &c->nodes[i];
     if (n->holders & HOLD_SET) { /* only a node two publishers hold keeps tokens */
-        set_free(c, n->holders & ~HOLD_SET);
         tokens_forget(c, i);
+        set_free(c, n->holders & ~HOLD_SET);
     }
     if (c->partial.count) {
         map_entry *e = map_find(&c->partial, i, 0);
@@ -520,6 +524,15 @@ static uint32_t set_new(core_t *c) {
             c->sets = sets;
             c->sets_cap = cap;
         }
+        if (c->nsets + 2 > c->set_tokens_cap) { /* each set's tokens pointer (tokens_keep) */
+            uint32_t cap = c->sets_cap > c->nsets + 2 ? c->sets_cap : c->nsets + 2;
+            uint32_t **tokens = realloc(c->set_tokens, (size_t)cap * sizeof(uint32_t *));
+            if (tokens == NULL)
+                return 0;
+            memset(tokens + c->set_tokens_cap, 0, (cap - c->set_tokens_cap) * sizeof(uint32_t *));
+            c->set_tokens = tokens;
+            c->set_tokens_cap = cap;
+        }
         s = c->nsets++;
         if (s == 0) { /* set 0 is "none": take the next */
             s = c->nsets++;
@@ -608,65 +621,94 @@ static void holders_del(core_t *c, uint32_t n, uint32_t bit) {
         }
     if (count >= 2)
         return;
+    tokens_forget(c, n); /* no longer shared: the dashboard won't ask for its tokens */
     set_free(c, h & ~HOLD_SET);
     c->nodes[n].holders = count ? last + 1 : 0;
-    if (count == 1)
-        tokens_forget(c, n); /* no longer shared: the dashboard won't ask for its tokens */
 }
 
 /* -- tokens of shared nodes (for the dashboard's shared prefixes) --------------------- */
 
+/* A shared node's tokens live beside its holder set (`set_tokens`, by set index): a node
+ * keeps tokens only while two publishers or more hold it, which is exactly while its
+ * holders are a set. (They were in a table keyed by node: three hash-table operations
+ * each time a node got or lost its second holder, under the write lock.) */
+#define TOKEN_CHUNK_ITEMS 64
+
+/* Room for a copy of `words` uint32 (count + tokens): from the slab of that size (made if
+ * there is room for one more size), else malloc'd. They came and went with every node
+ * getting or losing its second holder, ~6 a batch, each a malloc or free and two atomic
+ * updates of the allocation counters under the write lock, and a free often on another
+ * thread's arena than its malloc's. NULL: out of memory. */
+static uint32_t *tokens_alloc(core_t *c, uint32_t words) {
+    uint32_t k = 0;
+    while (k < c->ntoken_slabs && c->token_slabs[k].words != words)
+        k++;
+    if (k == c->ntoken_slabs) {
+        if (k == sizeof c->token_slabs / sizeof c->token_slabs[0])
+            return malloc((size_t)words * sizeof(uint32_t));
+        c->token_slabs[k].words = words;
+        c->token_slabs[k].free = NULL;
+        c->token_slabs[k].chunks = NULL;
+        c->ntoken_slabs++;
+    }
+    if (c->token_slabs[k].free == NULL) {
+        size_t item = (size_t)words * sizeof(uint32_t); /* >= 8: a block has a token */
+        uint8_t *chunk = malloc(16 + TOKEN_CHUNK_ITEMS * item);
+        if (chunk == NULL)
+            return NULL;
+        memcpy(chunk, &c->token_slabs[k].chunks, sizeof(void *));
+        c->token_slabs[k].chunks = chunk;
+        c->token_slab_bytes += 16 + TOKEN_CHUNK_ITEMS * item;
+        for (uint32_t i = 0; i < TOKEN_CHUNK_ITEMS; i++) {
+            uint8_t *at = chunk + 16 + i * item;
+            memcpy(at, &c->token_slabs[k].free, sizeof(uint32_t *));
+            c->token_slabs[k].free = (uint32_t *)at;
+        }
+    }
+    uint32_t *out = c->token_slabs[k].free;
+    memcpy(&c->token_slabs[k].free, out, sizeof(uint32_t *));
+    return out;
+}
+
+/* A copy back to its slab (its size's: sizes are never dropped), or to free. */
+static void tokens_release(core_t *c, uint32_t *copy) {
+    uint32_t words = copy[0] + 1;
+    for (uint32_t k = 0; k < c->ntoken_slabs; k++)
+        if (c->token_slabs[k].words == words) {
+            memcpy(copy, &c->token_slabs[k].free, sizeof(uint32_t *));
+            c->token_slabs[k].free = copy;
+            return;
+        }
+    free(copy);
+}
+
 static void tokens_keep(core_t *c, uint32_t n, const uint32_t *tokens, uint32_t count) {
-    if (!c->keep_tokens || tokens == NULL || map_find(&c->tokens, n, 0) != NULL)
+    uint32_t h = c->nodes[n].holders;
+    if (!c->keep_tokens || tokens == NULL || !(h & HOLD_SET) ||
+        c->set_tokens[h & ~HOLD_SET] != NULL)
         return;
-    uint32_t *copy = malloc(((size_t)count + 1) * sizeof(uint32_t));
+    uint32_t *copy = count < UINT32_MAX ? tokens_alloc(c, count + 1) : NULL;
     if (copy == NULL)
         return; /* only the dashboard's token display loses */
     copy[0] = count;
     memcpy(copy + 1, tokens, count * sizeof(uint32_t));
-    uint32_t slot;
-    if (c->free_token_slots) {
-        slot = c->free_token_slots;
-        c->free_token_slots = (uint32_t)(uintptr_t)c->token_store[slot];
-    } else {
-        if (c->ntoken_store == c->token_store_cap) {
-            uint32_t cap = c->token_store_cap ? c->token_store_cap * 2 : 64;
-            uint32_t **store = realloc(c->token_store, cap * sizeof(uint32_t *));
-            if (store == NULL) {
-                free(copy);
-                return;
-            }
-            c->token_store = store;
-            c->token_store_cap = cap;
-            if (c->ntoken_store == 0)
-                c->ntoken_store = 1; /* slot 0 unused: 0 ends the free list */
-        }
-        slot = c->ntoken_store++;
-    }
-    int made;
-    map_entry *e = map_put(&c->tokens, n, 0, &made);
-    if (e == NULL) {
-        free(copy);
-        c->token_store[slot] = (uint32_t *)(uintptr_t)c->free_token_slots;
-        c->free_token_slots = slot;
-        return;
-    }
-    e->value = slot;
-    c->token_store[slot] = copy;
+    c->set_tokens[h & ~HOLD_SET] = copy;
+    c->tokens_kept++;
 }
 
+/* Called while the node's holders are still its set (before set_free). */
 static void tokens_forget(core_t *c, uint32_t n) {
-    uint32_t slot;
-    if (c->tokens.count == 0 || !map_remove(&c->tokens, n, 0, &slot))
+    uint32_t h = c->nodes[n].holders;
+    if (!(h & HOLD_SET) || c->set_tokens[h & ~HOLD_SET] == NULL)
         return;
-    free(c->token_store[slot]);
-    c->token_store[slot] = (uint32_t *)(uintptr_t)c->free_token_slots;
-    c->free_token_slots = slot;
+    tokens_release(c, c->set_tokens[h & ~HOLD_SET]);
+    c->set_tokens[h & ~HOLD_SET] = NULL;
+    c->tokens_kept--;
 }
 
 const uint32_t *node_tokens(const core_t *c, uint32_t n) {
-    map_entry *e = c->tokens.count ? map_find(&c->tokens, n, 0) : NULL;
-    return e ? c->token_store[e->value] : NULL;
+    uint32_t h = c->nodes[n].holders;
+    return (h & HOLD_SET) && h != NODE_FREED ? c->set_tokens[h & ~HOLD_SET] : NULL;
 }
 
 /* -- publishers ---------------------------------------------------------------------- */

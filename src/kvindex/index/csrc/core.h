@@ -183,11 +183,23 @@ typedef struct {
     uint32_t nnodes, nodes_cap, free_nodes, live_nodes;
     pmap_t children; /* a = the child's prefix digest, b = probe -> child (see prefix_of) */
     map_t root_ns;  /* a = root node, b = 0 -> namespace index */
-    map_t tokens;   /* a = node, b = 0 -> index into token_store (shared nodes) */
     map_t partial;  /* a = node, b = 0 -> the partial units it ends (fleet._partial_units) */
     /* holder sets */
     uint64_t *sets;
     uint32_t set_words, nsets, sets_cap, free_sets;
+    /* per set: the tokens of the node it is the holders of (count, then the ids), or NULL
+     * (see tokens_keep); set_tokens_cap >= nsets */
+    uint32_t **set_tokens;
+    uint32_t set_tokens_cap, tokens_kept;
+    /* The copies themselves: items of one size carved from chunks kept for the core's life
+     * (a few sizes: the fleet's block sizes), others malloc'd (see tokens_alloc). */
+    struct {
+        uint32_t words; /* an item's: the count, then the tokens */
+        uint32_t *free; /* free items, linked through their first 8 bytes */
+        void *chunks;   /* linked through their first 8 bytes */
+    } token_slabs[4];
+    uint32_t ntoken_slabs;
+    size_t token_slab_bytes;
     /* namespaces */
     namespace_t *ns;
     uint32_t nns, ns_cap;
@@ -208,8 +220,6 @@ typedef struct {
     interner names;     /* namespaces' adapters and salts (freed with their last one) */
     interner bytes;     /* bytes hashes (freed when no pool holds them) */
     uint64_t seed;      /* of the key digest */
-    uint32_t **token_store;
-    uint32_t ntoken_store, token_store_cap, free_token_slots;
     uint32_t gpu_medium; /* the interned "GPU": the medium of events that name none */
     uint32_t last_medium, last_lora, last_salt, last_kind; /* see intern_cached */
     /* Keep the tokens of nodes as they become shared (the dashboard's shared prefixes

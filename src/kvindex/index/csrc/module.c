@@ -2180,7 +2180,7 @@ static int memory_body(CoreObject *self, void *ctx) {
     f->node_bytes = (unsigned long long)c->nodes_cap * sizeof(node_t);
     f->children = pmap_bytes(&c->children);
     f->sets = (unsigned long long)c->sets_cap * c->set_words * 8;
-    f->tokens = map_bytes(&c->tokens) + (unsigned long long)c->tokens.count * 68;
+    f->tokens = (unsigned long long)c->set_tokens_cap * sizeof(uint32_t *) + c->token_slab_bytes;
     f->local = c->local_on ? map_bytes(&c->local) + (unsigned long long)c->nodes_cap * 12 : 0;
     return 0;
 }

@@ -5,7 +5,8 @@ as without one:
 
 The publishers' stream is queued while ingest is paused, then drained by one ingest worker
 and timed; with `sqlite` a real SQLite store (its writer process) records every batch as
-`serve` has it record (`Fleet.record_into`, flushed after each read). Each store with the
+`serve` has it record (`Fleet.record_into`, flushed after each read). `make bench`'s drain
+section has the same runs at its own size (`c-1-sqlite`, `python-1-sqlite`). Each store with the
 C path and with every batch in Python (`KVINDEX_C_INGEST=0`), interleaved, best of N.
 Prints one JSON object per case: block events/s, the process's CPU seconds per million
 block events (the writer's own process not counted) and the GIL held per batch
@@ -17,14 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import kvindex.bench.drain as drain
 from kvindex.bench.workloads import IngestSpec, ingest_workload
-from kvindex.runtime import Fleet
-from kvindex.store.sqlite import SQLiteStore
 
 KEEP = (
     "per_s",
@@ -42,32 +39,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     w = ingest_workload(IngestSpec(4, args.events))
-    directory = Path(tempfile.mkdtemp(prefix="kvindex-drain-store-"))
-    timed = drain._timed_drain
-    store_kind = ["memory"]
-    made = [0]
-
-    def with_store(fleet: Fleet, *rest: Any) -> dict[str, Any]:
-        if store_kind[0] == "memory":
-            return timed(fleet, *rest)
-        made[0] += 1
-        store = SQLiteStore(directory / f"store-{made[0]}.sqlite")
-        store.start()
-        fleet.record_into(store.record, store.record_batches)
-        fleet.on_read.append(store.flush)
-        try:
-            return timed(fleet, *rest)
-        finally:
-            store.close()
-
-    drain._timed_drain = with_store  # type: ignore[assignment]
     best: dict[str, dict[str, Any]] = {}
     for _ in range(args.rounds):
-        for kind in ("memory", "sqlite"):
-            store_kind[0] = kind
+        for store in (None, "sqlite"):
             for in_c in (True, False):
-                run = drain._drain(w, 1, in_c, 300.0)
-                key = f"{kind}-{'c' if in_c else 'python'}"
+                run = drain._drain(w, 1, in_c, 300.0, store)
+                key = f"{store or 'memory'}-{'c' if in_c else 'python'}"
                 if key not in best or run["per_s"] > best[key]["per_s"]:
                     best[key] = {k: run[k] for k in KEEP}
     out = {"block_events": w.events, "batches": len(w.measured), "best": best}

@@ -9,7 +9,9 @@ applied; the final state is checked against the simulator's pools.
 
 Each configuration runs with the in-order path in C and with it off (`KVINDEX_C_INGEST=0`,
 every batch through the Python state machine: the same-run baseline), with 1 and 2 ingest
-workers and as many as the machine has. Besides the rate, each says:
+workers and as many as the machine has, and with 1 worker again while a SQLite store
+records every batch as `serve` has it do (`c-1-sqlite`, `python-1-sqlite`: the store's
+writer is a process of its own, not counted). Besides the rate, each says:
 
 - `cpu_seconds_per_m_events`: the process's CPU time over the drain per million block
   events (the Fleet is what `serve` runs, here in process: no HTTP traffic);
@@ -31,8 +33,10 @@ import asyncio
 import contextlib
 import gc
 import os
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from kvindex.bench.workloads import IngestWorkload
@@ -60,6 +64,9 @@ def drain_case(w: IngestWorkload, rounds: int = 2, timeout: float = 300.0) -> di
                     best = run
             assert best is not None
             runs[f"{path}-{workers}"] = best
+    for path in paths:  # with a persistent store recording
+        store_runs = [_drain(w, 1, path == "c", timeout, "sqlite") for _ in range(rounds)]
+        runs[f"{path}-1-sqlite"] = max(store_runs, key=lambda run: run["per_s"])
     out: dict[str, Any] = {
         "instances": w.spec.instances,
         "batches": len(w.measured),
@@ -107,7 +114,10 @@ def _c_ingest(on: bool) -> Iterator[None]:
             os.environ["KVINDEX_C_INGEST"] = old
 
 
-def _drain(w: IngestWorkload, workers: int, in_c: bool, timeout: float) -> dict[str, Any]:
+def _drain(
+    w: IngestWorkload, workers: int, in_c: bool, timeout: float, store: str | None = None
+) -> dict[str, Any]:
+    """One drain; `store` "sqlite": a fresh SQLite store records every batch meanwhile."""
     names = w.names
     per_instance = [0] * len(names)
     warm_next = [0] * len(names)
@@ -127,10 +137,29 @@ def _drain(w: IngestWorkload, workers: int, in_c: bool, timeout: float) -> dict[
         resume = {SourceKey(n): Checkpoint(warm_next[i]) for i, n in enumerate(names)}
         with _c_ingest(in_c):
             fleet = Fleet(specs, ingest_workers=workers, sub_hwm=hwm, resume=resume)
-        return _timed_drain(fleet, w, pubs, per_instance, timeout)
+        if store is None:
+            return _timed_drain(fleet, w, pubs, per_instance, timeout)
+        return _with_sqlite(fleet, w, pubs, per_instance, timeout)
     finally:
         for pub in pubs:
             pub.close()
+
+
+def _with_sqlite(
+    fleet: Fleet, w: IngestWorkload, pubs: list[Publisher], expected: list[int], timeout: float
+) -> dict[str, Any]:
+    """`_timed_drain` with a SQLite store recording, as `serve` wires one."""
+    from kvindex.store.sqlite import SQLiteStore
+
+    with tempfile.TemporaryDirectory(prefix="kvindex-drain-") as tmp:
+        store = SQLiteStore(Path(tmp) / "drain.sqlite")
+        store.start()
+        try:
+            fleet.record_into(store.record, store.record_batches)
+            fleet.on_read.append(store.flush)
+            return _timed_drain(fleet, w, pubs, expected, timeout)
+        finally:
+            store.close()
 
 
 def _timed_drain(

@@ -168,6 +168,16 @@ def _drain_rows(results: dict[str, Any]) -> list[Row]:
             "<= 1 us",
         )
     )
+    c1s, py1s = runs.get("c-1-sqlite"), runs.get("python-1-sqlite")
+    if c1s is not None and py1s is not None:
+        out.append(
+            (
+                "the same, a SQLite store recording every batch (1 worker)",
+                f"{c1s['gil_us_per_batch']:.2f} us, {_m(c1s['per_s'])}",
+                f"Python path {py1s['gil_us_per_batch']:.2f} us, {_m(py1s['per_s'])}",
+                "<= 1 us",
+            )
+        )
     amdahl = drain.get("c_amdahl")
     if amdahl and c1.get("serial_fraction") is not None:
         locked, gil = amdahl["16"]["gil_and_lock"], amdahl["64"]["gil_and_lock"]

@@ -286,12 +286,14 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
         instances = _with_runtime_instances(configured, loaded.instances)
         fleet = _start_fleet(settings, instances, store, index, loaded)
         on_failure.callback(fleet.close)
+        starting = _StoreStart(store)  # while the app is built (after a shared store's share)
+        on_failure.callback(starting.join)  # before the store closes
         finders = _finders(fleet, settings)
         routing = _routing(fleet, settings)
         on_failure.pop_all()  # from here on, serving owns them
-    store.start()
     server = _server(fleet, routing, store, http, stop, finders)
     lookups = _lookup_thread(settings, fleet, sock, http, server)
+    starting.wait()  # the store is taking items before ingest starts
     try:
         run_async(_serve(server, sock, _summary(len(instances), store.url, loaded), lookups))
     finally:
@@ -606,6 +608,34 @@ def _open_store_importing(
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome
+
+
+class _StoreStart:
+    """`store.start()` on a thread: the SQLite writer is a Python process that takes ~0.2 s
+    to say it is there, which the rest of serve's start (the fleet, the app, uvicorn's
+    config) need not wait for. `wait` raises what `start` raised."""
+
+    def __init__(self, store: Store) -> None:
+        import threading
+
+        self._failed: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                store.start()
+            except BaseException as exc:  # raised by wait, on the caller's thread
+                self._failed.append(exc)
+
+        self._thread = threading.Thread(target=start, name="kvindex-store-start", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._failed:
+            raise self._failed[0]
 
 
 def _with_runtime_instances(

@@ -582,20 +582,30 @@ SERVING_MODULES = (
 def _open_store_importing(
     url: str, local_hashes: bool = False
 ) -> tuple[Store, FleetIndex, LoadResult]:
-    """`_open_store` on a thread while this one imports what serving needs: a compiled
-    index's snapshot is read and applied in C without the GIL (kvindex.store.sqlite
-    .fastload), so the load and the imports (about half a second each) run side by side
-    instead of one after the other. The index is whole when this returns: nothing is
+    """The store opened here (its modules imported before anything else: the load needs
+    them first, and two threads never import the same modules at once), then loaded into
+    a fresh index (a warm start) on a thread while this one imports what serving needs: a
+    compiled index's snapshot is read and applied in C without the GIL (kvindex.store
+    .sqlite.fastload), so the load and the imports (about half a second each) run side by
+    side instead of one after the other. The index is whole when this returns: nothing is
     served from it before."""
     import importlib
     import threading
 
-    done: list[tuple[Store, FleetIndex, LoadResult] | BaseException] = []
+    from kvindex.index import FleetIndex
+    from kvindex.store import StoreError, open_store
+
+    index = FleetIndex(local_hashes=local_hashes)
+    try:
+        store = open_store(url)
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+    done: list[LoadResult | BaseException] = []
 
     def load() -> None:
         try:
-            done.append(_open_store(url, local_hashes))
-        except BaseException as exc:  # raised here, on the caller's thread
+            done.append(store.load(index))
+        except BaseException as exc:  # raised below, on this thread
             done.append(exc)
 
     loader = threading.Thread(target=load, name="kvindex-warm-start", daemon=True)
@@ -606,8 +616,11 @@ def _open_store_importing(
     loader.join()
     (outcome,) = done
     if isinstance(outcome, BaseException):
+        store.close()  # frees what it took (the store's lock)
+        if isinstance(outcome, StoreError):
+            raise UsageError(str(outcome)) from None
         raise outcome
-    return outcome
+    return store, index, outcome
 
 
 class _StoreStart:

@@ -4,19 +4,20 @@
  * One call, `load(path, api, core, register)`:
  *   1. without the GIL: read every `runs` row (one sqlite3_step loop, in one read
  *      transaction), group them by publisher (instance, rank) in the order they first
- *      come, read each record's keys (msgpack [parent, hashes, extras, gone, tail]), put
- *      each publisher's records parents first (snapshot._parents_first, step for step) and
- *      cut them into the very batches snapshot._payloads makes;
+ *      come, read each record's keys (msgpack [parent, hashes, extras, gone, tail]);
  *   2. with the GIL, briefly: `register(instance, rank)` gives each publisher's core bit,
  *      in that order (as the Python loader's first apply_payload of each would);
- *   3. without the GIL: apply the batches through the core's ingest API (ingest_api.h).
+ *   3. without the GIL: put each publisher's records parents first
+ *      (snapshot._parents_first, step for step), cut them into the very batches
+ *      snapshot._payloads makes, and apply each as it is made (in one reused buffer)
+ *      through the core's ingest API (ingest_api.h).
  *
  * So a serve that loads on a thread leaves the GIL to its imports for all but step 2.
  * Anything it does not take as the reference would -- a key that is neither an int nor
  * bytes, a column of an unexpected type, keys that do not decode -- makes it apply nothing
  * and answer "fallback": the Python loader then does it all, and says what is wrong the
  * way it always has. A batch the core's fast parser does not take (KV_APPLY_SLOW) stops
- * step 3: it and every batch after it are handed back, in order, for Python's
+ * the applying: it and every batch after it are handed back, in order, for Python's
  * apply_payload (which decodes it in Python, or refuses it with a WireError).
  */
 #define PY_SSIZE_T_CLEAN
@@ -152,8 +153,13 @@ typedef struct {
     size_t n_srcs, cap_srcs;
     int *src_slots; /* open addressing over sources: index + 1, 0 = empty */
     size_t src_mask;
-    chunk *chunks;
+    chunk *chunks; /* batches not applied (after one the fast parser left): Python's */
     size_t n_chunks, cap_chunks;
+    uint8_t *buf; /* the batch being applied (one buffer, reused) */
+    size_t buf_cap;
+    const kv_ingest_api *api;
+    void *core;
+    int collect; /* a batch was left to Python: this one and every one after are kept */
     char fallback[200]; /* why the Python loader must do it; "" if not */
     int sql_rc;         /* an SQLite error: its code and message */
     char sql_msg[300];
@@ -172,6 +178,7 @@ static void state_free(load_state *st) {
     for (size_t i = 0; i < st->n_chunks; i++)
         free(st->chunks[i].data);
     free(st->chunks);
+    free(st->buf);
 }
 
 static uint64_t source_hash(const char *s, size_t n, int64_t rank) {
@@ -259,9 +266,9 @@ static void read_rows(load_state *st, const char *path) {
         return;
     }
     sqlite3_busy_timeout(db, 5000); /* Python's sqlite3 default */
-    /* Pages read in place rather than copied into SQLite's cache: the scan passes over
-     * every page of the table once (0.085 s instead of 0.11-0.15 s for a 313 MB store). */
-    sqlite3_exec(db, "PRAGMA mmap_size = 1073741824", NULL, NULL, NULL);
+    /* Not memory-mapped (PRAGMA mmap_size): the scan was 0.03-0.06 s faster alone but no
+     * faster beside serve's imports, and the mapped file (313 MB for 1M blocks) counted in
+     * the process's peak RSS (360 MiB against 194 without). */
     /* One read transaction: the rows of one snapshot, whatever a writer does meanwhile. */
     rc = sqlite3_exec(db, "BEGIN", NULL, NULL, NULL);
     if (rc == SQLITE_OK)
@@ -509,14 +516,13 @@ typedef struct {
     size_t len;
 } piece;
 
-/* One batch [ts, [events...]] of these pieces, added to the chunks. */
-static int add_chunk(load_state *st, int src, const uint8_t ts[9], const piece *pieces,
-                     size_t n_pieces, size_t events, size_t bytes) {
-    if (!grow((void **)&st->chunks, &st->cap_chunks, st->n_chunks + 1, sizeof(chunk)))
+/* One batch [ts, [events...]] of these pieces: applied (built in the reused buffer), or,
+ * once one was left to Python, kept for it. 0: no memory (here or in the core). */
+static int emit_chunk(load_state *st, int src, const uint8_t ts[9], const piece *pieces,
+                      size_t n_pieces, size_t events, size_t bytes) {
+    if (!grow((void **)&st->buf, &st->buf_cap, 1 + 9 + 5 + bytes, 1))
         return 0;
-    uint8_t *data = malloc(1 + 9 + 5 + bytes), *p = data;
-    if (data == NULL)
-        return 0;
+    uint8_t *p = st->buf;
     *p++ = 0x92;
     memcpy(p, ts, 9);
     p += 9;
@@ -525,12 +531,37 @@ static int add_chunk(load_state *st, int src, const uint8_t ts[9], const piece *
         memcpy(p, pieces[i].data, pieces[i].len);
         p += pieces[i].len;
     }
-    st->chunks[st->n_chunks++] = (chunk){src, data, (size_t)(p - data)};
+    size_t len = (size_t)(p - st->buf);
+    if (!st->collect) {
+        source *s = &st->srcs[src];
+        double batch_ts = 0;
+        int64_t counts[3] = {0, 0, 0};
+        /* The core copies what it keeps: the buffer is free again once this returns. */
+        int rc = st->api->apply(st->core, s->bit, st->buf, len, &batch_ts, counts, NULL);
+        if (rc == KV_APPLY_NOMEM)
+            return 0;
+        if (rc == KV_APPLY_DONE) {
+            for (int k = 0; k < 3; k++)
+                s->counts[k] += counts[k];
+            s->ts = batch_ts;
+            s->applied++;
+            return 1;
+        }
+        st->collect = 1; /* left to Python: so is every batch after it, in order */
+    }
+    if (!grow((void **)&st->chunks, &st->cap_chunks, st->n_chunks + 1, sizeof(chunk)))
+        return 0;
+    uint8_t *data = malloc(len);
+    if (data == NULL)
+        return 0;
+    memcpy(data, st->buf, len);
+    st->chunks[st->n_chunks++] = (chunk){src, data, len};
     return 1;
 }
 
 /* snapshot._payloads for one publisher: its records' events, parents first, in batches;
- * then the removals of blocks gone from their pools. 0: no memory. */
+ * then the removals of blocks gone from their pools; each applied as it is made (see
+ * emit_chunk). 0: no memory. */
 static int source_batches(load_state *st, int src) {
     source *s = &st->srcs[src];
     size_t n = s->n_recs, i;
@@ -565,19 +596,19 @@ static int source_batches(load_state *st, int src) {
         bytes += len;
         s->blocks += (long long)r->n_hashes - (long long)r->n_gone;
         if (events >= CHUNK_EVENTS || bytes >= CHUNK_BYTES) {
-            if (!add_chunk(st, src, ts_bytes, pieces, n_pieces, events, bytes))
+            if (!emit_chunk(st, src, ts_bytes, pieces, n_pieces, events, bytes))
                 goto nomem;
             n_pieces = events = bytes = 0;
         }
     }
-    if (n_pieces && !add_chunk(st, src, ts_bytes, pieces, n_pieces, events, bytes))
+    if (n_pieces && !emit_chunk(st, src, ts_bytes, pieces, n_pieces, events, bytes))
         goto nomem;
     for (i = 0; i < n_removals; i += CHUNK_EVENTS) {
         size_t part = n_removals - i < CHUNK_EVENTS ? n_removals - i : CHUNK_EVENTS;
         size_t len = 0;
         for (size_t j = 0; j < part; j++)
             len += removals[i + j].len;
-        if (!add_chunk(st, src, ts_bytes, removals + i, part, part, len))
+        if (!emit_chunk(st, src, ts_bytes, removals + i, part, part, len))
             goto nomem;
     }
     goto out;
@@ -613,34 +644,17 @@ static void prepare(load_state *st, const char *path) {
             return;
         }
     }
-    for (size_t s = 0; s < st->n_srcs; s++)
-        if (!source_batches(st, (int)s)) {
-            st->nomem = 1;
-            return;
-        }
 }
 
 /* -- step 3 -------------------------------------------------------------------------- */
 
-/* Apply the chunks in order; the index of the first one not applied (n_chunks: all).
- * -1: the core ran out of memory. */
-static Py_ssize_t apply_all(load_state *st, const kv_ingest_api *api, void *core) {
-    for (size_t i = 0; i < st->n_chunks; i++) {
-        chunk *c = &st->chunks[i];
-        source *s = &st->srcs[c->src];
-        double ts = 0;
-        int64_t counts[3] = {0, 0, 0};
-        int rc = api->apply(core, s->bit, c->data, c->len, &ts, counts, NULL);
-        if (rc == KV_APPLY_NOMEM)
-            return -1;
-        if (rc != KV_APPLY_DONE)
-            return (Py_ssize_t)i;
-        for (int k = 0; k < 3; k++)
-            s->counts[k] += counts[k];
-        s->ts = ts;
-        s->applied++;
-    }
-    return (Py_ssize_t)st->n_chunks;
+/* Each publisher's batches, made and applied in order (those after one the fast parser
+ * left kept for Python). 0: no memory. */
+static int apply_all(load_state *st) {
+    for (size_t s = 0; s < st->n_srcs; s++)
+        if (!source_batches(st, (int)s))
+            return 0;
+    return 1;
 }
 
 /* -- the Python entry ---------------------------------------------------------------- */
@@ -687,7 +701,7 @@ static PyObject *load(PyObject *self, PyObject *args) {
     load_state st;
     memset(&st, 0, sizeof st);
     PyObject *result = NULL, *sources = NULL, *rest = NULL;
-    Py_ssize_t stop = 0;
+    int applied = 0;
     Py_BEGIN_ALLOW_THREADS
     prepare(&st, path);
     Py_END_ALLOW_THREADS
@@ -715,12 +729,14 @@ static PyObject *load(PyObject *self, PyObject *args) {
             goto out;
         s->bit = (uint32_t)value;
     }
+    st.api = api;
+    st.core = core;
     Py_INCREF(core); /* the Core stays while its lock may be held without the GIL */
     Py_BEGIN_ALLOW_THREADS
-    stop = apply_all(&st, api, core);
+    applied = apply_all(&st);
     Py_END_ALLOW_THREADS
     Py_DECREF(core);
-    if (stop < 0) {
+    if (!applied) {
         PyErr_NoMemory();
         goto out;
     }
@@ -738,7 +754,7 @@ static PyObject *load(PyObject *self, PyObject *args) {
             goto out;
         PyList_SET_ITEM(sources, (Py_ssize_t)i, item);
     }
-    for (size_t i = (size_t)stop; i < st.n_chunks; i++) {
+    for (size_t i = 0; i < st.n_chunks; i++) {
         source *s = &st.srcs[st.chunks[i].src];
         PyObject *item =
             Py_BuildValue("(s#Ly#)", s->instance, (Py_ssize_t)s->instance_len,

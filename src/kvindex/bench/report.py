@@ -210,7 +210,8 @@ def _warm_rows(results: dict[str, Any]) -> list[Row]:
     if "healthz_seconds" in warm:
         rows.append(
             (
-                f"warm restart: `serve` on it to healthz ok ({warm['loader']} snapshot load)",
+                "warm restart: `serve` on it to healthz ok (the snapshot loaded in "
+                + ("C)" if warm["loader"] == "c" else "Python)"),
                 f"{warm['healthz_seconds']:.2f} s",
                 f"Python's loader: {warm['python_healthz_seconds']:.2f} s",
                 "<= 1 s to healthz (1M blocks)",

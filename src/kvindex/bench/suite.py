@@ -237,15 +237,24 @@ def _run_only(case: str, plan: Plan, out: Path) -> int:
     results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {"e2e": {}}
     _say(f"only the {case} case, mode {plan.mode}; into {out}")
     started = time.perf_counter()
-    if case in IN_PROCESS_ONLY:  # a section of its own, not an end-to-end case
-        results[case] = IN_PROCESS_ONLY[case](plan)
-    else:
-        with tempfile.TemporaryDirectory(prefix="kvindex-bench-") as tmp:
-            value = cases[case](plan.e2e, Path(tmp))
+
+    def into_e2e(name: str, value: dict[str, Any]) -> None:
         e2e = results.setdefault("e2e", {})
         if not isinstance(e2e, dict) or "skipped" in e2e or "error" in e2e:
             e2e = results["e2e"] = {}
-        e2e[f"e2e_{case}"] = value
+        e2e[f"e2e_{name}"] = value
+
+    if case in IN_PROCESS_ONLY:  # a section of its own, not an end-to-end case
+        results[case] = IN_PROCESS_ONLY[case](plan)
+        if case == "warm_restart":  # and the end-to-end case of the same name, with it
+            from kvindex.bench.e2e.cases import case_warm
+            from kvindex.bench.e2e.runs import attempt
+
+            with tempfile.TemporaryDirectory(prefix="kvindex-bench-") as tmp:
+                into_e2e(case, attempt(lambda: case_warm(plan.e2e, Path(tmp))))
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvindex-bench-") as tmp:
+            into_e2e(case, cases[case](plan.e2e, Path(tmp)))
     results.setdefault("runs_apart", {})[case] = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "mode": plan.mode,

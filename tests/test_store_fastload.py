@@ -201,3 +201,49 @@ def test_a_damaged_record_is_the_same_one_line_error_either_way(tmp_path: Path, 
     check = [sys.executable, "-m", "kvindex", "store", "check", url]
     out = subprocess.run(check, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "a snapshot record does not load" in out.stdout
+
+
+@pytest.mark.parametrize("loader", ["c", "python"])
+def test_serve_says_ok_only_once_the_whole_store_is_loaded(tmp_path: Path, loader: str) -> None:
+    """serve loads on a thread while it imports (cli/serve._open_store_importing): the first
+    /healthz ok already sees every block the store holds, never part of them."""
+    import json
+    import signal
+    import time
+    import urllib.error
+    import urllib.request
+
+    from netutil import free_port, track
+
+    from kvindex.bench.cases import _build_sqlite
+
+    path = tmp_path / "s.sqlite"
+    held = _build_sqlite(path, 40_000)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "kvindex", "serve", "--http", f"127.0.0.1:{port}"]
+    cmd += ["--store", f"sqlite:///{path}"]
+    for i in range(4):
+        cmd += ["--instance", f"i{i}=tcp://127.0.0.1:{free_port()}"]
+    env = dict(os.environ, KVINDEX_SNAPSHOT_LOAD=loader)
+    proc = track(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+
+    def get(route: str) -> Any:
+        with urllib.request.urlopen(url + route, timeout=5) as answer:
+            return json.loads(answer.read())
+
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
+            try:
+                if get("/healthz")["status"] == "ok":
+                    break
+            except (OSError, urllib.error.HTTPError):
+                pass
+            time.sleep(0.005)
+        blocks = sum(view["blocks"] for view in get("/v1/instances")["instances"])
+        assert blocks == held == 40_000
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

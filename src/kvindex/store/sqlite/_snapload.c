@@ -265,11 +265,11 @@ static void read_rows(load_state *st, const char *path) {
         sqlite3_close(db);
         return;
     }
-    sqlite3_busy_timeout(db, 5000); /* Python's sqlite3 default */
-    /* Not memory-mapped (PRAGMA mmap_size): the scan was 0.03-0.06 s faster alone but no
+    sqlite3_busy_timeout(db, 30000); /* as tables.connect's connections wait */
+    /* One read transaction: the rows of one snapshot, whatever a writer does meanwhile.
+     * Not memory-mapped (PRAGMA mmap_size): the scan was 0.03-0.06 s faster alone but no
      * faster beside serve's imports, and the mapped file (313 MB for 1M blocks) counted in
      * the process's peak RSS (360 MiB against 194 without). */
-    /* One read transaction: the rows of one snapshot, whatever a writer does meanwhile. */
     rc = sqlite3_exec(db, "BEGIN", NULL, NULL, NULL);
     if (rc == SQLITE_OK)
         rc = sqlite3_prepare_v2(db, SELECT_RUNS, -1, &stmt, NULL);

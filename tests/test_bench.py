@@ -406,3 +406,74 @@ def test_kvindex_bench_command_takes_the_suites_options() -> None:
     args = build_parser().parse_args(["bench", "--smoke", "--entries", "1M,5M", "--repeats", "4"])
     plan = plan_from(args)
     assert plan.lookup_entries == ((64, 15_625), (64, 78_125)) and plan.slices == 4
+
+
+def test_issue_23_targets_are_tabulated_with_ratio_and_verdict(
+    smoke_run: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Each of issue 23's targets is a row with kvindex's figure, the baseline of the same
+    run, their ratio and whether the target is met; the README gets them as a table."""
+    data = json.loads(smoke_run[0].read_text())
+    found = {row[0]: row for row in report.target_rows(data)}
+    drain = found["drain, 2 workers vs 1, memory store (in process)"]
+    runs = data["drain"]["runs"]
+    assert drain[3] == f"{runs['c-2']['per_s'] / runs['c-1']['per_s']:.2f}x"
+    assert drain[4] == ">= 1.8x" and drain[5] in ("met", "NOT met") and "exact" in drain[1]
+    gil = found["GIL held per ordinary batch on the ingest path (drain, 1 worker)"]
+    assert gil[5] == ("met" if runs["c-1"]["gil_us_per_batch"] <= 1 else "NOT met")
+    warm = [row for name, row in found.items() if name.startswith("warm restart")]
+    assert warm and warm[0][5].startswith("n/a")  # the smoke store is not 1M blocks
+
+    e2e = {
+        "e2e_ingest_memory": {"per_s": 2.1e6, "vs_dynamo": 2.1, "exact": True},
+        "e2e_ingest_sqlite": {"per_s": 1.4e6, "vs_dynamo": 1.4, "exact": True},
+        "e2e_ingest_dynamo": {"per_s": 1.0e6, "exact": True, "cpu_seconds_per_m_events": 0.8},
+        "e2e_lookup": {
+            "instances": 64,
+            "per_instance": 20_000,
+            "kvindex": {
+                "exact": True,
+                "idle": {"p50_ms": 0.2, "p99_ms": 1.0},
+                "loaded": {"p50_ms": 0.3, "p99_ms": 4.0},
+                "bytes_per_entry": 120.0,
+                "heap_bytes_per_entry": 80.0,
+            },
+            "dynamo": {
+                "exact": True,
+                "idle": {"p50_ms": 0.5, "p99_ms": 2.0},
+                "loaded": {"p50_ms": 1.0, "p99_ms": 4.0},
+                "bytes_per_entry": 100.0,
+            },
+        },
+        "e2e_warm_restart": {
+            "blocks": 1_000_000,
+            "healthz_seconds": 0.9,
+            "python_healthz_seconds": 1.3,
+            "cold_healthz_seconds": 0.5,
+        },
+    }
+    rows = {row[0]: row[3:] for row in report.target_rows({"e2e": e2e})}
+    assert rows["e2e ingest, 4 publishers -> serve, memory store"] == (
+        "2.10x",
+        ">= 2x Dynamo",
+        "met",
+    )
+    assert rows["e2e ingest, the same, SQLite store (until committed)"][2] == "NOT met"
+    assert rows["POST /v1/lookup 512 blocks, 64 x 20k, idle, p50"] == (
+        "0.40x",
+        "<= 0.5x Dynamo",
+        "met",
+    )
+    assert rows["the same under a 200k/s stream, p99"] == ("1.00x", "<= 0.8x Dynamo", "NOT met")
+    assert rows["e2e memory per entry (RSS), 64 x 20k"][::2] == ("1.20x", "NOT met")
+    assert rows["e2e memory per entry (allocator statistics), 64 x 20k"][::2] == ("0.80x", "met")
+    warm_row = "e2e warm restart, 1M-block SQLite store (built by serve), serve to healthz"
+    assert rows[warm_row] == ("0.69x", "<= 1.0 s (1M blocks)", "met")
+
+    monkeypatch.setitem(sys.modules, "kvindex.bench.e2e", smoke_run[2])
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{report.START}\n{report.END}\n")
+    assert report.main(["--readme", str(readme), "--results", str(smoke_run[0])]) == 0
+    text = readme.read_text()
+    assert "| case | kvindex | baseline | ratio | target | met |" in text
+    assert "| drain, 2 workers vs 1, memory store (in process) |" in text

@@ -23,6 +23,7 @@ CASES = (
     "e2e_naive",
     "e2e_ingest_memory",
     "e2e_ingest_sqlite",
+    "e2e_ingest_sqlite_python",
     "e2e_ingest_redis",
     "e2e_ingest_dynamo",
     "e2e_ingest_workers",
@@ -53,7 +54,10 @@ def test_every_case_ran(results: dict[str, Any]) -> None:
     assert results["e2e_workload"]["block_events"] >= SMOKE.ingest_events
 
 
-@pytest.mark.parametrize("case", ["e2e_ingest_memory", "e2e_ingest_sqlite", "e2e_ingest_redis"])
+@pytest.mark.parametrize(
+    "case",
+    ["e2e_ingest_memory", "e2e_ingest_sqlite", "e2e_ingest_sqlite_python", "e2e_ingest_redis"],
+)
 def test_serve_ingested_the_whole_workload_exactly(results: dict[str, Any], case: str) -> None:
     r = results[case]
     if "skipped" in r:
@@ -65,6 +69,13 @@ def test_serve_ingested_the_whole_workload_exactly(results: dict[str, Any], case
     assert r["per_s"] > 0 and r["applied_per_s"] >= r["per_s"]
     assert r["lost_batches"] == 0 and r["decode_errors"] == 0
     assert r["serve_cpu_seconds_per_m_events"] > 0  # serve's CPU over the burst
+    # serve's own counters over the burst: every batch applied, by the C path unless
+    # KVINDEX_C_INGEST=0 (the SQLite baseline), and the GIL time those took.
+    assert r["serve_batches"] == r["batches"]
+    in_c = r["serve_batches"] if r["c_ingest"] else 0
+    assert r["c_ingest"] == (case != "e2e_ingest_sqlite_python")
+    assert r["serve_batches_in_c"] == in_c
+    assert r["serve_gil_seconds"] > 0 and r["serve_gil_us_per_batch"] > 0
     if case != "e2e_ingest_memory":
         assert r["persist_lag_seconds"] >= 0
 
@@ -156,6 +167,11 @@ def test_warm_restart_loaded_every_block(results: dict[str, Any]) -> None:
     # blocks_listed_seconds is only reached once /v1/instances counts every block.
     assert 0 < r["healthz_seconds"] <= r["blocks_listed_seconds"]
     assert r["cold_healthz_seconds"] > 0
+    # The same store with the snapshot read in Python, started alternately: best of N each.
+    assert 0 < r["python_healthz_seconds"] <= r["python_blocks_listed_seconds"]
+    runs = SMOKE.ingest_runs
+    assert len(r["healthz_runs_seconds"]) == len(r["python_healthz_runs_seconds"]) == runs
+    assert r["healthz_seconds"] == min(r["healthz_runs_seconds"])
 
 
 def test_routing_requests_answered_exactly_beside_their_baselines(
@@ -182,8 +198,12 @@ def test_routing_requests_answered_exactly_beside_their_baselines(
 
 def test_table_rows_render_every_case(results: dict[str, Any]) -> None:
     rows = e2e.table_rows(results)
-    assert len(rows) == 14
+    assert len(rows) == 16
     assert "x 1 worker" in rows[3][1] and rows[3][2].startswith("1 worker ")
+    assert rows[4][1].startswith("memory ") and "SQLite" in rows[4][1]  # serve's CPU
+    assert "% of batches in C" in rows[5][1] and "every batch in Python" in rows[5][2]
+    assert "KVINDEX_C_INGEST=0" in rows[1][2]  # SQLite's same-run Python-path baseline
+    assert "Python" in rows[11][2]  # the warm restart beside the Python snapshot load
     for row in rows:
         assert len(row) == 4 and all(isinstance(cell, str) and cell for cell in row)
         assert not row[1].startswith(("failed", "not run")), row
@@ -201,15 +221,17 @@ def test_table_rows_survive_failed_and_skipped_cases() -> None:
         "e2e_lookup": {"kvindex": {"error": "BenchError: timed out"}, "dynamo": skipped},
     }
     rows = e2e.table_rows(results)
-    assert len(rows) == 14
-    assert [row[1] for row in rows[10:]] == ["not run"] * 4  # routing and the chat case
+    assert len(rows) == 16
+    assert [row[1] for row in rows[12:]] == ["not run"] * 4  # routing and the chat case
     assert rows[0][1].startswith("failed: BenchError")
     assert "Dynamo standalone skipped: ai-dynamo-runtime is not installed" in rows[0][2]
     assert rows[2][1] == "skipped: redis-server is not installed"
     assert rows[3][1] == "not run"  # the ingest-workers case
-    assert rows[4][1] == "failed: BenchError: timed out"
-    assert rows[4][2].startswith("Dynamo standalone skipped")
-    assert rows[8][1] == "not run"
+    assert rows[4][1] == "memory failed: BenchError: serve exited with 2; SQLite not run"
+    assert rows[5][2] == "SQLite with every batch in Python not run"
+    assert rows[6][1] == "failed: BenchError: timed out"
+    assert rows[6][2].startswith("Dynamo standalone skipped")
+    assert rows[10][1] == "not run"
 
 
 def test_a_missing_dynamo_indexer_is_a_reason_not_a_failure(monkeypatch: Any) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "readme_section",
     "rewrite_readme",
     "rows",
+    "target_rows",
 ]
 
 METHOD = (
@@ -324,6 +325,228 @@ def rows(results: dict[str, Any]) -> list[Row]:
     return out
 
 
+# -- issue 23's targets, each with its ratio and whether it is met --------------------------
+
+TargetRow = tuple[str, str, str, str, str, str]  # case, kvindex, baseline, ratio, target, met
+
+
+def _met(ok: bool | None) -> str:
+    return "-" if ok is None else "met" if ok else "NOT met"
+
+
+def _exact_word(ok: bool | None) -> str:
+    return "" if ok is None else ", exact" if ok else ", NOT EXACT"
+
+
+def _ms(value: float) -> str:
+    return f"{value:.2f} ms"
+
+
+def _e2e_case(results: dict[str, Any], key: str) -> dict[str, Any]:
+    e2e = results.get("e2e")
+    case = e2e.get(key) if isinstance(e2e, dict) else None
+    return case if isinstance(case, dict) else {}
+
+
+def _drain_targets(results: dict[str, Any]) -> list[TargetRow]:
+    drain = results.get("drain")
+    runs = drain.get("runs", {}) if isinstance(drain, dict) else {}
+    c1, c2, py1 = runs.get("c-1"), runs.get("c-2"), runs.get("python-1")
+    out: list[TargetRow] = []
+    if c1 and c2:
+        ratio = c2["per_s"] / c1["per_s"]
+        exact = c1["mismatched_blocks"] == 0 and c2["mismatched_blocks"] == 0
+        out.append(
+            (
+                "drain, 2 workers vs 1, memory store (in process)",
+                f"2 workers {_m(c2['per_s'])}{_exact_word(exact)}",
+                f"1 worker {_m(c1['per_s'])}",
+                f"{ratio:.2f}x",
+                ">= 1.8x",
+                _met(ratio >= 1.8),
+            )
+        )
+    if c1 and py1:
+        gil = c1["gil_us_per_batch"]
+        out.append(
+            (
+                "GIL held per ordinary batch on the ingest path (drain, 1 worker)",
+                f"{gil:.2f} us",
+                f"every batch in Python {py1['gil_us_per_batch']:.2f} us",
+                f"{gil / py1['gil_us_per_batch']:.3f}x",
+                "<= 1 us",
+                _met(gil <= 1.0),
+            )
+        )
+    serve = _e2e_case(results, "e2e_ingest_memory")
+    python = _e2e_case(results, "e2e_ingest_sqlite_python")
+    if "serve_gil_us_per_batch" in serve:
+        gil = serve["serve_gil_us_per_batch"]
+        base = "-"
+        ratio_text = "-"
+        if "serve_gil_us_per_batch" in python:
+            theirs = python["serve_gil_us_per_batch"]
+            base = f"serve, SQLite, every batch in Python {theirs:.2f} us"
+            ratio_text = f"{gil / theirs:.3f}x" if theirs else "-"
+        out.append(
+            (
+                "GIL held per batch in serve (e2e ingest, memory store)",
+                f"{gil:.2f} us",
+                base,
+                ratio_text,
+                "<= 1 us",
+                _met(gil <= 1.0),
+            )
+        )
+    return out
+
+
+def _ingest_targets(results: dict[str, Any]) -> list[TargetRow]:
+    dynamo = _e2e_case(results, "e2e_ingest_dynamo")
+    out: list[TargetRow] = []
+    for key, label, target in (
+        ("memory", "e2e ingest, 4 publishers -> serve, memory store", 2.0),
+        ("sqlite", "e2e ingest, the same, SQLite store (until committed)", 1.5),
+    ):
+        case = _e2e_case(results, f"e2e_ingest_{key}")
+        if "per_s" not in case:
+            continue
+        theirs = f"Dynamo {_m(dynamo['per_s'])}" if "per_s" in dynamo else "Dynamo -"
+        ratio = case.get("vs_dynamo")
+        out.append(
+            (
+                label,
+                f"{_m(case['per_s'])}{_exact_word(case.get('exact'))}",
+                theirs + _exact_word(dynamo.get("exact")),
+                "-" if ratio is None else f"{ratio:.2f}x",
+                f">= {target:g}x Dynamo",
+                _met(None if ratio is None else ratio >= target),
+            )
+        )
+    memory = _e2e_case(results, "e2e_ingest_memory")
+    cpu, theirs_cpu = (
+        memory.get("serve_cpu_seconds_per_m_events"),
+        dynamo.get("cpu_seconds_per_m_events"),
+    )
+    if cpu is not None:
+        out.append(
+            (
+                "serve CPU seconds per M block events (e2e ingest, memory store)",
+                f"{cpu:.2f} s",
+                "-" if theirs_cpu is None else f"Dynamo {theirs_cpu:.2f} s",
+                "-" if not theirs_cpu else f"{cpu / theirs_cpu:.2f}x",
+                "- (what predicts 16 cores)",
+                "-",
+            )
+        )
+    return out
+
+
+def _lookup_targets(results: dict[str, Any]) -> list[TargetRow]:
+    case = _e2e_case(results, "e2e_lookup")
+    ours, theirs = case.get("kvindex", {}), case.get("dynamo", {})
+    if not isinstance(ours, dict) or "idle" not in ours or "idle" not in theirs:
+        return []
+    size = f"{case.get('instances', '?')} x {case.get('per_instance', 0) / 1e3:g}k"
+    exact = _exact_word(ours.get("exact"))
+    out: list[TargetRow] = []
+    for phase, stat, label, target in (
+        ("idle", "p50", f"POST /v1/lookup 512 blocks, {size}, idle, p50", 0.5),
+        ("loaded", "p50", "the same under a 200k/s stream, p50", 0.5),
+        ("loaded", "p99", "the same under a 200k/s stream, p99", 0.8),
+    ):
+        mine, peer = ours[phase][f"{stat}_ms"], theirs[phase][f"{stat}_ms"]
+        ratio = mine / peer
+        out.append(
+            (
+                label,
+                f"{_ms(mine)}{exact}",
+                f"Dynamo {_ms(peer)}{_exact_word(theirs.get('exact'))}",
+                f"{ratio:.2f}x",
+                f"<= {target:g}x Dynamo",
+                _met(ratio <= target),
+            )
+        )
+    rss, heap, peer_rss = (
+        ours.get("bytes_per_entry"),
+        ours.get("heap_bytes_per_entry"),
+        theirs.get("bytes_per_entry"),
+    )
+    for value, how in ((rss, "RSS"), (heap, "allocator statistics")):
+        if value is None or not peer_rss:
+            continue
+        ratio = value / peer_rss
+        out.append(
+            (
+                f"e2e memory per entry ({how}), {size}",
+                f"{value:.0f} B",
+                f"Dynamo {peer_rss:.0f} B (RSS)",
+                f"{ratio:.2f}x",
+                "<= 1.0x Dynamo",
+                _met(ratio <= 1.0),
+            )
+        )
+    return out
+
+
+def _warm_targets(results: dict[str, Any]) -> list[TargetRow]:
+    out: list[TargetRow] = []
+    suite = results.get("warm_restart")
+    if isinstance(suite, dict) and "healthz_seconds" in suite and "python_healthz_seconds" in suite:
+        seconds, theirs, blocks = (
+            suite["healthz_seconds"],
+            suite["python_healthz_seconds"],
+            suite["blocks"],
+        )
+        out.append(
+            (
+                f"warm restart, {_entries(blocks)}-block SQLite store (built in process), "
+                "serve to healthz",
+                f"{seconds:.2f} s",
+                f"snapshot read in Python {theirs:.2f} s",
+                f"{seconds / theirs:.2f}x",
+                "<= 1.0 s (1M blocks)",
+                _met(seconds <= 1.0) if blocks >= 1_000_000 else f"n/a ({_entries(blocks)})",
+            )
+        )
+    return out + _e2e_warm_targets(results)
+
+
+def _e2e_warm_targets(results: dict[str, Any]) -> list[TargetRow]:
+    case = _e2e_case(results, "e2e_warm_restart")
+    if "healthz_seconds" not in case:
+        return []
+    seconds, blocks = case["healthz_seconds"], case["blocks"]
+    if "python_healthz_seconds" in case:
+        theirs = case["python_healthz_seconds"]
+        base, ratio = f"snapshot read in Python {theirs:.2f} s", f"{seconds / theirs:.2f}x"
+    else:
+        base, ratio = f"empty memory store {case['cold_healthz_seconds']:.2f} s", "-"
+    met = _met(seconds <= 1.0) if blocks >= 1_000_000 else f"n/a ({_entries(blocks)})"
+    return [
+        (
+            f"e2e warm restart, {_entries(blocks)}-block SQLite store (built by serve), "
+            "serve to healthz",
+            f"{seconds:.2f} s",
+            base,
+            ratio,
+            "<= 1.0 s (1M blocks)",
+            met,
+        )
+    ]
+
+
+def target_rows(results: dict[str, Any]) -> list[TargetRow]:
+    """Issue 23's targets: (case, kvindex, baseline, ratio, target, met) from a results
+    dict, each figure beside the baseline measured in the same run."""
+    return [
+        *_drain_targets(results),
+        *_ingest_targets(results),
+        *_lookup_targets(results),
+        *_warm_targets(results),
+    ]
+
+
 def _machine_line(results: dict[str, Any]) -> str:
     m = results.get("machine", {})
     memory = f", {m['memory_gib']} GiB" if m.get("memory_gib") else ""
@@ -346,6 +569,14 @@ def print_table(results: dict[str, Any]) -> None:
     console = Console()
     if not console.is_terminal:  # a log or a pipe: wide rows rather than 80 columns
         console = Console(width=170)
+    targets = target_rows(results)
+    if targets:
+        summary = Table(title="issue 23's targets (each beside its baseline, same run)")
+        for col in ("case", "kvindex", "baseline", "ratio", "target", "met"):
+            summary.add_column(col)
+        for target in targets:
+            summary.add_row(*target)
+        console.print(summary)
     console.print(table)
 
 
@@ -362,6 +593,7 @@ def readme_section(results: dict[str, Any], plots_dir: str) -> str:
         f"Last run: {date}, `{command}` ({mode} mode) on {_machine_line(results)}.",
         f"Every baseline was measured in the same run. Method: {results.get('method', METHOD)}.",
         *_apart_lines(results),
+        *_target_lines(results),
         "",
         "| case | kvindex | baseline | target |",
         "| --- | --- | --- | --- |",
@@ -372,6 +604,21 @@ def readme_section(results: dict[str, Any], plots_dir: str) -> str:
         links = ", ".join(f"[{Path(p).stem.replace('_', ' ')}]({plots_dir}/{p})" for p in plots)
         lines += ["", f"Plots: {links}."]
     return "\n".join(lines)
+
+
+def _target_lines(results: dict[str, Any]) -> list[str]:
+    """Issue 23's targets as a table of their own, above the whole table."""
+    targets = target_rows(results)
+    if not targets:
+        return []
+    lines = [
+        "",
+        "Issue 23's targets (ratio = kvindex / the baseline beside it, same run):",
+        "",
+        "| case | kvindex | baseline | ratio | target | met |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    return lines + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in targets]
 
 
 def _apart_lines(results: dict[str, Any]) -> list[str]:

@@ -31,8 +31,11 @@ processes of one machine):
    none is installed): applied *and* persisted (the SQLite `sources` checkpoints, Redis's
    `cp:...` hashes hold each final next seq); Dynamo: its applied-events counter at the
    number of events published. Baseline beside: a naive subscriber child (SUB sockets,
-   `consumers.Naive`) stamping its own end. Rounds of naive, memory, SQLite, Dynamo, best
-   of N each; Redis once. serve's rates are ratios to Dynamo's.
+   `consumers.Naive`) stamping its own end. Rounds of naive, memory, SQLite, SQLite with
+   every batch in Python (`KVINDEX_C_INGEST=0`: serve's default is the C path with every
+   store), Dynamo, best of N each; Redis once. serve's rates are ratios to Dynamo's; its
+   CPU seconds per M block events to Dynamo's indexer's; its own counters (`/v1/stats`)
+   give the batches the C path took and the GIL time per batch over the burst.
 2. lookups (`lookup`): a fill of 64 instances x 20k blocks published as vLLM does, then
    `POST /v1/lookup` (serve) or `POST /query` (Dynamo) of 512-block prompts from a client
    child (`probes.Client`, one keep-alive connection, one lookup every 5 ms), idle and
@@ -51,8 +54,9 @@ processes of one machine):
    removed) from a publisher, persists it and stops (SIGTERM). `kvindex serve` on that
    store is then timed from process start until `/healthz` answers ok (serve loads the
    store before it binds its port, so an answer means loaded) and until `/v1/instances`
-   counts all N blocks. Baseline, same run: the same start with an empty memory store
-   (interpreter, imports, sockets: what any start costs).
+   counts all N blocks. Baselines, same run, starts alternated, best of N each: the same
+   start with the snapshot read in Python (`KVINDEX_SNAPSHOT_LOAD=python`), and with an
+   empty memory store (interpreter, imports, sockets: what any start costs).
 5. a router's requests (`routing`): on a filled 8-instance fleet with `model=` and a
    word-level tokenizer, `POST /v1/lookup` by token ids (the plain path), with a model, by
    prompt text, and `POST /v1/route`, interleaved on one connection: each beside its

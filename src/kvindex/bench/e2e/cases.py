@@ -4,6 +4,7 @@ docstring for how each is measured."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -161,16 +162,48 @@ def case_warm(sizes: EndToEnd, workdir: Path) -> dict[str, Any]:
             if srv.child.stop(grace=sizes.timeout) != 0:  # graceful: the writer compacts
                 raise BenchError(f"serve did not stop cleanly; {srv.child.tail()}")
         built = time.time() - build_start
-        cold = time_start(workdir, names, pub.endpoints, "memory", None, sizes, "cold")
-        warm = time_start(workdir, names, pub.endpoints, store, sizes.warm_blocks, sizes, "warm")
+        # Alternated, best of N each: the start on an empty memory store (what any start
+        # costs), on the store as serve loads it (the snapshot read in C), and on the store
+        # with the snapshot read in Python (KVINDEX_SNAPSHOT_LOAD=python, the loader before).
+        python = dict(os.environ, KVINDEX_SNAPSHOT_LOAD="python")
+        starts: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": [], "python": []}
+        for r in range(max(1, sizes.ingest_runs)):
+            starts["cold"].append(
+                time_start(workdir, names, pub.endpoints, "memory", None, sizes, f"cold-{r}")
+            )
+            starts["warm"].append(
+                time_start(
+                    workdir, names, pub.endpoints, store, sizes.warm_blocks, sizes, f"warm-{r}"
+                )
+            )
+            starts["python"].append(
+                time_start(
+                    workdir,
+                    names,
+                    pub.endpoints,
+                    store,
+                    sizes.warm_blocks,
+                    sizes,
+                    f"warm-python-{r}",
+                    env=python,
+                )
+            )
+    best = {k: min(runs, key=lambda s: float(s["healthz_seconds"])) for k, runs in starts.items()}
+    healthz = float(best["warm"]["healthz_seconds"])
     return {
         "blocks": sizes.warm_blocks,
         "build_seconds": built,
         "store_mib": db.stat().st_size / 2**20,
-        "cold_healthz_seconds": cold["healthz_seconds"],
-        **warm,
+        "cold_healthz_seconds": best["cold"]["healthz_seconds"],
+        **best["warm"],
+        "healthz_runs_seconds": [s["healthz_seconds"] for s in starts["warm"]],
+        "python_healthz_seconds": best["python"]["healthz_seconds"],
+        "python_blocks_listed_seconds": best["python"]["blocks_listed_seconds"],
+        "python_healthz_runs_seconds": [s["healthz_seconds"] for s in starts["python"]],
         "target_seconds": TARGETS["warm_seconds"],
         "target_blocks": TARGETS["warm_blocks"],
+        "meets_target": sizes.warm_blocks >= TARGETS["warm_blocks"]
+        and healthz <= TARGETS["warm_seconds"],
     }
 
 
@@ -182,11 +215,13 @@ def time_start(
     blocks: int | None,
     sizes: EndToEnd,
     tag: str,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Seconds from `kvindex serve`'s start to /healthz ok (and to all `blocks` counted)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with serve(workdir, names, endpoints, store, tag, f"127.0.0.1:{port}", wait=False) as srv:
+    http = f"127.0.0.1:{port}"
+    with serve(workdir, names, endpoints, store, tag, http, wait=False, env=env) as srv:
         start = srv.child.started
         healthy = wait_for("/healthz", lambda: healthz_ok(url, srv.child), sizes.timeout, 0.005)
         out: dict[str, Any] = {"healthz_seconds": healthy - start}

@@ -11,6 +11,7 @@ decide a ratio. Redis runs once (it is compared with the memory store only).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -23,6 +24,7 @@ from kvindex.bench.e2e.probes import (
     counters,
     cpu_per_m_events,
     cpu_seconds,
+    ingest_stats,
     rss_mib,
     served_blocks,
     wait_applied,
@@ -57,6 +59,12 @@ def ingest_cases(
         "e2e_ingest_sqlite": lambda tag: case_serve(
             work, sizes, workdir, f"sqlite:///{workdir / tag}.sqlite", tag
         ),
+        # The same serve with every batch through Python (KVINDEX_C_INGEST=0), as SQLite
+        # ran before the C path kept the payloads for the stores: the same-run baseline of
+        # the row above.
+        "e2e_ingest_sqlite_python": lambda tag: case_serve(
+            work, sizes, workdir, f"sqlite:///{workdir / tag}.sqlite", tag, c_ingest=False
+        ),
     }
     out: dict[str, dict[str, Any]] = {}
     if peer.get("available"):
@@ -76,12 +84,21 @@ def ingest_cases(
 def _ratios(out: dict[str, dict[str, Any]]) -> None:
     """Each serve case's rate as a ratio to Dynamo's, measured in the same run."""
     theirs = out.get("e2e_ingest_dynamo", {}).get("per_s")
-    for key, target in (("memory", "memory_vs_dynamo"), ("sqlite", "sqlite_vs_dynamo")):
+    for key, target in (
+        ("memory", "memory_vs_dynamo"),
+        ("sqlite", "sqlite_vs_dynamo"),
+        ("sqlite_python", "sqlite_vs_dynamo"),
+    ):
         case = out.get(f"e2e_ingest_{key}", {})
         case["target_vs_dynamo"] = TARGETS[target]
         if theirs and "per_s" in case:
             case["vs_dynamo"] = case["per_s"] / theirs
             case["meets_target"] = case["vs_dynamo"] >= TARGETS[target]
+    cpu = out.get("e2e_ingest_dynamo", {}).get("cpu_seconds_per_m_events")
+    for key in ("memory", "sqlite", "sqlite_python"):
+        case = out.get(f"e2e_ingest_{key}", {})
+        if cpu and case.get("serve_cpu_seconds_per_m_events"):
+            case["cpu_vs_dynamo"] = case["serve_cpu_seconds_per_m_events"] / cpu
 
 
 def case_naive(work: SteadyStream, sizes: EndToEnd, workdir: Path, tag: str) -> dict[str, Any]:
@@ -133,14 +150,17 @@ def case_serve(
     store: str,
     tag: str,
     workers: int | None = None,
+    c_ingest: bool = True,
 ) -> Any:
     """The stream into `serve --store STORE` (with `workers` ingest threads, else serve's
-    default), as fast as it takes it."""
+    default), as fast as it takes it; with `c_ingest` False, every batch through Python
+    (KVINDEX_C_INGEST=0; serve's default is the C path, with every store)."""
     kind = store.split(":", 1)[0]
     options = ["--ingest-workers", str(workers)] if workers else []
+    env = None if c_ingest else dict(os.environ, KVINDEX_C_INGEST="0")
     with (
         publishers(workdir, work.path, len(work.names), tag) as pub,
-        serve(workdir, work.names, pub.endpoints, store, tag, options=options) as srv,
+        serve(workdir, work.names, pub.endpoints, store, tag, options=options, env=env) as srv,
     ):
         wait_live(srv.url, sizes.timeout)
         warm = pub.burst(sizes.timeout, count=work.warmup)
@@ -148,11 +168,13 @@ def case_serve(
         rss_before = rss_mib(srv.child.proc.pid)
         cpu_before = cpu_seconds(srv.child.proc.pid)
         worker_before = children_cpu_seconds(srv.child.proc.pid)
+        ingest_before = ingest_stats(srv.url)
         sent = pub.burst(sizes.timeout)
         applied = wait_applied(srv.url, work.names, sent["next_seqs"], sizes.timeout)
         # serve's CPU over the burst (its HTTP answers to this bench's polls included; the
         # SQLite writer is a process of its own, not counted).
         cpu = cpu_per_m_events(cpu_before, cpu_seconds(srv.child.proc.pid), work.events)
+        ingest = _ingest_delta(ingest_before, ingest_stats(srv.url))
         persisted = wait_persisted(store, work.names, sent["next_seqs"], sizes.timeout)
         # The store's worker process (SQLite's writer, Redis's worker) until it holds all.
         worker_cpu = cpu_per_m_events(
@@ -167,10 +189,28 @@ def case_serve(
         out["replays_served"] = pub.stats()["replays_served"]
         out["send_seconds"] = sent["t1"] - sent["t0"]
         out["serve_cpu_seconds_per_m_events"] = cpu
+        out |= ingest
         if kind != "memory":
             out["store_worker_cpu_seconds_per_m_events"] = worker_cpu
     out["ingest_workers"] = workers or "default"
+    out["c_ingest"] = c_ingest
     return {"store": kind, "instances": len(work.names), "batches": work.measured, **out}
+
+
+def _ingest_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """serve's own ingest counters over the burst (/v1/stats): the batches it applied, how
+    many of them the C path took, and its ingest threads' time holding the GIL per batch
+    (IngestCounters.gil_seconds: each read and apply's thread CPU time less the C loop's
+    time without the GIL)."""
+    batches = after["batches"] - before["batches"]
+    in_c = after["batches_in_c"] - before["batches_in_c"]
+    gil = after["gil_seconds"] - before["gil_seconds"]
+    return {
+        "serve_batches": batches,
+        "serve_batches_in_c": in_c,
+        "serve_gil_seconds": gil,
+        "serve_gil_us_per_batch": gil / max(1, batches) * 1e6,
+    }
 
 
 def case_redis(work: SteadyStream, sizes: EndToEnd, workdir: Path) -> dict[str, Any]:

@@ -49,9 +49,9 @@ from kvindex.bench.plan import EndToEnd
 __all__ = ["LOAD_RATE", "TARGETS", "lookup_case"]
 
 LOAD_RATE = 200_000  # block events/s while the loaded phase runs
-# Issue 13: p50 at most half of Dynamo's `/query`, idle and loaded; the older absolute
-# target on the loaded p99 stays beside it.
-TARGETS = {"p50_vs_dynamo": 0.5, "loaded_p99_ms": 2.0}
+# Issue 13: p50 at most half of Dynamo's `/query`, idle and loaded; issue 23: the loaded
+# p99 at most 0.8x Dynamo's (the older absolute target on it, 2 ms, stays beside).
+TARGETS = {"p50_vs_dynamo": 0.5, "loaded_p99_vs_dynamo": 0.8, "loaded_p99_ms": 2.0}
 
 
 @dataclass(slots=True)
@@ -124,6 +124,9 @@ def _compare(out: dict[str, Any]) -> None:
         ]
         ours["meets_target"] = all(within)
         ours["loaded_p99_meets_target"] = ours["loaded"]["p99_ms"] <= TARGETS["loaded_p99_ms"]
+        p99 = ours["loaded"].get("p99_vs_dynamo")
+        if p99 is not None:
+            ours["loaded_p99_meets_ratio_target"] = p99 <= TARGETS["loaded_p99_vs_dynamo"]
     if ours.get("bytes_per_entry") and theirs.get("bytes_per_entry"):
         ours["memory_vs_dynamo"] = ours["bytes_per_entry"] / theirs["bytes_per_entry"]
     if ours.get("heap_bytes_per_entry") and theirs.get("bytes_per_entry"):

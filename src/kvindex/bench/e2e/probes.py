@@ -25,6 +25,7 @@ __all__ = [
     "free_port",
     "heap_bytes",
     "http_json",
+    "ingest_stats",
     "instances",
     "lookup_metric",
     "metrics_text",
@@ -182,6 +183,18 @@ COUNTERS = ("gaps", "replayed_batches", "lost_batches", "decode_errors", "publis
 def counters(url: str) -> dict[str, int]:
     views = instances(url)
     return {key: sum(int(view[key]) for view in views) for key in COUNTERS}
+
+
+def ingest_stats(url: str) -> dict[str, float]:
+    """serve's ingest counters (`GET /v1/stats`): batches applied, of them the C path's
+    (`batches_in_c`), and the ingest threads' seconds holding the GIL (`gil_seconds`)."""
+    stats = http_json(url, "/v1/stats")
+    ingest = stats["ingest"]
+    return {
+        "batches": float(stats["batches"]),
+        "batches_in_c": float(ingest["batches_in_c"]),
+        "gil_seconds": float(ingest["gil_seconds"]),
+    }
 
 
 def metrics_text(url: str) -> str:

@@ -24,24 +24,30 @@ class OptionalBuildExt(build_ext):
 
     def run(self) -> None:
         self._failed: list[str] = []
+        self._optional_failed: list[str] = []  # warnings, said only when the core built
         try:
             super().run()
         except Exception as exc:  # no compiler at all: distutils raises here
             self._failed.append(_first_line(exc))
-        if self._failed:
+        if self._failed:  # one line: the optional extensions' failures follow from it
             print(
                 f"kvindex: WARNING: the compiled core was not built ({self._failed[0]}); "
                 "the pure-Python implementation will be used",
                 file=sys.stderr,
             )
+            return
+        for warning in self._optional_failed:
+            print(warning, file=sys.stderr)
 
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
         except Exception as exc:  # the compiler or headers failed on this extension
             if ext.name in OPTIONAL:  # the rest runs without it
-                print(f"kvindex: WARNING: {ext.name} was not built ({_first_line(exc)}); "
-                      f"{OPTIONAL[ext.name]}", file=sys.stderr)
+                self._optional_failed.append(
+                    f"kvindex: WARNING: {ext.name} was not built ({_first_line(exc)}); "
+                    f"{OPTIONAL[ext.name]}"
+                )
                 return
             self._failed.append(_first_line(exc))
 

@@ -565,6 +565,30 @@ def test_a_failed_build_warns_and_installs_pure(tmp_path: Any) -> None:
     assert not list((tmp_path / "lib").rglob("*.so"))
 
 
+def test_a_missing_optional_header_warns_once_and_builds_the_rest(tmp_path: Any) -> None:
+    """No sqlite3.h (libsqlite3-dev absent): the snapshot loader alone is left out, said in
+    one line, and the core is built."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    fake = tmp_path / "include"
+    fake.mkdir()
+    (fake / "sqlite3.h").write_text("#error this test hides sqlite3.h\n")
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+         "--build-temp", str(tmp_path / "tmp")],
+        cwd=root, env=dict(os.environ, CPATH=str(fake)), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "kvindex: WARNING" in line]
+    assert len(warnings) == 1 and "kvindex.store.sqlite._snapload was not built" in warnings[0]
+    built = {path.name.split(".")[0] for path in (tmp_path / "lib").rglob("*.so")}
+    assert built == {"_core", "_lookupd", "_recv"}
+
+
 def test_many_indexes_live_at_once() -> None:
     """Every index works however many are alive (a per-index thread key ran out at 1024:
     a long test run, or a library user with many indexes, hit it)."""

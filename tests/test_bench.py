@@ -421,6 +421,11 @@ def test_issue_23_targets_are_tabulated_with_ratio_and_verdict(
     assert drain[4] == ">= 1.8x" and drain[5] in ("met", "NOT met") and "exact" in drain[1]
     gil = found["GIL held per ordinary batch on the ingest path (drain, 1 worker)"]
     assert gil[5] == ("met" if runs["c-1"]["gil_us_per_batch"] <= 1 else "NOT met")
+    if "c-1-sqlite" in runs:
+        assert (
+            "met"
+            in found["GIL held per ordinary batch, a SQLite store recording (drain, 1 worker)"][5]
+        )
     warm = [row for name, row in found.items() if name.startswith("warm restart")]
     assert warm and warm[0][5].startswith("n/a")  # the smoke store is not 1M blocks
 

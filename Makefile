@@ -31,11 +31,14 @@ demo: $(CORE_STAMP)
 # The index, wire, subscriber and interop tests run twice: on the compiled code (the core,
 # the C receive), then on the pure-Python
 # reference (KVINDEX_PURE=1); tests/test_core.py holds the two to identical answers.
+# test_fastpath_serve.py too: serve's HTTP protocol with every token lookup handed to the
+# route, as a build without a compiler serves.
 PURE_TESTS := tests/test_index.py tests/test_index_model.py tests/test_core.py \
 	tests/test_wire.py tests/test_fuzz.py tests/test_sglang_interop.py \
 	tests/test_subscriber.py tests/test_hostile.py \
 	tests/test_vllm_releases.py tests/test_interop_releases.py tests/interop \
-	tests/test_runtime_membership.py tests/test_membership_stress.py
+	tests/test_runtime_membership.py tests/test_membership_stress.py \
+	tests/test_fastpath_serve.py
 
 test: $(CORE_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider

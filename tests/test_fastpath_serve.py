@@ -16,10 +16,21 @@ import pytest
 from clitools import Proc, kvindex
 from netutil import wait_until
 
+from kvindex.index import COMPILED
 from kvindex.wire import BlockStored
 from kvindex.wire.publisher import Publisher
 
 pytestmark = pytest.mark.timeout(60)
+
+# Token lookups are read and answered in C (`parse_lookup_body`, `Fleet.lookup_json`) only
+# with the compiled core: under KVINDEX_PURE=1 (or a build without a compiler) the protocol
+# hands every one to the FastAPI route by design, and kvindex_lookup_compiled_requests
+# stays 0. The tests that count what C answered need the core; the rest run on both.
+needs_core = pytest.mark.skipif(
+    not COMPILED,
+    reason="counts token lookups answered in C (kvindex_lookup_compiled_requests): the "
+    "compiled core's path; the pure reference hands them all to the route by design",
+)
 
 TOKEN = "a-token-of-sixteen-chars"
 BS = 16
@@ -114,6 +125,7 @@ def compiled_lookups(served: Served) -> float:
     return float(line.split()[-1])
 
 
+@needs_core
 @pytest.mark.parametrize("cut", [0, 1, 3, 6])
 def test_the_protocol_answers_as_the_route_does(served: Served, cut: int) -> None:
     tokens = [*TOKENS[: cut * BS], 5, 5, 5]
@@ -139,6 +151,7 @@ def test_the_token_is_still_required(served: Served) -> None:
     assert status == 401
 
 
+@needs_core
 def test_a_host_not_served_is_refused_as_the_stack_does(served: Served) -> None:
     """The Host allow-list (DNS rebinding) holds on the protocol's path too."""
     before = compiled_lookups(served)

@@ -35,7 +35,9 @@ from kvindex.index import ReferenceIndex
 from kvindex.store import StoreError
 from kvindex.store.base import LoadResult
 from kvindex.store.sqlite import SQLiteStore
-from kvindex.wire import BlockRemoved, BlockStored
+from kvindex.subscriber import Delivery
+from kvindex.wire import BigramBlockStored, BlockRemoved, BlockStored, decode_batch
+from kvindex.wire.publisher import encode_batch
 
 compiled = pytest.importorskip("kvindex.index.compiled")
 fastload = pytest.importorskip("kvindex.store.sqlite.fastload")
@@ -110,6 +112,83 @@ def test_the_c_load_makes_the_index_the_python_load_makes(
     h.writer.compact()
     identical(*three_loads(h.path))  # the snapshot alone
     h.writer.close()
+
+
+@pytest.mark.parametrize("bigram", [False, True], ids=["plain", "bigram"])
+def test_a_hash_stored_again_with_other_tokens_comes_back_at_the_first_tokens(
+    tmp_path: Path, bigram: bool
+) -> None:
+    """One publisher's pool stores hashes 1, 2 for tokens `first`, then the same hashes for
+    other tokens `second`: a hash collision, which no engine's stream holds (vLLM hashes
+    the parent hash, the tokens and the extra keys with SHA-256, or a 64-bit hash in
+    releases before it; SGLang with SHA-256 cut to 64 bits, a bigram page over both
+    tokens of every pair: tests/test_store_sqlite.py's chain_hash once left the last
+    pair's second token out, and its random plans drew this). The live index, compiled
+    and pure alike, takes the second store as a second copy of each block and hangs the
+    blocks at the second's tokens; the snapshot keeps the run the first store made and
+    counts the copies, so after a restart (every loader, both indexes) the blocks are at
+    the first's tokens. Pools, copies and lookups by hash come back the same; lookups by
+    the tokens do not (docs/store.md, Limits)."""
+    first, second = list(range(100, 109)), list(range(200, 209))
+
+    def store(tokens: list[int]) -> BlockStored:
+        if bigram:  # page i: the units (t[j], t[j + 1]) of its 4 positions
+            pairs = [(tokens[j], tokens[j + 1]) for j in range(8)]
+            return BigramBlockStored([1, 2], None, block_size=4, token_pairs=pairs)
+        return BlockStored([1, 2], None, tokens[:8], 4)
+
+    h = Harness(tmp_path / "s.sqlite")
+    pure_live = ReferenceIndex()
+    for seq, tokens in enumerate((first, second)):
+        h.batch(A, store(tokens))
+        pure_live.handle(Delivery(A, seq, decode_batch(encode_batch([store(tokens)]))))
+    h.writer.compact()
+
+    def matched(index: Any, tokens: list[int]) -> int:
+        return sum(r.matched_blocks for r in index.lookup(tokens))
+
+    for live in (h.reference, pure_live):
+        assert nonempty_copies(live) == {(0, "GPU"): {1: 2, 2: 2}}
+        assert (matched(live, first), matched(live, second)) == (0, 2)
+    for restarted in three_loads(h.path):
+        assert nonempty_copies(restarted) == nonempty_copies(h.reference)
+        assert rows(restarted.lookup_hashes([1, 2])) == rows(h.reference.lookup_hashes([1, 2]))
+        assert (matched(restarted, first), matched(restarted, second)) == (2, 0)
+    h.writer.close()
+
+
+def test_hybrid_groups_sharing_hashes_over_other_tokens_come_back_as_they_were(
+    tmp_path: Path,
+) -> None:
+    """Where engines do send one hash for different token ids: vLLM's hybrid models, whose
+    KV cache groups of larger blocks hash every `hash_block_size` tokens and name a block
+    by the hash of its last unit, so group 1's 8-token block 0 is group 0's hash 1 over
+    tokens 0-7 where group 0 has tokens 4-7. A restart puts both groups back as the live
+    index holds them, group 1's removal included."""
+    prompt = PROMPTS[0]
+    unit = [chain_hash(prompt, i, None) for i in range(4)]
+    h = Harness(tmp_path / "s.sqlite")
+    h.batch(A, BlockStored(unit, None, prompt, 4, group_idx=0))
+    h.batch(A, BlockStored([unit[1], unit[3]], None, prompt, 8, group_idx=1))
+    h.batch(A, BlockRemoved([unit[3]], group_idx=1))
+    h.writer.compact()
+    (live,) = h.reference.lookup(prompt)
+    assert (live.matched_blocks, live.by_group) == (2, {0: 4, 1: 1})
+    for restarted in three_loads(h.path):
+        same_state(restarted, h.reference, PROMPTS)
+        for tokens in (prompt[:8], prompt):
+            (row,) = restarted.lookup(tokens)
+            (want,) = h.reference.lookup(tokens)
+            assert (row.matched_blocks, row.by_group) == (want.matched_blocks, want.by_group)
+    h.writer.close()
+
+
+def nonempty_copies(index: Any) -> dict[Any, Any]:
+    return {pool: dict(held) for pool, held in index.copies(A).items() if held}
+
+
+def rows(answer: list[Any]) -> list[Any]:
+    return [(r.instance, r.matched_blocks, r.ranks, r.by_tier) for r in answer]
 
 
 def test_batches_the_fast_parser_leaves_are_applied_in_python_in_order(tmp_path: Path) -> None:

@@ -16,9 +16,18 @@ from collections.abc import Callable
 
 import msgspec
 import pytest
+import zmq
 
 from kvindex.index import COMPILED
 from kvindex.runtime import Fleet
+from kvindex.store.link import WorkerLink, WorkerStore
+from kvindex.store.protocol import (
+    AppliedBatch,
+    AppliedBatches,
+    LostMark,
+    RestartMark,
+    decode_frames,
+)
 from kvindex.subscriber import (
     Delivery,
     InstanceSpec,
@@ -214,61 +223,155 @@ def test_a_closed_subscriber_lets_go_of_its_c_sequencers() -> None:
     asyncio.run(main())
 
 
+Entry = tuple[object, ...]
+
+
 class _Log:
     """A persistent store's view of what the index applied, as `Fleet.record_into` hands
-    it: every batch (seq, payload) in order, restarts and lost ranges between them."""
+    it: every batch (seq, payload) in order, restarts and lost ranges between them. The C
+    path's packed payloads are kept as they came (a read-only view of the C receive's
+    buffer, which is then the view's own) and read only at the end, after the Fleet and its
+    Sequencers are gone: a buffer the C side reused or freed would show here."""
 
     def __init__(self) -> None:
-        self.entries: list[tuple[object, ...]] = []
+        self._entries: list[Entry | tuple[int, int, bytes | memoryview]] = []
         self.in_bulk = 0  # batches that came through record_batches
 
     def record(self, item: Item) -> None:
         if isinstance(item, Delivery):
-            self.entries.append(("b", item.seq, item.payload))
+            self._entries.append(("b", item.seq, item.payload))
         elif isinstance(item, Restarted):
-            self.entries.append(("r",))
+            self._entries.append(("r",))
         elif isinstance(item, Lost):
-            self.entries.append(("l", item.first, item.last))
+            self._entries.append(("l", item.first, item.last))
 
-    def record_batches(self, source: SourceKey, first_seq: int, count: int, packed: bytes) -> None:
-        payloads = msgspec.msgpack.decode(packed, type=list[bytes])
-        assert len(payloads) == count
+    def record_batches(
+        self, source: SourceKey, first_seq: int, count: int, packed: bytes | memoryview
+    ) -> None:
+        assert isinstance(packed, memoryview) and packed.readonly  # the C buffer, not a copy
         self.in_bulk += count
-        for seq, payload in enumerate(payloads, first_seq):
-            self.entries.append(("b", seq, payload))
+        self._entries.append((first_seq, count, packed))
+
+    @property
+    def entries(self) -> list[Entry]:
+        out: list[Entry] = []
+        for entry in self._entries:
+            if isinstance(entry[0], str):
+                out.append(entry)
+                continue
+            first_seq, count, packed = entry
+            payloads = msgspec.msgpack.decode(packed, type=list[bytes])  # type: ignore[call-overload]
+            assert len(payloads) == count
+            out.extend(("b", seq, payload) for seq, payload in enumerate(payloads, first_seq))
+        return out
 
 
+class _LinkLog(WorkerStore):
+    """What a store's worker process is handed over the real link (`WorkerLink`: groups
+    in frames, the C path's payloads each a frame of its own, sent zero-copy whatever
+    their size here), read as a worker reads it (`decode_frames`), as a log."""
+
+    def __init__(self) -> None:
+        self._link = WorkerLink("the test worker")
+        base = self._link.open()
+        self._link.sockets["in"].copy_threshold = 0  # every frame zero-copy, small ones too
+        self.worker = zmq.Context.instance().socket(zmq.PULL)
+        self.worker.setsockopt(zmq.RCVHWM, 0)
+        self.worker.connect(f"{base}/in")
+        self.messages: list[object] = []
+        self.multipart = 0  # groups that came in several frames
+
+    @property
+    def url(self) -> str:
+        return "test://"
+
+    def receive(self) -> None:
+        """Everything the link has sent or still holds, as the worker gets it."""
+        link = self._link
+        while True:
+            with link._lock:
+                link._send_waiting()
+            if not self.worker.poll(300):
+                if link._sent == link._next_id - 1:
+                    return
+                continue
+            frames = self.worker.recv_multipart(copy=False)
+            self.multipart += len(frames) > 1
+            self.messages.extend(decode_frames([f.buffer for f in frames]).messages)
+
+    @property
+    def entries(self) -> list[Entry]:
+        out: list[Entry] = []
+        for m in self.messages:
+            if isinstance(m, AppliedBatch):
+                out.append(("b", m.seq, m.payload))
+            elif isinstance(m, AppliedBatches):
+                out.extend(("b", seq, p) for seq, p in enumerate(m.payloads, m.first_seq))
+            elif isinstance(m, RestartMark):
+                out.append(("r",))
+            elif isinstance(m, LostMark):
+                out.append(("l", m.first, m.last))
+        return out
+
+    def close(self, timeout: float = 1.0) -> None:
+        self.worker.close(linger=0)
+        self._link.close(timeout)
+
+
+@pytest.mark.parametrize("via", ["hook", "link"])
 @pytest.mark.parametrize("seed", [4, 5])
 def test_a_store_logs_every_batch_with_the_c_path_on_as_with_python(
-    seed: int, monkeypatch: pytest.MonkeyPatch
+    seed: int, via: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A persistent store (`record_into`) no longer keeps every batch on the Python path:
     the C path applies the ordinary ones and hands their payloads over in bulk, once per
-    read. Through gaps and replays, malformed messages, decoder batches and restarts, the
-    store sees exactly what it sees with every batch in Python: each batch once, in order,
-    as the publisher sent it, with the restarts where they were."""
+    read, in the very buffer C kept them in. Through gaps and replays, malformed messages,
+    decoder batches and restarts, the store sees exactly what it sees with every batch in
+    Python: each batch once, in order, as the publisher sent it, with the restarts where
+    they were; `hook`: as the store's hooks are handed it; `link`: as a store's worker
+    process receives it over the link (the C path's buffers sent as frames of their own)."""
     rng = random.Random(seed)
 
     async def main() -> None:
         with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", subscriptions=True) as pub:
             spec = InstanceSpec("a", pub.endpoint, pub.replay_endpoint)
-            fleets, logs = [], []
-            for flag in ("1", "0"):
-                monkeypatch.setenv("KVINDEX_C_INGEST", flag)
-                fleet, log = Fleet([spec], policy=FAST), _Log()
-                fleet.record_into(log.record, log.record_batches)
-                fleets.append(fleet)
-                logs.append(log)
-            for fleet in fleets:
-                await fleet.start()
+            fleets: list[Fleet] = []
+            logs: list[_Log | _LinkLog] = []
             try:
-                await _random_steps(rng, pub, fleets)
-            finally:
+                for flag in ("1", "0"):
+                    monkeypatch.setenv("KVINDEX_C_INGEST", flag)
+                    fleet = Fleet([spec], policy=FAST)
+                    log = _Log() if via == "hook" else _LinkLog()
+                    fleets.append(fleet)
+                    logs.append(log)
+                    fleet.record_into(log.record, log.record_batches)
+                    if isinstance(log, _LinkLog):
+                        fleet.on_read.append(log.flush)
                 for fleet in fleets:
-                    await fleet.stop()
-            c_path, python_path = fleets
-            assert c_path.ingest.batches_in_c > 0 and python_path.ingest.batches_in_c == 0
-            assert logs[0].in_bulk == c_path.ingest.batches_in_c and logs[1].in_bulk == 0
-            assert logs[0].entries == logs[1].entries
+                    await fleet.start()
+                try:
+                    await _random_steps(rng, pub, fleets)
+                finally:
+                    for fleet in fleets:
+                        await fleet.stop()
+                c_path, python_path = fleets
+                assert c_path.ingest.batches_in_c > 0 and python_path.ingest.batches_in_c == 0
+                fleets.clear()  # the Fleets, their Sequencers and their buffers' old owner go
+                del c_path, python_path, fleet
+                for log in logs:
+                    if isinstance(log, _LinkLog):
+                        log.flush()
+                        log.receive()
+                if isinstance(logs[0], _Log) and isinstance(logs[1], _Log):
+                    assert logs[0].in_bulk > 0 and logs[1].in_bulk == 0
+                else:
+                    assert isinstance(logs[0], _LinkLog) and isinstance(logs[1], _LinkLog)
+                    assert logs[0].multipart > 0 and logs[1].multipart == 0
+                assert logs[0].entries == logs[1].entries
+                assert sum(e[0] == "b" for e in logs[0].entries) > 100
+            finally:
+                for log in logs:
+                    if isinstance(log, _LinkLog):
+                        log.close()
 
     asyncio.run(main())

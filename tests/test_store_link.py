@@ -15,11 +15,16 @@ from kvindex.store.link import PIPE_GROUPS, WorkerLink
 from kvindex.store.protocol import (
     AppliedBatch,
     AppliedBatches,
-    Group,
+    ControlRequest,
     LostMark,
+    OutgoingGroup,
     PackedBatches,
+    RestartMark,
+    SaveInstance,
     WorkerReport,
+    decode_frames,
     decode_group,
+    group_frames,
     pack_payloads,
 )
 
@@ -47,7 +52,7 @@ def test_a_worker_that_takes_nothing_never_blocks_and_memory_stays_bounded() -> 
         link._take(WorkerReport(last_kept))
         link.post(AppliedBatch("a", 0, 20_000, payload), len(payload))
         link.flush()
-        group = msgspec.msgpack.decode(link._kept[-1].data, type=Group)
+        group = decode_frames(link._kept[-1].frames)
         first_dropped = 20_000 - link.dropped_batches
         assert group.messages == [
             LostMark("a", 0, first_dropped, 19_999),
@@ -74,7 +79,7 @@ def test_groups_go_to_a_worker_in_order_and_come_again_after_a_restart() -> None
             link.flush()
         got = []
         while worker.poll(500):
-            got.append(msgspec.msgpack.decode(worker.recv(), type=Group).id)
+            got.append(decode_frames(worker.recv_multipart()).id)
         sent = link._sent
         assert got == list(range(1, len(got) + 1)) and len(got) == sent  # in order
         assert sent < 4 * PIPE_GROUPS  # the rest wait in the link, not in ZMQ
@@ -83,7 +88,7 @@ def test_groups_go_to_a_worker_in_order_and_come_again_after_a_restart() -> None
         link._sent = link._committed  # what a restart does: everything not durable again
         with link._lock:
             link._send_waiting()
-        again = msgspec.msgpack.decode(worker.recv(), type=Group)
+        again = decode_frames(worker.recv_multipart())
         assert again.id == 11
     finally:
         worker.close(linger=0)
@@ -108,10 +113,48 @@ def test_batches_in_bulk_are_dropped_past_the_bound_as_one_lost_run() -> None:
         two = pack_payloads([payload, b"y"])
         link.post(PackedBatches("a", 0, 20_000, msgspec.Raw(two), 2), len(two))
         link.flush()
-        group = decode_group(link._kept[-1].data)
+        group = decode_frames(link._kept[-1].frames)
         assert group.messages == [
             LostMark("a", 0, 20_000 - link.dropped_batches, 19_999),
             AppliedBatches("a", 0, 20_000, [payload, b"y"]),
         ]
     finally:
         link.close(1)
+
+
+@pytest.mark.parametrize("messages", [1, 3, 17, 70_000])
+def test_a_group_in_frames_is_the_group_encoded_whole(messages: int) -> None:
+    """`group_frames` sends each PackedBatches's payloads as a frame of its own, the very
+    buffer it was given (the C receive's, not copied), the rest encoded between them:
+    joined, the frames are byte for byte what the group encodes to whole, so the worker
+    reads exactly what it read before, whatever the messages and their number."""
+    encode = msgspec.msgpack.Encoder().encode
+    out: list = []
+    buffers = []
+    for i in range(messages):
+        kind = i % 5
+        if kind == 0:
+            payloads = [bytes([i % 256]) * (i % 7), b"z" * 300]
+            packed = memoryview(pack_payloads(payloads))
+            buffers.append(packed)
+            out.append(PackedBatches(f"e{i}", i % 3, 2**64 - 10 + i % 3, msgspec.Raw(packed), 2))
+        elif kind == 1:
+            out.append(AppliedBatch("a", 1, i, b"p" * (i % 11)))
+        elif kind == 2:
+            out.append(RestartMark("a", 0))
+        elif kind == 3:
+            out.append(LostMark("b", 2, i, i + 5))
+        elif i < 100:
+            out.append(SaveInstance(f"e{i}", "tcp://127.0.0.1:5557"))
+        else:
+            out.append(ControlRequest("sync", i))
+    frames = group_frames(encode, 42, out)
+    assert b"".join(frames) == encode(OutgoingGroup(42, out))
+    assert len(frames) == 2 * len(buffers) + 1
+    for frame, buffer in zip(frames[1::2], buffers, strict=True):
+        assert isinstance(frame, memoryview)  # the buffer given, not a copy of it
+        assert frame.tobytes() == buffer.tobytes()
+    group = decode_frames(frames)
+    assert group == decode_group(encode(OutgoingGroup(42, out)))
+    first = group.messages[0]
+    assert isinstance(first, AppliedBatches) and first.payloads == [b"", b"z" * 300]

@@ -87,8 +87,9 @@ ItemHook = Callable[[Item], None]
 RemoveHook = Callable[[str], None]
 # Consecutive batches of one publisher the C path applied (the seq of the first, how many,
 # their payloads packed as one msgpack array of bin): what a persistent store logs of them,
-# in bulk (see Fleet.record_into).
-BatchesHook = Callable[[SourceKey, int, int, bytes], None]
+# in bulk (see Fleet.record_into). The C path's are a read-only memoryview of the buffer C
+# kept them in (`Applied.packed`): a hook that keeps them keeps that buffer.
+BatchesHook = Callable[[SourceKey, int, int, bytes | memoryview], None]
 
 
 _STATUS_JSON = {status: msgspec.json.encode(status) for status in Status}

@@ -44,7 +44,9 @@ class Store(Protocol):
     def record(self, item: Item) -> None:
         """Called for every item the index applied, in order. Must not block."""
 
-    def record_batches(self, source: SourceKey, first_seq: int, count: int, packed: bytes) -> None:
+    def record_batches(
+        self, source: SourceKey, first_seq: int, count: int, packed: bytes | memoryview
+    ) -> None:
         """`count` consecutive batches of `source` the index applied (seqs first_seq,
         first_seq + 1, ...; the C path's of one read), their payloads `packed` as one
         msgpack array of bin (`protocol.pack_payloads`), in order with `record`'s items.
@@ -107,7 +109,9 @@ class MemoryStore:
     def record(self, item: Item) -> None:
         pass
 
-    def record_batches(self, source: SourceKey, first_seq: int, count: int, packed: bytes) -> None:
+    def record_batches(
+        self, source: SourceKey, first_seq: int, count: int, packed: bytes | memoryview
+    ) -> None:
         pass
 
     def flush(self) -> None:

@@ -5,7 +5,11 @@ sockets on ipc paths. What the index applied is handed over in numbered `Group`s
 `kvindex.store.protocol`): one ZMQ message per turn of an ingest thread, never one per
 batch (a send per batch woke ZMQ's I/O thread for each: some 50 us of the service's CPU
 per batch, as much as decoding and applying it). Without a running loop or ingest thread
-calling `flush` (a script), a group goes every 64 messages or 10 ms.
+calling `flush` (a script), a group goes every 64 messages or 10 ms. The C path's
+batches (`PackedBatches`) are not copied into their group: their payloads, the buffer the
+C receive kept them in, go as frames of their own beside the group's other bytes
+(`protocol.group_frames`, a multipart ZMQ message, zero-copy for frames of 64 KiB and
+more), and the worker joins them.
 
 Nothing here ever waits on the worker:
 - sends are non-blocking, into a pipe of a few groups; what does not fit waits here;
@@ -46,13 +50,13 @@ from kvindex.store.protocol import (
     ControlRequest,
     LostMark,
     Outgoing,
-    OutgoingGroup,
     PackedBatches,
     RemoveInstance,
     RestartMark,
     SaveInstance,
     WorkerReport,
     decode_report,
+    group_frames,
 )
 from kvindex.subscriber.messages import Delivery, Item, Lost, Restarted, SourceKey
 from kvindex.subscriber.spec import InstanceSpec
@@ -89,10 +93,12 @@ Command = Callable[[bool], WorkerCommand]
 
 @dataclass(slots=True)
 class _Kept:
-    """A group not yet durable: its id, its encoded bytes, when it was made."""
+    """A group not yet durable: its id, its encoded frames (`protocol.group_frames`) and
+    their bytes, when it was made."""
 
     id: int
-    data: bytes
+    frames: list[bytes | memoryview]
+    size: int
     made: float
 
 
@@ -229,9 +235,10 @@ class WorkerLink:
             messages = self._keep_within_bounds(messages)
         group_id = self._next_id
         self._next_id += 1
-        data = self._encode(OutgoingGroup(group_id, messages))
-        self._kept.append(_Kept(group_id, data, time.monotonic()))
-        self._kept_bytes += len(data)
+        frames = group_frames(self._encode, group_id, messages)
+        size = sum(map(len, frames))
+        self._kept.append(_Kept(group_id, frames, size, time.monotonic()))
+        self._kept_bytes += size
         self._send_waiting()
 
     def _keep_within_bounds(self, messages: list[Outgoing]) -> list[Outgoing]:
@@ -273,7 +280,9 @@ class WorkerLink:
             if kept.id <= self._sent:
                 continue
             try:
-                sock.send(kept.data, zmq.NOBLOCK)
+                # One message, its frames all or none (ZMQ's multipart is atomic); frames
+                # below pyzmq's copy threshold are copied, the payloads' are not.
+                sock.send_multipart(kept.frames, zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return  # the worker is busy, gone or stuck: the rest wait here
             self._sent = kept.id
@@ -381,7 +390,7 @@ class WorkerLink:
                 self._committed = report.committed
                 kept = self._kept
                 while kept and kept[0].id <= report.committed:
-                    self._kept_bytes -= len(kept.popleft().data)
+                    self._kept_bytes -= kept.popleft().size
                 self._pause = WATCH_EVERY  # it works: a later death restarts it at once
             if report.error != self.error:
                 if report.error:
@@ -480,9 +489,11 @@ class WorkerStore:
         elif isinstance(item, Lost):
             post(LostMark(source.instance, source.rank, item.first, item.last))
 
-    def record_batches(self, source: SourceKey, first_seq: int, count: int, packed: bytes) -> None:
+    def record_batches(
+        self, source: SourceKey, first_seq: int, count: int, packed: bytes | memoryview
+    ) -> None:
         """The C path's batches of one read: one message for them all, its payloads as
-        they were packed (no object per batch)."""
+        they were packed (no object per batch, no copy: `packed` is sent as it is)."""
         message = PackedBatches(source.instance, source.rank, first_seq, msgspec.Raw(packed), count)
         self._link.post(message, len(packed))
 

@@ -1,7 +1,8 @@
 """What the service and a store's worker process say to each other: one set of messages
 for both backends (SQLite's writer, Redis's worker).
 
-Service -> worker, in `Group`s (one ZMQ message each, numbered in sending order): what the
+Service -> worker, in `Group`s (one ZMQ message each, numbered in sending order; its msgpack
+may come in several frames, joined on receipt: `group_frames`, `decode_frames`): what the
 index applied (`AppliedBatch`, `AppliedBatches`, `RestartMark`, `LostMark`), the fleet's membership
 (`SaveInstance`, `RemoveInstance`), the status of the publishers this replica ingests
 (`StatusReport`, Redis only) and control (`ControlRequest`: sync, compact, stop).
@@ -18,6 +19,7 @@ them as they are).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -37,9 +39,11 @@ __all__ = [
     "SaveInstance",
     "StatusReport",
     "WorkerReport",
+    "decode_frames",
     "decode_group",
     "decode_report",
     "encode_report",
+    "group_frames",
     "pack_payloads",
 ]
 
@@ -177,5 +181,49 @@ class WorkerReport(msgspec.Struct, array_like=True, gc=False):
 
 
 decode_group = msgspec.msgpack.Decoder(Group).decode
+
+
+# What `group_frames` writes before a PackedBatches's payloads: its array header (6 items:
+# the tag, then its five fields) in place of the 4 its first items encode to alone.
+_PACKED_ITEMS = b"\x96"
+_PACKED_TAG = PackedBatches.__struct_config__.tag
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def group_frames(
+    encode: Callable[[Any], bytes], group_id: int, messages: list[Outgoing]
+) -> list[bytes | memoryview]:
+    """`OutgoingGroup(group_id, messages)` encoded, in frames that join to exactly what
+    `encode` makes of it whole: each PackedBatches's payloads a frame of their own, as
+    they are (the C receive's buffer: never copied here), the rest encoded between them.
+    A group without one is one frame."""
+    frames: list[bytes | memoryview] = []
+    head = [b"\x92", encode(group_id), _array_header(len(messages))]
+    for message in messages:
+        if isinstance(message, PackedBatches):
+            start = (_PACKED_TAG, message.instance, message.rank, message.first_seq)
+            head.append(_PACKED_ITEMS + encode(start)[1:])
+            frames.append(b"".join(head))
+            frames.append(memoryview(message.payloads))
+            head = [encode(message.count)]
+        else:
+            head.append(encode(message))
+    frames.append(b"".join(head))
+    return frames
+
+
+def decode_frames(frames: Sequence[bytes | memoryview]) -> Group:
+    """A group as `group_frames` sent it, its frames joined (a copy in the worker's
+    process, not the service's)."""
+    return decode_group(frames[0] if len(frames) == 1 else b"".join(frames))
+
+
 decode_report = msgspec.msgpack.Decoder(WorkerReport).decode
 encode_report = msgspec.msgpack.Encoder().encode

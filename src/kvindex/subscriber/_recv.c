@@ -26,9 +26,11 @@
  * A persistent store must log every batch the index applied. With `keep_payloads` the
  * Sequencer also keeps the payloads of the batches C applied (copied, without the GIL, into
  * one growing buffer, written as msgpack: an array of bin), and `kept()` hands them to
- * Python in one call per read: the first seq, the count and that buffer as one bytes
- * object, which the store's message carries as it is (the seqs C takes are consecutive).
- * So the store still sees every batch, and Python does nothing per batch at all.
+ * Python in one call per read: the first seq, the count and that buffer itself, as a
+ * read-only memoryview of a `Packed` that owns it from then on (the Sequencer starts a
+ * new buffer), which the store's message carries as it is (the seqs C takes are
+ * consecutive) and its link sends as a frame of its own, not copied. So the store still
+ * sees every batch, and Python does nothing per batch at all, not even copy its bytes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -286,9 +288,39 @@ typedef struct {
 /* A read stops taking batches once this much is kept (it resumes at the next read, after
    Python took them): a bound on a read's memory however large the batches are. */
 #define KEEP_LIMIT ((size_t)64 << 20)
-/* A buffer larger than this is freed once taken (a publisher that sent a burst once does
-   not hold its memory for good). */
-#define KEEP_RETAIN ((size_t)1 << 20)
+
+/* -- Packed: a kept buffer handed over ------------------------------------------------- */
+
+/* What kept() hands to Python: the Sequencer's buffer of packed payloads, owned by this
+ * object from then on and freed with it; read through the buffer protocol, read-only
+ * (kept() returns a memoryview of it). Made only by kept(): Python can't create one. */
+typedef struct {
+    PyObject_HEAD
+    unsigned char *data; /* malloc'd (or NULL), freed in dealloc */
+    Py_ssize_t size;
+} PackedObject;
+
+static int Packed_getbuffer(PackedObject *self, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->data, self->size, 1, flags);
+}
+
+static void Packed_dealloc(PackedObject *self) {
+    free(self->data);
+    PyObject_Free(self);
+}
+
+static PyBufferProcs Packed_as_buffer = {
+    .bf_getbuffer = (getbufferproc)Packed_getbuffer,
+};
+
+static PyTypeObject PackedType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvindex.subscriber._recv.Packed",
+    .tp_basicsize = sizeof(PackedObject),
+    .tp_dealloc = (destructor)Packed_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Payloads the C path kept, packed (Sequencer.kept() returns a memoryview of it).",
+    .tp_as_buffer = &Packed_as_buffer,
+};
 
 static int Sequencer_init(SequencerObject *self, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"digests_kept", "keep_payloads", NULL};
@@ -504,24 +536,41 @@ static PyObject *Sequencer_take(SequencerObject *self, PyObject *Py_UNUSED(unuse
 /* kept() -> (first_seq, count, packed) | None: the payloads of the batches applied in C
    since the last call (keep_payloads), in seq order from first_seq, as one msgpack array
    of bin (what a list of bytes encodes to); None if there are none. What a persistent
-   store records of them: one call and one copy per read, no object per batch. */
+   store records of them: one call per read, no object per batch, and no copy: `packed` is
+   a read-only memoryview of the buffer they were kept in, handed over whole (a `Packed`
+   owns it now); the next read keeps its payloads in a new one. */
 static PyObject *Sequencer_kept(SequencerObject *self, PyObject *Py_UNUSED(unused)) {
     if (self->kcount == 0)
         Py_RETURN_NONE;
-    put_u32(self->kbuf, 0xdd, (uint32_t)self->kcount); /* msgpack array 32 */
-    PyObject *packed = PyBytes_FromStringAndSize((const char *)self->kbuf, (Py_ssize_t)self->klen);
-    if (packed == NULL)
-        return NULL; /* kept as they are: a later call may succeed */
-    PyObject *out = Py_BuildValue("(KnN)", (unsigned long long)self->kfirst, self->kcount, packed);
-    if (out == NULL)
-        return NULL;
-    self->kcount = 0;
-    self->klen = 0;
-    if (self->kcap > KEEP_RETAIN) {
-        free(self->kbuf);
-        self->kbuf = NULL;
-        self->kcap = 0;
+    /* Everything that can fail first: on a failure the payloads stay kept as they are,
+       and a later call may succeed. */
+    PyObject *out = PyTuple_New(3);
+    PyObject *first = PyLong_FromUnsignedLongLong((unsigned long long)self->kfirst);
+    PyObject *count = PyLong_FromSsize_t(self->kcount);
+    PackedObject *owner = PyObject_New(PackedObject, &PackedType);
+    PyObject *view = NULL;
+    if (owner != NULL) {
+        owner->data = self->kbuf;
+        owner->size = (Py_ssize_t)self->klen;
+        view = PyMemoryView_FromObject((PyObject *)owner); /* holds the owner */
+        if (view == NULL)
+            owner->data = NULL; /* still the Sequencer's */
+        Py_DECREF(owner);
     }
+    if (out == NULL || first == NULL || count == NULL || view == NULL) {
+        Py_XDECREF(out);
+        Py_XDECREF(first);
+        Py_XDECREF(count);
+        Py_XDECREF(view);
+        return NULL;
+    }
+    put_u32(self->kbuf, 0xdd, (uint32_t)self->kcount); /* msgpack array 32 */
+    PyTuple_SET_ITEM(out, 0, first);
+    PyTuple_SET_ITEM(out, 1, count);
+    PyTuple_SET_ITEM(out, 2, view);
+    self->kbuf = NULL; /* the owner's now */
+    self->kcap = self->klen = 0;
+    self->kcount = 0;
     return out;
 }
 
@@ -775,7 +824,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__recv(void) {
-    if (PyType_Ready(&SequencerType) < 0)
+    if (PyType_Ready(&SequencerType) < 0 || PyType_Ready(&PackedType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -14,8 +14,10 @@ digests, counters) sits in the Sequencer until Python needs it:
 
 With `keep_payloads` (a persistent store, which logs every batch the index applied), the
 C path also keeps the payloads of the batches it applied, and `sync()` hands them over with
-the counters: one bytes object per publisher and read (`Applied.packed`: a msgpack array of
-the payloads, as a store's message carries it), never an object per batch.
+the counters: one buffer per publisher and read (`Applied.packed`: a msgpack array of the
+payloads, as a store's message carries it), never an object per batch, and never copied
+under the GIL: a read-only memoryview of the very buffer C kept them in (its own from then
+on), which the store's link sends as a frame of its own.
 
 Python arms it again only at the start of a poll (`Subscriber._process`): the items Python
 produced for the publisher before are all applied by then, so C never applies a batch
@@ -53,8 +55,9 @@ class Applied(NamedTuple):
     counts: tuple[int, int, int]  # block events stored, removed, and clears
     # With keep_payloads: every batch of this sync as the publisher sent it, seqs
     # last_seq - batches + 1 .. last_seq in order, packed as one msgpack array of bin (what
-    # `msgspec.msgpack.encode(list_of_payloads)` gives).
-    packed: bytes | None = None
+    # `msgspec.msgpack.encode(list_of_payloads)` gives): read-only, over the C buffer
+    # itself, freed with its last reference.
+    packed: memoryview | None = None
 
 
 class InOrder:

@@ -181,7 +181,9 @@ class RedisStore(WorkerStore):
             super().record(item)
         # else: another replica's batch, read from its log: nothing to append
 
-    def record_batches(self, source: SourceKey, first_seq: int, count: int, packed: bytes) -> None:
+    def record_batches(
+        self, source: SourceKey, first_seq: int, count: int, packed: bytes | memoryview
+    ) -> None:
         if self.config.ingest.ingests(source.instance):
             super().record_batches(source, first_seq, count, packed)
 

@@ -44,7 +44,7 @@ from kvindex.store.protocol import (
     SaveInstance,
     StatusReport,
     WorkerReport,
-    decode_group,
+    decode_frames,
     encode_report,
 )
 from kvindex.store.redis.append import Appender
@@ -303,7 +303,8 @@ class Worker:
         taken = 0  # batches counted one by one (an AppliedBatches holds many)
         while taken < min(20_000, max(room, 100)):
             try:
-                group = decode_group(self.inbox.recv(zmq.NOBLOCK))
+                frames = self.inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+                group = decode_frames([frame.buffer for frame in frames])
             except zmq.Again:
                 break
             if group.id > self.taken:  # not one sent again after a restart of this worker

@@ -57,7 +57,7 @@ from kvindex.store.protocol import (
     SaveInstance,
     StatusReport,
     WorkerReport,
-    decode_group,
+    decode_frames,
     encode_report,
 )
 from kvindex.store.snapshot import load_runs, plan_changes
@@ -501,10 +501,10 @@ def _drain(inbox: zmq.Socket[bytes], wait: float) -> list[Group]:
     count = 0
     while count < DRAIN_MESSAGES:
         try:
-            frame = inbox.recv(zmq.NOBLOCK)
+            frames = inbox.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             break
-        group = decode_group(frame)
+        group = decode_frames([frame.buffer for frame in frames])
         groups.append(group)
         count += len(group.messages)
     return groups

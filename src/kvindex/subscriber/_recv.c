@@ -542,6 +542,14 @@ static PyObject *Sequencer_take(SequencerObject *self, PyObject *Py_UNUSED(unuse
 static PyObject *Sequencer_kept(SequencerObject *self, PyObject *Py_UNUSED(unused)) {
     if (self->kcount == 0)
         Py_RETURN_NONE;
+    /* Fitted to what it holds before it goes (it grew by doubling): the store link's
+       bound counts these bytes, so they are what is held. Shrinking frees the tail in
+       place; should it fail, the buffer goes as it is. */
+    unsigned char *fit = realloc(self->kbuf, self->klen);
+    if (fit != NULL) {
+        self->kbuf = fit;
+        self->kcap = self->klen;
+    }
     /* Everything that can fail first: on a failure the payloads stay kept as they are,
        and a later call may succeed. */
     PyObject *out = PyTuple_New(3);

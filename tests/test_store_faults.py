@@ -31,6 +31,8 @@ import redis
 from netutil import wait_until
 from test_store_crash import Serve, Workload, assert_same, caught_up, persisted
 
+from kvindex.index import FleetIndex
+from kvindex.store import open_store
 from kvindex.store.redis.layout import cp_key, log_key
 from kvindex.subscriber import SourceKey
 from kvindex.wire import BlockStored
@@ -185,9 +187,54 @@ def test_a_full_disk_stops_writing_says_so_and_resumes(tmp_path: Path) -> None:
         finally:
             serve.stop(signal.SIGTERM)
             pub.close()
+        # It stopped as asked (not killed after the wait), though the snapshot a stop
+        # writes may have found no room: the log holds everything all the same.
+        assert serve.proc.returncode == 0
         db = sqlite3.connect(disk / "s.sqlite")
         assert db.execute("SELECT next_seq FROM sources").fetchone() == (1000,)
         db.close()
+        index = FleetIndex()
+        open_store(f"sqlite:///{disk / 's.sqlite'}").load(index)
+        assert len(index.block_hashes("a")) == 1000 * 64
+
+
+def fill(path: Path) -> None:
+    """Write zeros to `path` until its filesystem has no room left."""
+    with open(path, "wb", buffering=0) as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * (64 << 10))
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 512)
+
+
+def test_a_stop_with_no_room_for_its_snapshot_stops_cleanly(tmp_path: Path) -> None:
+    """Everything is committed, then the disk fills: the snapshot a stop writes has no
+    room. The service still stops at once with exit 0 (its writer neither fails nor is
+    started again until the stop's wait runs out), and the log alone restores it all."""
+    with small_filesystem(tmp_path / "small", "24m") as disk:
+        pub = Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=100_000)
+        spec = f"a={pub.endpoint},replay={pub.replay_endpoint}"
+        url = f"sqlite:///{disk / 's.sqlite'}"
+        serve = Serve(url, [spec], tmp_path)
+        try:
+            tokens = list(range(16 * 64))
+            for _ in range(400):
+                hashes = [pub.next_seq * 64 + i for i in range(64)]
+                pub.publish_payload(encode_batch([BlockStored(hashes, None, tokens, 16)]))
+                time.sleep(0.001)
+            assert wait_until(lambda: serve.instances()["a"]["last_seq"] == 399, 30)
+            assert wait_until(lambda: persisted(serve), 30)
+            fill(disk / "filler")
+        finally:
+            serve.stop(signal.SIGTERM)
+            pub.close()
+        assert serve.proc.returncode == 0
+        (disk / "filler").unlink()
+        index = FleetIndex()
+        open_store(url).load(index)
+        assert len(index.block_hashes("a")) == 400 * 64
 
 
 def test_seqs_past_2_63_are_stored_and_resumed_exactly(tmp_path: Path) -> None:

@@ -180,6 +180,7 @@ class SQLiteWriter:
                 except sqlite3.Error as exc:
                     if not no_room(exc) or orphan:
                         raise
+                    self._make_room()
                     if not error:
                         error = f"can't write {self.db_path()}: {exc}; retrying every second"
                         acks.send(encode_report(self._report([], error)))
@@ -187,7 +188,7 @@ class SQLiteWriter:
                 waiting, error = [], ""
                 acks.send(encode_report(self._report(done)))
                 if stop:
-                    self.compact()
+                    self._compact_at_stop()
                     return
             if orphan:
                 while groups := _drain(inbox, 0):  # what its service handed over before it went
@@ -202,6 +203,7 @@ class SQLiteWriter:
                 except sqlite3.Error as exc:
                     if not no_room(exc):
                         raise
+                    self._make_room()
                     error = f"can't write {self.db_path()}: {exc}; retrying every second"
 
     def _report(self, done: list[int], error: str = "") -> WorkerReport:
@@ -336,6 +338,39 @@ class SQLiteWriter:
         waits for them; what a reader still uses is copied next time)."""
         self.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
         self.unchecked = 0
+
+    def _make_room(self) -> None:
+        """A write found no room. The WAL never shrinks by itself: it still holds the
+        failed transaction's pages and everything committed since the last checkpoint
+        (up to CHECKPOINT_BYTES: SQLite's auto-checkpoint is off). Copy what is committed
+        into the file and truncate the WAL, so that the next try has that room back."""
+        try:
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        except sqlite3.Error as exc:
+            if not no_room(exc):
+                raise
+            return  # the copy itself found no room: the next try makes room again
+        self.unchecked = 0
+
+    def _compact_at_stop(self) -> None:
+        """The snapshot a stop writes is a saving, not a duty: everything is committed
+        to the log already, and the next start folds what is left. With no room for it
+        (a full disk), the WAL is truncated and it is tried once more; if that fails too,
+        the writer still stops cleanly (exit 0: its service must not start it again)."""
+        for last_try in (False, True):
+            try:
+                self.compact()
+                return
+            except sqlite3.Error as exc:
+                if not no_room(exc):
+                    raise
+                self._make_room()
+                if last_try:
+                    log.warning(
+                        "no room for the snapshot at stop (%s): the log holds everything; "
+                        "the next start folds it",
+                        exc,
+                    )
 
     def _kept(self, payload: bytes | None) -> bytes | None:
         """A payload to keep in memory until it is folded: not past PENDING_PAYLOADS of

@@ -59,7 +59,7 @@ from kvindex.store.redis.layout import (
     tag,
 )
 from kvindex.store.redis.reader import SharedLogReader
-from kvindex.store.redis.worker import register_instance
+from kvindex.store.redis.worker import register_instance, restore_checkpoint
 from kvindex.store.rows import BlockRow
 from kvindex.subscriber import Delivery, InstanceSpec, Restarted, SourceKey
 from kvindex.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
@@ -152,6 +152,56 @@ def test_snapshot_plus_log_loads_back_exactly(server: Any, plan: list[Any]) -> N
     loaded, result = h.reload()  # snapshot only
     same_state(loaded, h.reference, PROMPTS)
     assert result.log_batches_replayed == 0
+
+
+def test_a_reader_the_failover_left_ahead_reloads_from_the_snapshot(server: Any) -> None:
+    """A failover loses log entries a serving replica had read (asynchronous
+    replication); the ingesting replica, further on, writes its snapshot back (Worker._refill)
+    and appends go on from there. The serving replica's next entry then skips seqs it
+    never read: it must reload from the snapshot, not apply the rest over what it holds
+    (it kept a block removed in the lost entries, and missed one stored: the sentinel
+    failover test's rare `assert_same(server)` failure)."""
+    h = Harness(server.url, {"a": SPECS["a"]})
+    frames: list[list[bytes]] = []
+    serving = SharedLogReader(Mirror(), IngestPolicy.parse("none"), frames.append)
+    serving.load(h.client, {A: ZERO}, ZERO)
+
+    def held(mirror: Mirror) -> set[int]:
+        return {h for pool in mirror.copies(A).values() for h in pool}
+
+    def store(block: int) -> BlockStored:
+        return BlockStored([block], None, [block] * BS, BS)
+
+    def read(reader: SharedLogReader) -> None:
+        while reader.step(h.client, None):
+            pass
+
+    for block in (0, 1, 2, 3, 4):
+        h.batch(A, store(block))  # seqs 0-4
+    h.batch(A, BlockRemoved([0]))  # seq 5
+    h.appender.flush(h.client)
+    read(serving)  # the serving replica stands at seq 6
+    h.batch(A, BlockRemoved([3]))  # seq 6
+    h.batch(A, store(7))  # seq 7
+    h.appender.flush(h.client)
+    read(h.reader)  # the ingesting replica's mirror at seq 8
+    # The failover: the new primary had seqs 0-2 only.
+    lost = [i for i, f in h.client.xrange(log_key(A)) if int(f[b"s"]) > 2]
+    h.client.xdel(log_key(A), *lost)
+    h.client.hset(cp_key(A), mapping={"n": "3", "d": "", "l": "0"})
+    # The ingesting replica writes back what it holds, and appends go on.
+    assert h.compactor.rewrite(h.client, [A]) == [A]
+    restore_checkpoint(h.client, A, h.reader.cursors[A])
+    h.batch(A, store(8))  # seq 8
+    h.batch(A, BlockRemoved([4]))  # seq 9
+    h.appender.flush(h.client)
+    truth = h.reference.block_hashes("a")
+    assert truth == {1, 2, 7, 8}
+    read(serving)
+    assert held(serving.mirror) == truth
+    assert serving.cursors[A].next_seq == 10
+    assert serving.stats.resyncs == 1
+    assert any(msgspec.msgpack.decode(f[0])[0] == "z" for f in frames)  # the service too
 
 
 def test_appends_are_idempotent_by_seq(server: Any) -> None:

@@ -105,7 +105,7 @@ class SharedLogReader:
         cursor = state.cursor
         self.cursors[source] = cursor
         self.read_at[source] = min(cursor.pos, self.served[source])
-        self._catch_up(source, state.entries)
+        self._catch_up(client, source, state.entries)
 
     def _resync(self, client: redis.Redis, source: SourceKey) -> None:
         """(Re)load one publisher from its snapshot, in the mirror and, for a publisher
@@ -124,7 +124,7 @@ class SharedLogReader:
                 self.forward([header, pack(state.fields)])
             self.served[source] = snap.pos
         self.stats.resyncs += 1
-        self._catch_up(source, state.entries)
+        self._catch_up(client, source, state.entries, resynced=True)
 
     # -- following ----------------------------------------------------------------------
 
@@ -144,20 +144,32 @@ class SharedLogReader:
         for key, entries in by_key.items():
             source = sources[keys.index(key) - 1]
             if source in self.read_at:
-                self._catch_up(source, [parse_entry(i, f) for i, f in entries])
+                self._catch_up(client, source, [parse_entry(i, f) for i, f in entries])
                 count += len(entries)
         for entry_id, fields in ctl:
             self._control(client, parse_id(entry_id), fields)
             count += 1
         return count
 
-    def _catch_up(self, source: SourceKey, entries: list[Entry]) -> None:
+    def _catch_up(
+        self, client: redis.Redis, source: SourceKey, entries: list[Entry], resynced: bool = False
+    ) -> None:
         cursor = self.cursors[source]
         served = self.served.get(source, ZERO)
         forward = not self.policy.ingests(source.instance)
         for entry in entries:
             self.stats.entries += 1
             if entry.id > cursor.pos:
+                if not resynced and not _continues(cursor, entry):
+                    log.warning(
+                        "the log of %r goes on at seq %d, not at %d where this replica "
+                        "stands (a failover rewrote it): reloading it from its snapshot",
+                        source,
+                        entry.seq,
+                        cursor.next_seq,
+                    )
+                    self._resync(client, source)
+                    return  # the snapshot's own log tail, read by _resync, covers the rest
                 advance(self.mirror, source, cursor, entry)
             if forward and entry.id > served:
                 self.forward(_entry_frames(source, entry))
@@ -219,6 +231,15 @@ class SharedLogReader:
             beat_stats = unpack(value)
             out[name] = [now - seen[1] < STALE, beat_stats[1]]
         return out
+
+
+def _continues(cursor: Cursor, entry: Entry) -> bool:
+    """Whether `entry` is the next one after `cursor`. One log never skips or repeats a
+    seq (APPEND logs a batch only at the log's next seq, a lost range only from there),
+    so an entry that does was written after a failover lost entries this replica had
+    read, over a snapshot some replica wrote back from further on (or further back):
+    the log no longer continues this replica's view (Worker._refill)."""
+    return entry.kind == "r" or entry.seq == cursor.next_seq
 
 
 def _entry_frames(source: SourceKey, entry: Entry) -> list[bytes]:

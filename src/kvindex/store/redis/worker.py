@@ -57,6 +57,7 @@ from kvindex.store.redis.layout import (
     RESTORE_CP,
     SENTINEL_SCHEME,
     STATUS,
+    Cursor,
     IngestPolicy,
     cp_key,
     log_key,
@@ -382,10 +383,7 @@ class Worker:
             self._register(name, self.reader.specs[name])
         written = self.compactor.rewrite(self.client, behind)
         for source in written:
-            cursor = self.reader.cursors[source]
-            digest = "" if cursor.digest is None else str(cursor.digest)
-            args = [str(cursor.next_seq), digest, str(cursor.lost)]
-            self.client.eval(RESTORE_CP, 1, cp_key(source), *args)
+            restore_checkpoint(self.client, source, self.reader.cursors[source])
         self.refills += 1
         self.refilled_sources += len(written)
 
@@ -443,6 +441,14 @@ class Worker:
             "refilled_publishers": self.refilled_sources,
             "ingest": self.config.ingest,
         }
+
+
+def restore_checkpoint(client: redis.Redis, source: SourceKey, cursor: Cursor) -> None:
+    """Put back a publisher's checkpoint as `cursor` stands, unless the log's stands
+    there or further already (RESTORE_CP never moves one back)."""
+    digest = "" if cursor.digest is None else str(cursor.digest)
+    args = [str(cursor.next_seq), digest, str(cursor.lost)]
+    client.eval(RESTORE_CP, 1, cp_key(source), *args)
 
 
 def register_instance(client: redis.Redis, name: str, spec: str, by: str) -> list[SourceKey]:

@@ -165,6 +165,24 @@ def _stored(row: MirrorRow) -> Stored:
     return rank, keys, events, n, ts
 
 
+def continues(cursor: Cursor, entry: Entry) -> bool:
+    """Whether `entry` is the next one after `cursor`. One log never skips or repeats a
+    seq (APPEND logs a batch only at the log's next seq, a lost range only from there),
+    so an entry that does not continue was logged after a failover lost entries: over a
+    snapshot some replica wrote back (Worker._refill) from further on or further back.
+    A restart continues anything."""
+    return entry.kind == "r" or entry.seq == cursor.next_seq
+
+
+def covered(cursor: Cursor, entry: Entry) -> bool:
+    """Whether `cursor` stands past all of `entry` already: a batch (or lost range) the
+    failover lost and a replica logged again, after the snapshot that holds it was
+    written back. Applied again it would count its blocks twice."""
+    if entry.kind == "b":
+        return entry.seq < cursor.next_seq
+    return entry.kind == "l" and entry.last < cursor.next_seq
+
+
 def advance(target: LogTarget, source: SourceKey, cursor: Cursor, entry: Entry) -> None:
     """Apply one log entry to a mirror (or an index) and move the cursor over it."""
     if entry.kind == "b":
@@ -190,6 +208,8 @@ def load_source(
     target = IndexTarget(index)
     batches = 0
     for entry in state.entries:
+        if covered(cursor, entry):
+            continue
         advance(target, source, cursor, entry)
         batches += entry.kind == "b"
     return cursor, blocks, batches

@@ -44,6 +44,8 @@ from kvindex.store.redis.layout import (
 )
 from kvindex.store.redis.load import (
     advance,
+    continues,
+    covered,
     read_registry,
     read_source,
     snapshot_into_mirror,
@@ -160,22 +162,33 @@ class SharedLogReader:
         for entry in entries:
             self.stats.entries += 1
             if entry.id > cursor.pos:
-                if not resynced and not _continues(cursor, entry):
-                    log.warning(
-                        "the log of %r goes on at seq %d, not at %d where this replica "
-                        "stands (a failover rewrote it): reloading it from its snapshot",
-                        source,
-                        entry.seq,
-                        cursor.next_seq,
-                    )
-                    self._resync(client, source)
-                    return  # the snapshot's own log tail, read by _resync, covers the rest
+                if covered(cursor, entry):  # logged again after a failover: held already
+                    cursor.pos = self.read_at[source] = entry.id
+                    if forward and entry.id > served:
+                        self.served[source] = entry.id  # the service holds it too
+                    continue
+                if not continues(cursor, entry):
+                    if not resynced:
+                        self._say_rewritten(source, cursor, entry)
+                        self._resync(client, source)
+                        return  # the snapshot's own log tail, read by _resync, is the rest
+                    log.warning("the log of %r skips seqs past its snapshot", source)
                 advance(self.mirror, source, cursor, entry)
             if forward and entry.id > served:
                 self.forward(_entry_frames(source, entry))
                 self.served[source] = entry.id
                 self.stats.forwarded += 1
             self.read_at[source] = entry.id
+
+    @staticmethod
+    def _say_rewritten(source: SourceKey, cursor: Cursor, entry: Entry) -> None:
+        log.warning(
+            "the log of %r goes on at seq %d, not at %d where this replica stands (a "
+            "failover rewrote it): reloading it from its snapshot",
+            source,
+            entry.seq,
+            cursor.next_seq,
+        )
 
     def _control(self, client: redis.Redis, entry_id: StreamId, fields: dict[bytes, bytes]) -> None:
         self.ctl_pos = entry_id
@@ -231,15 +244,6 @@ class SharedLogReader:
             beat_stats = unpack(value)
             out[name] = [now - seen[1] < STALE, beat_stats[1]]
         return out
-
-
-def _continues(cursor: Cursor, entry: Entry) -> bool:
-    """Whether `entry` is the next one after `cursor`. One log never skips or repeats a
-    seq (APPEND logs a batch only at the log's next seq, a lost range only from there),
-    so an entry that does was written after a failover lost entries this replica had
-    read, over a snapshot some replica wrote back from further on (or further back):
-    the log no longer continues this replica's view (Worker._refill)."""
-    return entry.kind == "r" or entry.seq == cursor.next_seq
 
 
 def _entry_frames(source: SourceKey, entry: Entry) -> list[bytes]:

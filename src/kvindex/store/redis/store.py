@@ -50,6 +50,7 @@ from kvindex.store.redis.layout import Cursor, RedisConfig, render_id, tag
 from kvindex.store.redis.layout import client as redis_client
 from kvindex.store.redis.load import (
     advance,
+    covered,
     load_source,
     read_registry,
     read_source,
@@ -216,6 +217,8 @@ def current_rows(url: str) -> tuple[list[BlockRow], LoadResult]:
             mirror = Mirror()
             snapshot_into_mirror(mirror, source, state)
             for entry in state.entries:
+                if covered(state.cursor, entry):
+                    continue  # logged again after a failover: the snapshot holds it
                 advance(mirror, source, state.cursor, entry)
                 batches += entry.kind == "b"
             out.extend(mirror_rows(mirror))

@@ -22,8 +22,10 @@
 #    outside the lock on the core before the fold; its `exact` case applies four
 #    publishers on four threads at once and compares the end with the reference); serve's C lookup thread answering by
 #    tokens and by hashes while another thread applies batches with new names and
-#    publishers (tests/test_lookupd.py's in-process tests: its serve ones start too slowly
-#    under TSan). Reports go to build/tsan/reports; libzmq's own hand-offs are suppressed
+#    publishers, and every test of the lookup thread, serve's included (tests/test_lookupd.py,
+#    tests/test_fastpath_serve.py: their hand-overs to Python are where the thread and
+#    Python share sockets; ~25 s under TSan). Reports go to build/tsan/reports; libzmq's
+#    own hand-offs are suppressed
 #    (sanitize/tsan.supp says why).
 #
 # LeakSanitizer records one frame above malloc, so sanitize/lsan.supp can name who
@@ -78,10 +80,7 @@ tsan_status=0
 env LD_PRELOAD="$(gcc -print-file-name=libtsan.so)" PYTHONPATH="$tsan_out" \
     TSAN_OPTIONS="suppressions=$PWD/sanitize/tsan.supp:log_path=$PWD/$tsan_reports/tsan:report_signal_unsafe=0" \
     "$python" -m pytest -q -p no:cacheprovider tests/test_ingest_c.py tests/test_inorder.py \
-    tests/test_core_threads.py \
-    tests/test_lookupd.py::test_lookups_beside_ingest \
-    tests/test_lookupd.py::test_hash_lookups_are_answered_as_python_answers \
-    tests/test_lookupd.py::test_moved_publishers_are_handed_over ||
+    tests/test_core_threads.py tests/test_lookupd.py tests/test_fastpath_serve.py ||
     tsan_status=$?
 check_reports "$tsan_reports" ThreadSanitizer "$tsan_status"
 

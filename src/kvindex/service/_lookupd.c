@@ -181,10 +181,8 @@ static void switches(long *voluntary, long *involuntary) {
 
 /* -- the thread ---------------------------------------------------------------------- */
 
-static void conn_close(ServerObject *s, conn_t *c, int close_fd) {
-    epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
-    if (close_fd)
-        close(c->fd);
+/* A connection out of the thread's list, and freed (its socket is no longer watched). */
+static void conn_forget(ServerObject *s, conn_t *c) {
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -195,6 +193,13 @@ static void conn_close(ServerObject *s, conn_t *c, int close_fd) {
     free(c->in);
     free(c->out);
     free(c);
+}
+
+static void conn_close(ServerObject *s, conn_t *c, int close_fd) {
+    epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    if (close_fd)
+        close(c->fd);
+    conn_forget(s, c);
 }
 
 /* The connection to Python: its socket and what was read of it and not answered. */
@@ -209,13 +214,17 @@ static void hand_off(ServerObject *s, conn_t *c) {
     h->len = c->in_len;
     h->bounced = c->adopted;
     c->in = NULL;
+    /* Unwatched before Python can see it: once queued, Python may take the socket, answer
+     * and close it at once, and its number be reused by a file of Python's before this
+     * thread's EPOLL_CTL_DEL ran on that number (ThreadSanitizer saw the two race). */
+    epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
     pthread_mutex_lock(&s->mu); /* queued before it leaves nconns: counted throughout */
     *s->handoff_tail = h;
     s->handoff_tail = &h->next;
     s->nhandoffs++;
     s->handed++;
     pthread_mutex_unlock(&s->mu);
-    conn_close(s, c, 0);
+    conn_forget(s, c);
     uint64_t one = 1;
     (void)!write(s->handoff_fd, &one, sizeof one);
 }

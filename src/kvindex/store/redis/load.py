@@ -205,11 +205,16 @@ def load_source(
     state = read_source(client, source)
     blocks = snapshot_into_index(index, source, state.fields)
     cursor = state.cursor
-    target = IndexTarget(index)
-    batches = 0
-    for entry in state.entries:
-        if covered(cursor, entry):
-            continue
-        advance(target, source, cursor, entry)
-        batches += entry.kind == "b"
+    batches = advance_tail(IndexTarget(index), source, cursor, state.entries)
     return cursor, blocks, batches
+
+
+def advance_tail(target: LogTarget, source: SourceKey, cursor: Cursor, entries: list[Entry]) -> int:
+    """A snapshot's log tail into `target`, past the entries logged again over the snapshot
+    (`covered`); returns the batches applied."""
+    batches = 0
+    for entry in entries:
+        if not covered(cursor, entry):
+            advance(target, source, cursor, entry)
+            batches += entry.kind == "b"
+    return batches

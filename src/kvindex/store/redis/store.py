@@ -49,8 +49,7 @@ from kvindex.store.redis.feed import SharedSubscriber
 from kvindex.store.redis.layout import Cursor, RedisConfig, render_id, tag
 from kvindex.store.redis.layout import client as redis_client
 from kvindex.store.redis.load import (
-    advance,
-    covered,
+    advance_tail,
     load_source,
     read_registry,
     read_source,
@@ -216,11 +215,7 @@ def current_rows(url: str) -> tuple[list[BlockRow], LoadResult]:
             state = read_source(client, source)
             mirror = Mirror()
             snapshot_into_mirror(mirror, source, state)
-            for entry in state.entries:
-                if covered(state.cursor, entry):
-                    continue  # logged again after a failover: the snapshot holds it
-                advance(mirror, source, state.cursor, entry)
-                batches += entry.kind == "b"
+            batches += advance_tail(mirror, source, state.cursor, state.entries)
             out.extend(mirror_rows(mirror))
             checkpoints[source] = state.cursor.checkpoint()
     except redis.RedisError as exc:

@@ -13,6 +13,7 @@ from 0) and the descriptor with them, `answer_raw` makes it answer anything at a
 
 from __future__ import annotations
 
+import errno
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -131,18 +132,28 @@ class FakeSGLang:
         block_size: int = 16,
         spare: int = 0,
     ) -> None:
-        """`spare`: ranks the port runs leave room for (`add_rank`, `start_load`)."""
-        base = free_ports(dp + spare)
-        replay_base = free_ports(dp + spare) if replay else None
-        self._load_base = free_ports(dp + spare)
-        for rank in range(dp):
-            self.publishers.append(
-                Publisher(
-                    f"tcp://127.0.0.1:{base + rank}",
-                    None if replay_base is None else f"tcp://127.0.0.1:{replay_base + rank}",
-                    dp_rank=rank,
-                )
-            )
+        """`spare`: ranks the port runs leave room for (`add_rank`, `start_load`). A port
+        found free can be taken before it is bound (a serve's outgoing connections take
+        ephemeral ports): then the runs are picked again."""
+        for attempt in range(5):
+            base = free_ports(dp + spare)
+            replay_base = free_ports(dp + spare) if replay else None
+            self._load_base = free_ports(dp + spare)
+            try:
+                for rank in range(dp):
+                    replay_at = None if replay_base is None else replay_base + rank
+                    self.publishers.append(
+                        Publisher(
+                            f"tcp://127.0.0.1:{base + rank}",
+                            None if replay_at is None else f"tcp://127.0.0.1:{replay_at}",
+                            dp_rank=rank,
+                        )
+                    )
+                break
+            except zmq.ZMQError as exc:
+                self.stop_publishers()  # those bound before the one that failed
+                if exc.errno != errno.EADDRINUSE or attempt == 4:
+                    raise
         self.descriptor = {
             "publisher": "zmq",
             "endpoint_host": self.endpoint_host,

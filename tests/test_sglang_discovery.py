@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
-from netutil import serve_url, wait_until
+import zmq
+from netutil import free_port, serve_url, wait_until
 from service_workload import TestClient
 from sglang_fake import FakeSGLang, load_stat
 
@@ -33,6 +34,7 @@ from kvindex.subscriber.server_info import (
     resolve,
 )
 from kvindex.wire import BlockStored
+from kvindex.wire.publisher import Publisher
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -381,3 +383,35 @@ def test_config_file_names_an_engine_by_url(engine: FakeSGLang, tmp_path: Path) 
     proc = serve("--config", str(bad))
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "instances[0]" in err and "'dp'" in err
+
+
+def test_the_fake_engine_picks_other_ports_when_its_first_are_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A port found free can be taken before the fake engine binds it (the membership
+    stress test's engine restart failed so, 'Address already in use', and never came
+    back): it picks again. A Publisher whose replay port is taken keeps nothing bound."""
+    import socket
+
+    import sglang_fake
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    real = sglang_fake.free_ports
+    picks = iter([port, port, port])  # live, replay, load: all on the taken port first
+    monkeypatch.setattr(sglang_fake, "free_ports", lambda n: next(picks, None) or real(n))
+    live = free_port()
+    with pytest.raises(zmq.ZMQError):
+        Publisher(f"tcp://127.0.0.1:{live}", f"tcp://127.0.0.1:{port}")
+    again = Publisher(f"tcp://127.0.0.1:{live}", None)  # the live port was let go
+    again.close()
+    engine = FakeSGLang()
+    try:
+        engine.start_publishers(1)
+        assert engine.descriptor["endpoint_port_base"] != port
+        assert len(engine.publishers) == 1
+    finally:
+        engine.close()
+        taken.close()

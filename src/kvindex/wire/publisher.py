@@ -129,7 +129,12 @@ class Publisher:
             )
             if setup is not None:
                 setup(router)
-            router.bind(replay_endpoint)
+            try:
+                router.bind(replay_endpoint)
+            except zmq.ZMQError:  # its port taken: nothing of this Publisher stays bound
+                router.close(linger=0)
+                self._pub.close(linger=0)
+                raise
             self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._thread = threading.Thread(target=self._serve, args=(router,), daemon=True)
             self._thread.start()

@@ -405,8 +405,18 @@ def test_the_fake_engine_picks_other_ports_when_its_first_are_taken(
     live = free_port()
     with pytest.raises(zmq.ZMQError):
         Publisher(f"tcp://127.0.0.1:{live}", f"tcp://127.0.0.1:{port}")
-    again = Publisher(f"tcp://127.0.0.1:{live}", None)  # the live port was let go
-    again.close()
+
+    def bindable(port: int) -> bool:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq binds
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+            return True
+
+    # The live port is let go (libzmq's I/O thread unbinds a closed socket a moment later).
+    assert wait_until(lambda: bindable(live), 5)
     engine = FakeSGLang()
     try:
         engine.start_publishers(1)

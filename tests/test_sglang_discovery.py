@@ -403,7 +403,9 @@ def test_the_fake_engine_picks_other_ports_when_its_first_are_taken(
     picks = iter([port, port, port])  # live, replay, load: all on the taken port first
     monkeypatch.setattr(sglang_fake, "free_ports", lambda n: next(picks, None) or real(n))
     live = free_port()
-    with pytest.raises(zmq.ZMQError):
+    # The error kept (as a caller that retries or logs it keeps it) keeps the half-made
+    # Publisher alive through its traceback: its live socket must be closed all the same.
+    with pytest.raises(zmq.ZMQError) as failed:
         Publisher(f"tcp://127.0.0.1:{live}", f"tcp://127.0.0.1:{port}")
 
     def bindable(port: int) -> bool:
@@ -416,7 +418,7 @@ def test_the_fake_engine_picks_other_ports_when_its_first_are_taken(
             return True
 
     # The live port is let go (libzmq's I/O thread unbinds a closed socket a moment later).
-    assert wait_until(lambda: bindable(live), 5)
+    assert wait_until(lambda: bindable(live), 5), failed
     engine = FakeSGLang()
     try:
         engine.start_publishers(1)

@@ -350,7 +350,10 @@ def test_killed_redis_workers_are_restarted_where_their_service_stands(
         assert wait_until(lambda: health(server).get("reason") == said, 5)
         work.run(200)
         for replica in (ingest, server):
-            assert wait_until(lambda r=replica: caught_up(r, work) and persisted(r), 30)  # type: ignore[misc]
+            done = wait_until(lambda r=replica: caught_up(r, work) and persisted(r), 30)  # type: ignore[misc]
+            # Which replica stalled, where it stands and what its store link says (this
+            # failed once in CI, never here: the next failure should say why).
+            assert done, (replica is server, replica.instances(), store_health(replica))
             # The worker writes to Redis before its report reaches serve: health follows.
             assert wait_until(lambda r=replica: health(r) == {"status": "ok"}, 5)  # type: ignore[misc]
             assert store_health(replica)["restarts"] == 1

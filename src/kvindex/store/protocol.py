@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvindex.wire.packing import array_header
+
 __all__ = [
     "AppliedBatch",
     "AppliedBatches",
@@ -189,14 +191,6 @@ _PACKED_ITEMS = b"\x96"
 _PACKED_TAG = PackedBatches.__struct_config__.tag
 
 
-def _array_header(n: int) -> bytes:
-    if n < 16:
-        return bytes((0x90 | n,))
-    if n < 1 << 16:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
-
-
 def group_frames(
     encode: Callable[[Any], bytes], group_id: int, messages: list[Outgoing]
 ) -> list[bytes | memoryview]:
@@ -205,7 +199,7 @@ def group_frames(
     they are (the C receive's buffer: never copied here), the rest encoded between them.
     A group without one is one frame."""
     frames: list[bytes | memoryview] = []
-    head = [b"\x92", encode(group_id), _array_header(len(messages))]
+    head = [b"\x92", encode(group_id), array_header(len(messages))]
     for message in messages:
         if isinstance(message, PackedBatches):
             start = (_PACKED_TAG, message.instance, message.rank, message.first_seq)

@@ -39,6 +39,7 @@ from kvindex.wire import (
     WireError,
     render_hash,
 )
+from kvindex.wire.packing import array_header
 
 __all__ = [
     "IndexTarget",
@@ -47,7 +48,6 @@ __all__ = [
     "Record",
     "SnapshotPlan",
     "Stored",
-    "array_header",
     "load_runs",
     "mirror_rows",
     "plan_changes",
@@ -105,14 +105,6 @@ Stored = tuple[Any, bytes, bytes, int, float]
 # A record as a mirror loads it: id, rank, group, medium, size, lora, ts, keys, events,
 # n_events.
 MirrorRow = tuple[int, Any, int, str, int, str | None, float, bytes, bytes, int]
-
-
-def array_header(n: int) -> bytes:
-    if n < 16:
-        return bytes((0x90 | n,))
-    if n < 1 << 16:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
 
 
 # -- writing ------------------------------------------------------------------------------

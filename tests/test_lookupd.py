@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -33,10 +34,11 @@ from test_core import BASE, block_hash, build, event_plan, feed, prompt_of
 from test_fastpath import NAMES, fleet_over
 
 from kvindex.index import COMPILED
+from kvindex.runtime import Fleet
 from kvindex.security.http import HttpGuard
 from kvindex.service import fastpath, lookupd
 from kvindex.service.metrics import LookupMetrics
-from kvindex.subscriber import SourceKey, Status
+from kvindex.subscriber import InstanceSpec, SourceKey, Status
 from kvindex.wire import BlockStored, EventBatch
 from kvindex.wire.hashes import render_hash
 from kvindex.wire.publisher import Publisher
@@ -417,6 +419,48 @@ def test_moved_publishers_are_handed_over() -> None:
                 assert read_response(again, bytearray())[2] == fleet.lookup_json(prompt_of(0, 0))[0]
     finally:
         fleet.close()
+
+
+def test_refresh_beside_instances_added_and_removed() -> None:
+    """The event loop's refresh reads the instances and their statuses while a worker adds
+    and removes one: of one membership, never a name whose publisher the worker already
+    dropped (CI's two-replica stress test logged `KeyError: c0` from the timer: refresh
+    read the slots, then the statuses, with the removal in between)."""
+    with Publisher("tcp://127.0.0.1:*") as stable, Publisher("tcp://127.0.0.1:*") as churned:
+        fleet = Fleet([InstanceSpec("s", stable.endpoint)], ingest_workers=1)
+        churn = InstanceSpec("c0", churned.endpoint)
+        stop = threading.Event()
+        errors: list[str] = []
+
+        def churning() -> None:
+            while not stop.is_set():
+                fleet.add_instance(churn)
+                fleet.remove_instance("c0")
+
+        async def main() -> int:
+            await fleet.start()
+            refreshed = 0
+            worker = threading.Thread(target=churning)
+            try:
+                with thread_over(fleet) as (thread, _):
+                    worker.start()
+                    deadline = time.monotonic() + 3
+                    while time.monotonic() < deadline:
+                        try:
+                            thread.refresh()
+                            refreshed += 1
+                        except Exception as exc:  # the timer's callback: logged, 10 ms on
+                            errors.append(f"{type(exc).__name__}: {exc}")
+            finally:
+                stop.set()
+                if worker.is_alive() or worker.ident is not None:
+                    worker.join(30)
+                await fleet.stop()
+            return refreshed
+
+        refreshed = asyncio.run(main())
+    assert errors[:3] == []
+    assert refreshed > 100
 
 
 # -- in kvindex serve ---------------------------------------------------------------------

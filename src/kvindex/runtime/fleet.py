@@ -833,14 +833,20 @@ class Fleet:
         C body reader gives them so)."""
         core = compiled_index(self.index)
         if core is not None:
-            with self._members:  # slots and statuses of one membership
-                slots = self._answer_slots()
-                statuses = self._statuses_json(slots)
+            slots, statuses = self.answer_slots()
             return core.lookup_json(token_ids, lora_name, cache_salt, slots, statuses)
         if isinstance(token_ids, bytes):
             token_ids = array("I", token_ids).tolist()
         answer = self.lookup(token_ids, lora_name, cache_salt)
         return msgspec.json.encode(answer), answer.hit
+
+    def answer_slots(self) -> tuple[list[AnswerSlot], list[bytes]]:
+        """The followed instances as the compiled answer wants them, and each one's status
+        as JSON, of one membership (read apart, a worker could remove an instance between
+        the two: its status then has no publisher to read)."""
+        with self._members:
+            slots = self._answer_slots()
+            return slots, self._statuses_json(slots)
 
     def _answer_slots(self) -> list[AnswerSlot]:
         """The followed instances by name, as the compiled answer wants them: each DP rank

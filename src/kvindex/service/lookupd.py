@@ -254,8 +254,7 @@ class LookupThread:
         if self._closed:
             return
         gen = self.core.sources_gen()  # before the slots: a later move makes them stale
-        slots = self.fleet._answer_slots()
-        statuses = self.fleet._statuses_json(slots)
+        slots, statuses = self.fleet.answer_slots()
         pushed = self._pushed
         if pushed is not None and pushed[0] == gen and pushed[1] is slots and pushed[2] is statuses:
             return

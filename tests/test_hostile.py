@@ -160,7 +160,10 @@ def test_hostile_events_never_stop_the_rest_of_their_batch() -> None:
 
 def test_service_counts_and_skips_every_hostile_payload() -> None:
     with Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", subscriptions=True) as pub:
-        fleet = Fleet([InstanceSpec("a", pub.endpoint, pub.replay_endpoint)], policy=FAST)
+        # The default replay policy: nothing here is about replay timing, and FAST's 0.4 s
+        # for a first reply is short for a loaded CI machine (a check that times out
+        # declares its range lost: fewer decode errors counted, for another reason).
+        fleet = Fleet([InstanceSpec("a", pub.endpoint, pub.replay_endpoint)])
         with TestClient(create_app(fleet), raise_server_exceptions=False) as client:
 
             def instance() -> dict[str, Any]:
@@ -177,8 +180,9 @@ def test_service_counts_and_skips_every_hostile_payload() -> None:
             last = pub.next_seq - 1
             assert wait_until(lambda: instance()["last_seq"] == last, 10)
             a = instance()
-            assert a["decode_errors"] == sum(e for _, _, e in HOSTILE)
-            assert a["lost_batches"] == 0 and a["status"] == "live"
+            counted = {k: a[k] for k in ("decode_errors", "lost_batches", "status")}
+            expected = {"decode_errors": sum(e for _, _, e in HOSTILE), "lost_batches": 0}
+            assert counted == {**expected, "status": "live"}, a  # the whole view, if not
             for path in ("/healthz", "/v1/stats", "/metrics", "/v1/instances/a/blocks"):
                 assert client.get(path).status_code == 200, path
             assert fleet.ingest.errors == 0

@@ -29,13 +29,17 @@ def assert_same(
     hash_runs: Iterable[Sequence[BlockHash]] = (),
     media: Iterable[str | None] = MEDIA,
     local_runs: Iterable[tuple[Sequence[int], dict[str, Any]]] = (),
+    one_tree: bool = True,
 ) -> None:
     """Both hold the same publishers, pools, copies, stats and tree, and answer every
     lookup of `prompts` (by tokens), `hash_runs` (by hashes) and `local_runs` (by Dynamo's
-    local block hashes, with their keywords; `fast` keeping them) with the same rows."""
+    local block hashes, with their keywords; `fast` keeping them) with the same rows.
+    `one_tree` False: `fast` keeps a prefix once per shard (a ShardedIndex), so only its
+    walk, merged, is the reference's tree; its node count is larger."""
     assert fast.instances() == pure.instances()
     assert fast.entries() == pure.entries()
-    assert fast.tree_nodes() == pure.tree_nodes()
+    if one_tree:
+        assert fast.tree_nodes() == pure.tree_nodes()
     assert sorted(map(str, fast.sources())) == sorted(map(str, pure.sources()))
     for src in pure.sources():
         assert fast.copies(src) == pure.copies(src), src

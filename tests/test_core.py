@@ -409,7 +409,7 @@ writers = {
 for name, write in writers.items():
     inside = threading.Event()
 
-    def empty_rows(size, layout):
+    def empty_rows(size, layout, key):
         inside.set()
         time.sleep(0.2)  # gives the GIL away while the lookup holds the read lock
         return []

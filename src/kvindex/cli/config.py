@@ -13,6 +13,7 @@
     max_lookup_tokens = 1000000
     max_streams = 32                          # dashboard event streams open at once
     request_timeout = 30.0
+    index_shards = 1                          # N: the index split by instance, a worker each
     sub_hwm = 100000                          # live messages queued per publisher
     discovery_interval = 30.0                 # seconds between /server_info reads (0: never)
     discover = ["k8s:inference?selector=app=vllm"]   # engines found (docs/discovery.md)
@@ -125,6 +126,7 @@ SERVER_KEYS = (
         "http",
         "store",
         "ingest_workers",
+        "index_shards",
         "sub_hwm",
         "discovery_interval",
         "tokenizer",
@@ -160,6 +162,7 @@ class Settings:
     # tls_key, max_body_bytes, max_lookup_tokens, request_timeout, allowed_hosts.
     http_options: dict[str, Any] = field(default_factory=dict)
     ingest_workers: int | None = None  # None: one per core (kvindex.runtime.ingest)
+    index_shards: int | None = None  # None or 1: one index; N: N shards, a worker each
     sub_hwm: int | None = None  # None: the Subscriber's default (100,000)
     # Seconds between two reads of a well SGLang engine's /server_info (None: 30 s; 0: never)
     discovery_interval: float | None = None
@@ -197,6 +200,8 @@ def load_settings(args: argparse.Namespace) -> Settings:
         settings.store = args.store
     if getattr(args, "ingest_workers", None) is not None:
         settings.ingest_workers = args.ingest_workers
+    if getattr(args, "index_shards", None) is not None:
+        settings.index_shards = args.index_shards
     if getattr(args, "sub_hwm", None) is not None:
         settings.sub_hwm = args.sub_hwm
     if getattr(args, "discovery_interval", None) is not None:
@@ -261,6 +266,11 @@ def read_config(path: Path) -> Settings:
         if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= 256:
             raise UsageError(f"{path}: server.ingest_workers must be a whole number, 1 to 256")
         settings.ingest_workers = workers
+    if "index_shards" in server:
+        shards = server["index_shards"]
+        if not isinstance(shards, int) or isinstance(shards, bool) or not 1 <= shards <= 256:
+            raise UsageError(f"{path}: server.index_shards must be a whole number, 1 to 256")
+        settings.index_shards = shards
     if "sub_hwm" in server:
         hwm = server["sub_hwm"]
         if not isinstance(hwm, int) or isinstance(hwm, bool) or hwm < 1:

@@ -23,7 +23,7 @@ import socket
 import sys
 from collections.abc import Callable, Generator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvindex.cli import config
 from kvindex.cli.common import (
@@ -88,6 +88,15 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         type=_workers,
         help="threads that read and apply the engines' events, the instances split between "
         "them (default: one per core)",
+    )
+    p.add_argument(
+        "--index-shards",
+        metavar="N",
+        type=_workers,
+        help="split the index by instance into N shards, each applied by an ingest worker of "
+        "its own (the workers are N): ingest scales with cores, a lookup walks every shard "
+        "and is answered in Python (docs/performance.md). Memory and SQLite stores "
+        "(default: 1, one index)",
     )
     p.add_argument(
         "--sub-hwm",
@@ -198,6 +207,24 @@ def _host_list(text: str) -> list[str]:
 # -- settings ----------------------------------------------------------------------------
 
 
+def check_shards(settings: Settings) -> None:
+    """Index shards: the compiled core, a store that applies in this process alone, and as
+    many ingest workers as shards."""
+    shards = settings.index_shards
+    if shards is None or shards == 1:
+        return
+    from kvindex.index import COMPILED
+
+    if not COMPILED:
+        raise UsageError("--index-shards needs the compiled core (this is the pure index)")
+    if settings.store.startswith(("redis://", "redis+sentinel://")):
+        raise UsageError("--index-shards takes the memory or SQLite store, not Redis")
+    if settings.ingest_workers is not None and settings.ingest_workers != shards:
+        raise UsageError(
+            f"--index-shards {shards} takes {shards} ingest workers, not {settings.ingest_workers}"
+        )
+
+
 def _workers(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= 256:
         raise argparse.ArgumentTypeError(f"must be a whole number from 1 to 256, got {text!r}")
@@ -208,6 +235,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
     """The config file (if any), then the flags; every problem is a UsageError."""
     settings = config.load_settings(args)
     check_store(settings.store)
+    check_shards(settings)
     parse_http(settings.http)
     return settings
 
@@ -278,7 +306,9 @@ def _run(args: argparse.Namespace, stop: Stop) -> int:
     # to a whole switch interval (5 ms by default) behind an ingest thread's Python work.
     sys.setswitchinterval(float(os.environ.get("KVINDEX_SWITCH_INTERVAL", "0.0005")))
     configured = check_discovered(settings.instances)
-    store, index, loaded = _open_store_importing(settings.store, settings.local_hashes)
+    store, index, loaded = _open_store_importing(
+        settings.store, settings.local_hashes, settings.index_shards
+    )
     with contextlib.ExitStack() as on_failure:
         on_failure.callback(store.close)
         sock = listen(host, port)
@@ -580,7 +610,7 @@ SERVING_MODULES = (
 
 
 def _open_store_importing(
-    url: str, local_hashes: bool = False
+    url: str, local_hashes: bool = False, shards: int | None = None
 ) -> tuple[Store, FleetIndex, LoadResult]:
     """The store opened here (its modules imported before anything else: the load needs
     them first, and two threads never import the same modules at once), then loaded into
@@ -592,10 +622,9 @@ def _open_store_importing(
     import importlib
     import threading
 
-    from kvindex.index import FleetIndex
     from kvindex.store import StoreError, open_store
 
-    index = FleetIndex(local_hashes=local_hashes)
+    index = _new_index(local_hashes, shards)
     try:
         store = open_store(url)
     except StoreError as exc:
@@ -621,6 +650,18 @@ def _open_store_importing(
             raise UsageError(str(outcome)) from None
         raise outcome
     return store, index, outcome
+
+
+def _new_index(local_hashes: bool, shards: int | None) -> FleetIndex:
+    """The index a warm start loads into: one, or `shards` (kvindex.index.sharded)."""
+    from kvindex.index import FleetIndex
+
+    if shards is not None and shards > 1:
+        from kvindex.index.sharded import ShardedIndex
+
+        sharded: Any = ShardedIndex(shards, local_hashes=local_hashes)
+        return cast(FleetIndex, sharded)
+    return FleetIndex(local_hashes=local_hashes)
 
 
 class _StoreStart:

@@ -21,7 +21,15 @@ from kvindex.wire import BatchDecoder, BlockHash, EventBatch
 from kvindex.wire.pools import DEFAULT_POOL
 from kvindex.wire.tiers import tier_of
 
-__all__ = ["AnswerSlot", "IndexBase", "LookupRow", "PayloadResult", "Publisher", "medium_matches"]
+__all__ = [
+    "AnswerSlot",
+    "BitPool",
+    "IndexBase",
+    "LookupRow",
+    "PayloadResult",
+    "Publisher",
+    "medium_matches",
+]
 
 
 # A followed instance as a compiled lookup answer shows it (CompiledIndex.lookup_json): its
@@ -80,6 +88,29 @@ P = TypeVar("P", bound=Publisher)
 Layout = list[tuple[str, list[tuple[int, int]]]]  # instance -> [(DP rank, bit)]
 
 
+class BitPool:
+    """The numbers publishers go by (their bits in the tree's holder sets): the last one
+    freed first, else the next. An index has its own; the shards of a `ShardedIndex`
+    share one, so a bit names one publisher across all of them (their layouts and walks
+    merge as they are)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._free: list[int] = []
+
+    def take(self) -> int:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self._next += 1
+            return self._next - 1
+
+    def give_back(self, bit: int) -> None:
+        with self._lock:
+            self._free.append(bit)
+
+
 class IndexBase(Generic[P]):
     """Publishers by key and by bit; the answer's layout; rates; `handle`.
 
@@ -87,11 +118,11 @@ class IndexBase(Generic[P]):
     lock, and every walk over them is over a snapshot (`list(...)` of a dict is one step
     under the GIL)."""
 
-    def __init__(self, rate_window: float = 60.0) -> None:
+    def __init__(self, rate_window: float = 60.0, bits: BitPool | None = None) -> None:
         self._publishers_lock = threading.Lock()
         self._sources: dict[SourceKey, P] = {}
         self._by_bit: dict[int, P] = {}
-        self._free_bits: list[int] = []
+        self._bits = bits if bits is not None else BitPool()
         self._layout: Layout | None = None
         # The rows of instances matching nothing, per size, for one layout (by identity).
         self._empty_rows: tuple[Layout | None, dict[int, list[LookupRow]]] = (None, {})
@@ -154,7 +185,7 @@ class IndexBase(Generic[P]):
         with self._publishers_lock:
             pub = self._sources.get(source)
             if pub is None:
-                bit = self._free_bits.pop() if self._free_bits else len(self._by_bit)
+                bit = self._bits.take()
                 pub = make(source, bit)
                 self._by_bit[bit] = pub
                 self._sources[source] = pub
@@ -164,7 +195,7 @@ class IndexBase(Generic[P]):
     def _forget(self, pub: P) -> None:
         with self._publishers_lock:
             del self._sources[pub.key], self._by_bit[pub.bit]
-            self._free_bits.append(pub.bit)
+            self._bits.give_back(pub.bit)
             self._layout = None
 
     def _publishers(self) -> list[tuple[SourceKey, P]]:
@@ -279,10 +310,11 @@ class IndexBase(Generic[P]):
             self._layout = layout
         return layout
 
-    def _empty_for(self, size: int, layout: Layout) -> list[LookupRow]:
+    def _empty_for(self, size: int, layout: Layout, key: int = 0) -> list[LookupRow]:
         """The shared rows of instances matching nothing, for `layout`: the one the answer
         is shaped by, which a publisher joining or leaving on another thread may have
-        replaced as `self._layout` meanwhile (issue 27 point 5)."""
+        replaced as `self._layout` meanwhile (issue 27 point 5). `key`: the tree size
+        `size` comes from, as the compiled core keys it (what a ShardedIndex reads)."""
         shaped_by, by_size = self._empty_rows
         if shaped_by is not layout:
             by_size = {}

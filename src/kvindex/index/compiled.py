@@ -19,13 +19,14 @@ tests (tests/test_core.py) hold them to identical state and answers.
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvindex.index._core import Core, parse_lookup
-from kvindex.index.base import AnswerSlot, IndexBase, LookupRow, PayloadResult
+from kvindex.index.base import AnswerSlot, BitPool, IndexBase, Layout, LookupRow, PayloadResult
 from kvindex.index.keys import chain_keys_bytes
 from kvindex.index.localhash import LocalHashesOff
 from kvindex.index.multimodal import MMFeature, MMKey, PromptKeys
@@ -72,19 +73,32 @@ class CompiledIndex(IndexBase[_Pub]):
         seed: int | None = None,
         shared_tokens: bool = True,
         local_hashes: bool = False,
+        bits: BitPool | None = None,
     ) -> None:
         """`shared_tokens`: keep the tokens of blocks two publishers or more hold, which
         `walk_tree` (the dashboard's shared prefixes) shows; off saves ingest some work.
         `local_hashes`: keep Dynamo's local block hashes of the tree's blocks, which
         `lookup_local_hashes` (the peers' `/query_by_hash`) asks; ~30 bytes a block more
-        and one XXH3 per new block (the pure index hashes the stored tokens as it walks)."""
-        super().__init__(rate_window)
+        and one XXH3 per new block (the pure index hashes the stored tokens as it walks).
+        `bits`: the numbering of publishers, shared with other indexes (a ShardedIndex's)."""
+        super().__init__(rate_window, bits)
         self._core = Core(seed)
         self._core.keep_tokens(shared_tokens)
         self.local_hashes = local_hashes
         if local_hashes:
             self._core.keep_local_hashes(True)
         self.slow_batches = 0  # payloads the fast parser left to the Python decoder
+        self._walked = threading.local()  # this thread's last lookup: its smallest tree
+
+    def _empty_for(self, size: int, layout: Layout, key: int = 0) -> list[LookupRow]:
+        self._walked.key = key
+        return super()._empty_for(size, layout, key)
+
+    def last_default_key(self) -> int:
+        """The smallest tree size (as the core keys it; 0: none) this thread's last lookup
+        walked: what a ShardedIndex gives the rows matching nothing in every shard."""
+        key: int = getattr(self._walked, "key", 0)
+        return key
 
     # -- feeding -----------------------------------------------------------------------
 
@@ -231,8 +245,14 @@ class CompiledIndex(IndexBase[_Pub]):
         """As `ReferenceIndex.walk_tree`; a node's key is its tokens as uint32 bytes where the
         core kept them (nodes two publishers or more hold: the shared prefixes), else
         empty (the core keys the tree by digests)."""
-        for lora, salt, size, depth, _digest, tokens, holders in self._core.walk_tree():
-            yield (lora, salt, size), depth, tokens or b"", holders
+        for namespace, depth, _key, tokens, holders in self.walk_keys():
+            yield namespace, depth, tokens, holders
+
+    def walk_keys(self) -> Iterator[tuple[Namespace, int, int, bytes, int]]:
+        """`walk_tree` with each node's key (the digest of its block under its parent: the
+        same in every index made with the same seed)."""
+        for lora, salt, size, depth, key, tokens, holders in self._core.walk_tree():
+            yield (lora, salt, size), depth, key, tokens or b"", holders
 
     def lookup(
         self,

@@ -25,6 +25,7 @@ import zmq
 from kvindex.index import CacheStats, FleetIndex, LookupRow, compiled_index
 from kvindex.index.base import AnswerSlot
 from kvindex.index.multimodal import MMFeature, MMKey
+from kvindex.index.sharded import ShardedIndex
 from kvindex.index.sharing import Sharing, sharing
 from kvindex.runtime.approximate import ApproximateCaches
 from kvindex.runtime.discovery import DEFAULT_INTERVAL, Discovery
@@ -145,6 +146,11 @@ def _total(parts: Iterable[IngestCounters]) -> IngestCounters:
     return total
 
 
+def _shards_of(index: object) -> list[Any] | None:
+    """The shards a worker each applies into, if `index` is sharded."""
+    return index.shards if isinstance(index, ShardedIndex) else None
+
+
 def _no_ranks_status(spec: InstanceSpec | None) -> Status:
     """The status of an instance with no publisher: an engine without events is `live`
     (what was routed there is known), one named by its URL not found yet `connecting`."""
@@ -198,6 +204,16 @@ class Fleet:
         self._guard = IndexGuard(self.index)
         self._membership = membership
         self._init_hooks()
+        self._shards = _shards_of(self.index)
+        if self._shards is not None:  # a worker per shard, each applying into its own
+            if subscriber is not None:
+                raise ValueError("a shared store's replica has one ingest worker: no shards")
+            if ingest_workers is not None and ingest_workers != len(self._shards):
+                raise ValueError(
+                    f"{len(self._shards)} index shards take {len(self._shards)} ingest "
+                    f"workers, not {ingest_workers}"
+                )
+            ingest_workers = len(self._shards)
         subscribers = self._subscribers(subscriber, policy, resume, ingest_workers, sub_hwm)
         self._workers = [self._worker(i, sub, idle_wait) for i, sub in enumerate(subscribers)]
         self._init_members(discovery_interval)
@@ -238,11 +254,15 @@ class Fleet:
         ]
 
     def _worker(self, i: int, sub: Subscriber, idle_wait: float) -> IngestWorker:
+        index, guard = self.index, self._guard
+        if self._shards is not None:
+            index = self._shards[i]
+            guard = IndexGuard(index)
         return IngestWorker(
             f"kvindex-ingest-{i}",
             sub,
-            self.index,
-            self._guard,
+            index,
+            guard,
             self._on_item,
             after_read=self._follow_membership if self._membership is not None else None,
             after_apply=self._after_apply,
@@ -345,7 +365,7 @@ class Fleet:
         with self._members:
             if name in self._specs or name in self._changing:
                 raise DuplicateInstance(f"instance {name!r} already exists")
-            worker = min(self._workers, key=lambda w: len(w.subscriber.sources()))
+            worker = self._worker_for(name)
             self._changing.add(name)
         try:
             # Whole or not at all: what it needs (KV-event and load sockets) is checked
@@ -362,6 +382,13 @@ class Fleet:
         finally:
             with self._members:
                 self._changing.discard(name)
+
+    def _worker_for(self, name: str) -> IngestWorker:
+        """The worker a new instance goes to: its shard's (a sharded index), else the one
+        following the fewest publishers."""
+        if isinstance(self.index, ShardedIndex):
+            return self._workers[self.index.place(name)]
+        return min(self._workers, key=lambda w: len(w.subscriber.sources()))
 
     def _start_following(self, worker: IngestWorker, spec: InstanceSpec) -> None:
         with self._members:
@@ -955,6 +982,11 @@ class Fleet:
     @property
     def workers(self) -> int:
         return len(self._workers)
+
+    @property
+    def index_shards(self) -> int:
+        """The index's shards, one per worker (1: one index every worker applies into)."""
+        return len(self._shards) if self._shards is not None else 1
 
     @property
     def running(self) -> bool:

@@ -387,6 +387,8 @@ def _stats(fleet: Fleet, metrics: ServiceMetrics) -> dict[str, Any]:
             "longest_slice_seconds": ingest.longest_slice_seconds,
             "batches_in_c": ingest.batches_in_c,
             "gil_seconds": ingest.gil_seconds,
+            "workers": fleet.workers,
+            "index_shards": fleet.index_shards,
         },
         "lookups": {"requests": requests, "hits": hits, "hit_ratio": metrics.lookups.hit_ratio},
         "uptime_seconds": time.time() - metrics.started,

@@ -1110,6 +1110,7 @@ typedef struct {
     answer_t *answers;
     uint32_t nbits;
     uint32_t default_size; /* what publishers matching nothing report: the smallest size */
+    uint32_t default_key;  /* that tree size as the core keys it (BIGRAM_TREE kept); 0: none */
     reuse_t *reuses;
     int oom;
 } walked_t;
@@ -1194,6 +1195,7 @@ static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_i
             roots[k] = root;
         }
     out->default_size = nsizes ? BLOCK_SIZE(sizes[0]) : 0;
+    out->default_key = nsizes ? sizes[0] : 0;
     out->nbits = bits;
     uint64_t small_words[8];
     uint64_t *several = words <= 4 ? small_words : calloc(words * 2, sizeof(uint64_t));
@@ -1327,6 +1329,7 @@ static void walk_local(const core_t *c, const uint64_t *hashes, uint32_t n, uint
         }
     }
     out->default_size = nsizes ? BLOCK_SIZE(sizes[0]) : 0;
+    out->default_key = nsizes ? sizes[0] : 0;
     out->nbits = bits;
     uint64_t small_words[8];
     uint64_t *several = words <= 4 ? small_words : calloc(words * 2, sizeof(uint64_t));
@@ -1393,7 +1396,8 @@ static int lookup_rows(CoreObject *self, lookup_ctx *x) {
         return -1;
     /* The empty rows of the layout passed: the index's own may be replaced meanwhile by a
      * publisher joining or leaving (issue 27 point 5). */
-    PyObject *empty = PyObject_CallFunction(x->empty_rows, "IO", x->w.default_size, x->layout);
+    PyObject *empty = PyObject_CallFunction(x->empty_rows, "IOI", x->w.default_size, x->layout,
+                                            x->w.default_key);
     if (empty != NULL &&
         (!PyList_Check(empty) || PyList_GET_SIZE(empty) != PyList_GET_SIZE(x->layout))) {
         PyErr_SetString(PyExc_ValueError, "empty rows do not match the layout");
@@ -1509,8 +1513,8 @@ static int lookup_body(CoreObject *self, void *ctx) {
 /* lookup(token_ids, lora_name, cache_salt, layout, empty_rows, row_type[, own]) -> [row, ...]
 
    What every instance would reuse of the prompt: FleetIndex.lookup. `layout` is the
-   answer's shape (IndexBase._lay_out), `empty_rows(size)` the shared rows of instances
-   matching nothing, `row_type` LookupRow. `token_ids`: ints, or bytes of uint32 in native
+   answer's shape (IndexBase._lay_out), `empty_rows(size, layout, key)` the shared rows of
+   instances matching nothing (`key`: that size as the core keys it, 0 when none is walked), `row_type` LookupRow. `token_ids`: ints, or bytes of uint32 in native
    order (parse_lookup's). `own`: the blocks keyed by the lookup's own keys (own_arg). */
 static PyObject *Core_lookup(CoreObject *self, PyObject *const *args, Py_ssize_t nargs) {
     lookup_ctx x = {0};

@@ -1,0 +1,211 @@
+"""`ShardedIndex` (kvindex.index.sharded): the index split by instance over compiled shards.
+
+On hypothesis streams of tests/test_core.py (every namespace, pool, form, restart and
+removal), a ShardedIndex of 1 to 3 shards holds what the reference holds and answers every
+lookup as it does; its merged tree walk is the reference's tree. Then the runtime: each
+ingest worker applies into its own shard, over real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import differential
+import pytest
+from clitools import kvindex
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from netutil import wait_until
+from test_core import HASH_RUNS, LOCAL_RUNS, PROMPTS, build, event_plan, payload_of
+
+from kvindex.index import ReferenceIndex
+from kvindex.index.sharded import ShardedIndex
+from kvindex.runtime import Fleet
+from kvindex.subscriber import InstanceSpec, SourceKey
+from kvindex.wire import BatchDecoder, BlockStored
+from kvindex.wire.publisher import Publisher
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def feed_both(stream: list[tuple[SourceKey, str, Any]], shards: int) -> tuple[Any, Any]:
+    pure, sharded = ReferenceIndex(), ShardedIndex(shards, local_hashes=True)
+    decoder = BatchDecoder()
+    for seq, (src, kind, what) in enumerate(stream):
+        if kind == "batch":
+            batch, arrays = what
+            payload = payload_of(batch, arrays)
+            pure.apply(src, decoder.decode(payload), seq)
+            sharded.apply_payload(src, payload, seq)
+        elif kind == "restart":
+            pure.drop_source(src)
+            sharded.drop_source(src)
+        else:
+            pure.remove_instance(src.instance)
+            sharded.remove_instance(src.instance)
+    return pure, sharded
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(event_plan, max_size=60), st.integers(1, 3))
+def test_a_sharded_index_equals_the_reference(plan: list[tuple[Any, ...]], shards: int) -> None:
+    pure, sharded = feed_both(build(plan), shards)
+    differential.assert_same(
+        pure, sharded, PROMPTS, HASH_RUNS, local_runs=LOCAL_RUNS, one_tree=False
+    )
+    assert sharded.layout() == pure.layout()  # one numbering of publishers over the shards
+    assert sharded.source_bits() == pure.source_bits()
+    for src in list(pure.sources()):
+        sharded.drop_source(src)
+    assert sharded.entries() == 0 and sharded.tree_nodes() == 0
+
+
+def test_the_merged_walk_is_depth_first_with_every_holder() -> None:
+    """One prefix stored by an instance of each shard: one node per block, both holders,
+    children after their parent (what kvindex.index.sharing reads the walk as)."""
+    sharded = ShardedIndex(2)
+    one, two = "a", "b"  # the first two seen: one in each shard
+    tokens = list(range(12))
+    for name in (one, two):
+        sharded.apply(SourceKey(name), _batch([BlockStored([1, 2, 3], None, tokens, 4)]))
+    bits = {key.instance: bit for bit, key in sharded.source_bits().items()}
+    both = (1 << bits[one]) | (1 << bits[two])
+    assert [(depth, mask) for _, depth, _, mask in sharded.walk_tree()] == [
+        (1, both),
+        (2, both),
+        (3, both),
+    ]
+    assert sharded.tree_nodes() == 6  # each shard keeps its own copy
+
+
+def _batch(events: list[Any]) -> Any:
+    from kvindex.wire import EventBatch
+
+    return EventBatch(0.0, events)
+
+
+def test_each_worker_applies_into_its_own_shard() -> None:
+    """Two ingest workers over two shards: each instance is followed by the worker of its
+    shard, whose applies go there (the C path included), and lookups see every shard."""
+    names = [f"e{i}" for i in range(6)]
+    pubs = [Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") for _ in names]
+    index = ShardedIndex(2)
+    fleet = Fleet(
+        [InstanceSpec(n, p.endpoint, p.replay_endpoint) for n, p in zip(names, pubs, strict=True)],
+        index=index,
+        ingest_workers=2,
+    )
+
+    async def main() -> None:
+        await fleet.start()
+        try:
+            await _until(lambda: all(fleet.status(n).value == "live" for n in names))
+            for i, pub in enumerate(pubs):
+                for k in range(50):
+                    pub.publish([BlockStored([i * 1000 + k], None, [i] * 4, 4)])
+            await _until(lambda: all(len(index.block_hashes(n)) == 50 for n in names))
+        finally:
+            await fleet.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for pub in pubs:
+            pub.close()
+    for i, name in enumerate(names):
+        shard = index.shard_of(name)
+        assert shard.block_hashes(name) == {i * 1000 + k for k in range(50)}
+        assert fleet._owner[name] is fleet._workers[index.place(name)]
+    assert [worker._index for worker in fleet._workers] == index.shards  # C path too
+    answer = fleet.lookup([3] * 4)
+    assert answer.best == "e3"
+
+
+async def _until(predicate: Any, timeout: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+# -- kvindex serve --index-shards ------------------------------------------------------------
+
+
+def _get(url: str, path: str) -> Any:
+    with urllib.request.urlopen(url.rstrip("/") + path, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _post(url: str, path: str, body: Any) -> Any:
+    req = urllib.request.Request(
+        url.rstrip("/") + path,
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def test_serve_with_shards_answers_and_restarts_warm(tmp_path: Path) -> None:
+    """`serve --index-shards 2` over SQLite: instances of both shards are ingested (each by
+    its shard's worker), lookups name the one holding the prompt, `/v1/stats` shows two
+    workers; stopped and started again with the publishers silent, it holds every block."""
+    names = ["e0", "e1", "e2", "e3"]
+    pubs = [Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") for _ in names]
+    store = f"sqlite:///{tmp_path}/state.sqlite"
+    args = ["serve", "--store", store, "--http", "127.0.0.1:0", "--index-shards", "2"]
+    for name, pub in zip(names, pubs, strict=True):
+        args += ["--instance", f"{name}={pub.endpoint},replay={pub.replay_endpoint}"]
+    try:
+        proc = kvindex(*args)
+        try:
+            url = proc.listening_url()
+            assert wait_until(
+                lambda: all(i["status"] == "live" for i in _get(url, "/v1/instances")["instances"]),
+                20,
+            )
+            for i, pub in enumerate(pubs):
+                for k in range(20):
+                    pub.publish([BlockStored([i * 100 + k], None, [i, k, 0, 0], 4)])
+            assert wait_until(
+                lambda: all(i["blocks"] == 20 for i in _get(url, "/v1/instances")["instances"]),
+                20,
+            )
+            assert _post(url, "/v1/lookup", {"token_ids": [2, 5, 0, 0]})["best"] == "e2"
+            ingest = _get(url, "/v1/stats")["ingest"]
+            assert (ingest["workers"], ingest["index_shards"]) == (2, 2)
+        finally:
+            proc.interrupt()
+            assert proc.finish(30) == 0, proc.err[-10:]
+        again = kvindex(*args)
+        try:
+            url = again.listening_url()
+            for i, name in enumerate(names):
+                held = _get(url, f"/v1/instances/{name}/blocks")["block_hashes"]
+                assert {int(h) for h in held} == {i * 100 + k for k in range(20)}, name
+        finally:
+            again.interrupt()
+            assert again.finish(30) == 0, again.err[-10:]
+    finally:
+        for pub in pubs:
+            pub.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--store", "redis://127.0.0.1:1/0"], "not Redis"),
+        (["--ingest-workers", "3"], "takes 2 ingest workers, not 3"),
+    ],
+)
+def test_serve_refuses_shards_it_cannot_keep(extra: list[str], said: str) -> None:
+    proc = kvindex("serve", "--http", "127.0.0.1:0", "--index-shards", "2", *extra)
+    try:
+        assert proc.finish(20) == 2
+    finally:
+        proc.kill()
+    assert said in proc.err[-1] and len([line for line in proc.err if line]) == 1, proc.err

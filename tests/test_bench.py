@@ -199,6 +199,8 @@ def test_smoke_run_has_every_case_with_real_figures(smoke_run: Any) -> None:
         assert (
             drain["runs"]["c-1"]["gil_us_per_batch"] < drain["runs"]["python-1"]["gil_us_per_batch"]
         )
+        assert "c-2-sharded" in drain["runs"]  # the index split by instance, exact (above)
+        assert drain["c_sharded_two_vs_one"] > 0
     warm = data["warm_restart"]
     assert warm["loaded_blocks"] == warm["blocks"] > 0 and warm["load_seconds"] > 0
     assert warm["loaded_blocks_python"] == warm["blocks"] and warm["python_load_seconds"] > 0

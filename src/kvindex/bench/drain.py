@@ -9,7 +9,9 @@ applied; the final state is checked against the simulator's pools.
 
 Each configuration runs with the in-order path in C and with it off (`KVINDEX_C_INGEST=0`,
 every batch through the Python state machine: the same-run baseline), with 1 and 2 ingest
-workers and as many as the machine has, and with 1 worker again while a SQLite store
+workers and as many as the machine has, the C path again with the index split by instance,
+a shard per worker (`c-2-sharded`: kvindex.index.sharded, nothing written shared between
+workers), and with 1 worker again while a SQLite store
 records every batch as `serve` has it do (`c-1-sqlite`, `python-1-sqlite`: the store's
 writer is a process of its own, not counted). Besides the rate, each says:
 
@@ -41,6 +43,7 @@ from typing import Any
 
 from kvindex.bench.workloads import IngestWorkload
 from kvindex.index import COMPILED
+from kvindex.index.sharded import ShardedIndex
 from kvindex.runtime import Fleet
 from kvindex.subscriber import Checkpoint, InstanceSpec, SourceKey
 from kvindex.wire.publisher import Publisher
@@ -64,6 +67,10 @@ def drain_case(w: IngestWorkload, rounds: int = 2, timeout: float = 300.0) -> di
                     best = run
             assert best is not None
             runs[f"{path}-{workers}"] = best
+    for workers in counts if COMPILED else []:  # the index split by instance, a shard each
+        if workers > 1:
+            sharded = [_drain(w, workers, True, timeout, shards=True) for _ in range(rounds)]
+            runs[f"c-{workers}-sharded"] = max(sharded, key=lambda run: run["per_s"])
     for path in paths:  # with a persistent store recording
         store_runs = [_drain(w, 1, path == "c", timeout, "sqlite") for _ in range(rounds)]
         runs[f"{path}-1-sqlite"] = max(store_runs, key=lambda run: run["per_s"])
@@ -79,6 +86,8 @@ def drain_case(w: IngestWorkload, rounds: int = 2, timeout: float = 300.0) -> di
         one, two = runs.get(f"{path}-1"), runs.get(f"{path}-2")
         if one and two:
             out[f"{path}_two_vs_one"] = two["per_s"] / one["per_s"]
+    if "c-1" in runs and "c-2-sharded" in runs:
+        out["c_sharded_two_vs_one"] = runs["c-2-sharded"]["per_s"] / runs["c-1"]["per_s"]
     if "c-1" in runs and "python-1" in runs:
         out["c_vs_python"] = runs["c-1"]["per_s"] / runs["python-1"]["per_s"]
         out["c_vs_python_cpu"] = (
@@ -115,9 +124,15 @@ def _c_ingest(on: bool) -> Iterator[None]:
 
 
 def _drain(
-    w: IngestWorkload, workers: int, in_c: bool, timeout: float, store: str | None = None
+    w: IngestWorkload,
+    workers: int,
+    in_c: bool,
+    timeout: float,
+    store: str | None = None,
+    shards: bool = False,
 ) -> dict[str, Any]:
-    """One drain; `store` "sqlite": a fresh SQLite store records every batch meanwhile."""
+    """One drain; `store` "sqlite": a fresh SQLite store records every batch meanwhile;
+    `shards`: the index split by instance, a shard per worker (kvindex.index.sharded)."""
     names = w.names
     per_instance = [0] * len(names)
     warm_next = [0] * len(names)
@@ -135,8 +150,9 @@ def _drain(
             InstanceSpec(name, pub.endpoint, None) for name, pub in zip(names, pubs, strict=True)
         ]
         resume = {SourceKey(n): Checkpoint(warm_next[i]) for i, n in enumerate(names)}
+        index: Any = ShardedIndex(workers) if shards else None
         with _c_ingest(in_c):
-            fleet = Fleet(specs, ingest_workers=workers, sub_hwm=hwm, resume=resume)
+            fleet = Fleet(specs, index=index, ingest_workers=workers, sub_hwm=hwm, resume=resume)
         if store is None:
             return _timed_drain(fleet, w, pubs, per_instance, timeout)
         return _with_sqlite(fleet, w, pubs, per_instance, timeout)

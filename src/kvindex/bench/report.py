@@ -161,6 +161,16 @@ def _drain_rows(results: dict[str, Any]) -> list[Row]:
                 ">= 1.8x",
             )
         )
+    c2s = runs.get("c-2-sharded")
+    if c2s is not None:
+        out.append(
+            (
+                f"{what}: 2 workers vs 1, the index in 2 shards (a worker each)",
+                f"{c2s['per_s'] / c1['per_s']:.2f}x ({_m(c2s['per_s'])})",
+                f"one index: {c2['per_s'] / c1['per_s']:.2f}x" if c2 is not None else "-",
+                ">= 1.8x",
+            )
+        )
     out.append(
         (
             "GIL held per ordinary batch on the ingest path (measured)",
@@ -364,6 +374,20 @@ def _drain_targets(results: dict[str, Any]) -> list[TargetRow]:
                 f"{ratio:.2f}x",
                 ">= 1.8x",
                 _met(ratio >= 1.8),
+            )
+        )
+    c2s = runs.get("c-2-sharded")
+    if c1 and c2s:
+        ratio = c2s["per_s"] / c1["per_s"]
+        exact = c1["mismatched_blocks"] == 0 and c2s["mismatched_blocks"] == 0
+        out.append(
+            (
+                "the same, the index in 2 shards (--index-shards 2: a worker each)",
+                f"2 workers {_m(c2s['per_s'])}{_exact_word(exact)}",
+                f"1 worker {_m(c1['per_s'])}",
+                f"{ratio:.2f}x",
+                ">= 1.8x",
+                _met(ratio >= 1.8 and exact),
             )
         )
     if c1 and py1:

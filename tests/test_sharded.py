@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.request
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from netutil import wait_until
 from test_core import HASH_RUNS, LOCAL_RUNS, PROMPTS, build, event_plan, payload_of
 
 from kvindex.index import ReferenceIndex
+from kvindex.index.compiled import CompiledIndex
 from kvindex.index.sharded import ShardedIndex
 from kvindex.runtime import Fleet
 from kvindex.subscriber import InstanceSpec, SourceKey
@@ -34,20 +36,60 @@ pytestmark = pytest.mark.timeout(120)
 
 def feed_both(stream: list[tuple[SourceKey, str, Any]], shards: int) -> tuple[Any, Any]:
     pure, sharded = ReferenceIndex(), ShardedIndex(shards, local_hashes=True)
+    feed_into(stream, pure, sharded)
+    return pure, sharded
+
+
+def feed_into(stream: list[tuple[SourceKey, str, Any]], pure: Any, *others: Any) -> None:
     decoder = BatchDecoder()
     for seq, (src, kind, what) in enumerate(stream):
         if kind == "batch":
             batch, arrays = what
             payload = payload_of(batch, arrays)
             pure.apply(src, decoder.decode(payload), seq)
-            sharded.apply_payload(src, payload, seq)
+            for other in others:
+                other.apply_payload(src, payload, seq)
         elif kind == "restart":
-            pure.drop_source(src)
-            sharded.drop_source(src)
+            for index in (pure, *others):
+                index.drop_source(src)
         else:
-            pure.remove_instance(src.instance)
-            sharded.remove_instance(src.instance)
-    return pure, sharded
+            for index in (pure, *others):
+                index.remove_instance(src.instance)
+
+
+STATUSES = [b'"live"', b'"down"', b'"replaying"']
+
+
+def slots_of(layout: Any) -> tuple[list[Any], list[bytes]]:
+    """The runtime's slots for a layout (Fleet._answer_slots), statuses in turn."""
+    slots = [
+        (json.dumps(name).encode(), [x for pair in ranks for x in pair]) for name, ranks in layout
+    ]
+    return slots, [STATUSES[i % 3] for i in range(len(slots))]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(event_plan, max_size=60), st.integers(1, 4))
+def test_the_json_answer_over_shards_is_one_index_s(
+    plan: list[tuple[Any, ...]], shards: int
+) -> None:
+    """lookup_json_shards (C: every shard walked under its lock, the answers merged by bit)
+    writes byte for byte what one compiled index writes, statuses and `best` included."""
+    one, sharded = CompiledIndex(), ShardedIndex(shards)
+    feed_into(build(plan), one, sharded)
+    assert sharded.layout() == one.layout()
+    slots, statuses = slots_of(one.layout())
+    for tokens, names in PROMPTS:
+        if set(names) - {"lora_name", "cache_salt"}:
+            continue  # own keys: the Python path answers those
+        packed = array("I", tokens).tobytes()
+        want = one.lookup_json(
+            tokens, names.get("lora_name"), names.get("cache_salt"), slots, statuses
+        )
+        got = sharded.lookup_json(
+            packed, names.get("lora_name"), names.get("cache_salt"), slots, statuses
+        )
+        assert got == want, (tokens, names)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -8,9 +8,10 @@ give identical state and answers (tests/test_core.py holds them to it).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvindex.index.base import LookupRow
+from kvindex.index.base import AnswerSlot, LookupRow
 from kvindex.index.reference import ReferenceIndex
 from kvindex.index.stats import CacheStats, RateWindow
 
@@ -25,6 +26,7 @@ __all__ = [
     "RateWindow",
     "ReferenceIndex",
     "compiled_index",
+    "json_answerer",
     "parse_lookup_body",
 ]
 
@@ -55,6 +57,29 @@ def compiled_index(index: Any) -> CompiledIndex | None:
     from kvindex.index.compiled import CompiledIndex
 
     return index if isinstance(index, CompiledIndex) else None
+
+
+class JsonAnswerer(Protocol):
+    def lookup_json(
+        self,
+        token_ids: Sequence[int] | bytes,
+        lora_name: str | None,
+        cache_salt: str | None,
+        slots: list[AnswerSlot],
+        statuses: list[bytes],
+    ) -> tuple[bytes, bool]: ...
+
+
+def json_answerer(index: Any) -> JsonAnswerer | None:
+    """What writes `index`'s lookup answers as JSON in C (`lookup_json(token_ids,
+    lora_name, cache_salt, slots, statuses)`): a compiled index, or one in shards; None for
+    the pure reference."""
+    compiled = compiled_index(index)
+    if compiled is not None:
+        return compiled
+    from kvindex.index.sharded import ShardedIndex
+
+    return index if isinstance(index, ShardedIndex) else None
 
 
 def parse_lookup_body(body: bytes, max_items: int) -> tuple[bytes, str | None, str | None] | None:

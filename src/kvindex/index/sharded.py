@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvindex.index.base import BitPool, Layout, LookupRow, PayloadResult
+from kvindex.index.base import AnswerSlot, BitPool, Layout, LookupRow, PayloadResult
 from kvindex.index.reference import Namespace
 from kvindex.index.stats import CacheStats, RateWindow
 from kvindex.subscriber.messages import Delivery, Item, Restarted, SourceKey
@@ -58,6 +58,7 @@ class ShardedIndex:
 
         if not COMPILED:
             raise ValueError("index shards need the compiled core (this is the pure index)")
+        from kvindex.index._core import lookup_json_shards
         from kvindex.index.compiled import CompiledIndex
 
         seed = int.from_bytes(os.urandom(8), "little")
@@ -70,6 +71,8 @@ class ShardedIndex:
         for shard in self.shards:
             shard.rates = self.rates  # one window: RateWindow.add takes its own lock
         self.local_hashes = local_hashes
+        self._cores = tuple(shard._core for shard in self.shards)
+        self._lookup_json_shards = lookup_json_shards
         self._layout: tuple[tuple[int, ...], Layout] | None = None
         self._placed: dict[str, int] = {}  # instance -> its shard, until removed
         self._placing = threading.Lock()
@@ -214,6 +217,22 @@ class ShardedIndex:
         block_size: int | None = None,
     ) -> list[LookupRow]:
         return self._merged(lambda s: s.lookup_local_hashes(hashes, lora_name, block_size))
+
+    def lookup_json(
+        self,
+        token_ids: Sequence[int] | bytes,
+        lora_name: str | None,
+        cache_salt: str | None,
+        slots: list[AnswerSlot],
+        statuses: list[bytes],
+    ) -> tuple[bytes, bool]:
+        """`CompiledIndex.lookup_json` over every shard: each walked under its own lock, the
+        answers merged by bit and written as JSON in C (`slots`' bits are the shards'
+        common numbering, as `layout` gives them)."""
+        answer: tuple[bytes, bool] = self._lookup_json_shards(
+            self._cores, token_ids, lora_name, cache_salt, slots, statuses
+        )
+        return answer
 
     def _merged(self, ask: Callable[[CompiledIndex], list[LookupRow]]) -> list[LookupRow]:
         """Every shard's rows, one per instance by name, as one index gives them: an

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
-from kvindex.index import CacheStats, FleetIndex, LookupRow, compiled_index
+from kvindex.index import CacheStats, FleetIndex, LookupRow, json_answerer
 from kvindex.index.base import AnswerSlot
 from kvindex.index.multimodal import MMFeature, MMKey
 from kvindex.index.sharded import ShardedIndex
@@ -858,7 +858,7 @@ class Fleet:
         hit. The compiled index makes it in one step, without a Python object per instance;
         the pure index encodes `lookup`'s. `token_ids` may be uint32 bytes (the service's
         C body reader gives them so)."""
-        core = compiled_index(self.index)
+        core = json_answerer(self.index)
         if core is not None:
             slots, statuses = self.answer_slots()
             return core.lookup_json(token_ids, lora_name, cache_salt, slots, statuses)

@@ -388,7 +388,19 @@ static int best_first(const void *a, const void *b) {
     return x->slot < y->slot ? -1 : x->slot > y->slot; /* slots come by name */
 }
 
-static void write_tiers_groups(const core_t *c, const answer_t *a, int32_t bit, jbuf_t *b) {
+void answers_pin_pools(const core_t *c, answer_t *answers, uint32_t nbits) {
+    for (uint32_t bit = 0; bit < nbits; bit++) {
+        answer_t *a = &answers[bit];
+        if (a->detail != NULL || a->blocks == 0)
+            continue; /* written from its detail, or not written at all */
+        const source_t *s = bit < c->nsources_cap ? c->sources[bit] : NULL;
+        a->tier = s && s->npools ? s->pools[0].tier : TIER_GPU;
+        a->group = s && s->npools ? s->pools[0].group : 0; /* was int32: folded 2^32 on 0 */
+        a->group_big = s && s->npools ? s->pools[0].group_big : 0;
+    }
+}
+
+static void write_tiers_groups(const answer_t *a, jbuf_t *b) {
     JB_LIT(b, ",\"by_tier\":{");
     if (a->detail != NULL) {
         int first = 1;
@@ -416,11 +428,9 @@ static void write_tiers_groups(const core_t *c, const answer_t *a, int32_t bit, 
         JB_LIT(b, "}");
         return;
     }
-    /* One pool: everything it reuses is that pool's tier and group. */
-    const source_t *s = c->sources[bit];
-    uint8_t tier = s && s->npools ? s->pools[0].tier : TIER_GPU;
-    int64_t group = s && s->npools ? s->pools[0].group : 0; /* was int32: folded 2^32 on 0 */
-    uint8_t big = s && s->npools ? s->pools[0].group_big : 0;
+    /* One pool: everything it reuses is that pool's tier and group (pinned). */
+    uint8_t tier = a->tier, big = a->group_big;
+    int64_t group = a->group;
     jb_put(b, TIER_JSON[tier], strlen(TIER_JSON[tier]));
     jb_u64(b, a->blocks);
     JB_LIT(b, "},\"by_group\":{\"");
@@ -433,7 +443,7 @@ static void write_tiers_groups(const core_t *c, const answer_t *a, int32_t bit, 
     JB_LIT(b, "}");
 }
 
-static void write_row(const core_t *c, const answer_t *answers, uint32_t nbits,
+static void write_row(const answer_t *answers, uint32_t nbits,
                       const slot_t *s, const row_t *r, int by_tokens, jbuf_t *b) {
     const answer_t *a = r->matched ? &answers[r->best_bit] : NULL;
     JB_LIT(b, "{\"name\":");
@@ -467,14 +477,16 @@ static void write_row(const core_t *c, const answer_t *answers, uint32_t nbits,
     }
     JB_LIT(b, "]");
     if (a != NULL)
-        write_tiers_groups(c, a, r->best_bit, b);
+        write_tiers_groups(a, b);
     else
         JB_LIT(b, ",\"by_tier\":{},\"by_group\":{}");
     JB_LIT(b, "}");
 }
 
-int answer_json(const core_t *c, const answer_t *answers, uint32_t nbits, const slot_t *slots,
+int answer_json(const core_t *c, answer_t *answers, uint32_t nbits, const slot_t *slots,
                 uint32_t nslots, int by_tokens, jbuf_t *out) {
+    if (c != NULL)
+        answers_pin_pools(c, answers, nbits);
     row_t *rows = malloc(((size_t)nslots + 1) * sizeof(row_t));
     if (rows == NULL) {
         out->oom = 1;
@@ -499,7 +511,7 @@ int answer_json(const core_t *c, const answer_t *answers, uint32_t nbits, const 
     for (uint32_t i = 0; i < nslots; i++) {
         if (i)
             JB_LIT(out, ",");
-        write_row(c, answers, nbits, &slots[rows[i].slot], &rows[i], by_tokens, out);
+        write_row(answers, nbits, &slots[rows[i].slot], &rows[i], by_tokens, out);
     }
     JB_LIT(out, "]}");
     free(rows);

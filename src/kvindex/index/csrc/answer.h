@@ -50,7 +50,15 @@ void hashes_body_free(hashes_body_t *b);
 typedef struct {
     uint32_t blocks, size;
     const reuse_t *detail; /* NULL: one pool, all of it from there */
+    /* With detail NULL: that pool's tier and group, copied from the core under its lock
+     * (answers_pin_pools), so the JSON is written from the answers alone: the answers of
+     * several cores (an index in shards) merge by bit and are written after their locks. */
+    uint8_t tier, group_big;
+    int64_t group;
 } answer_t;
+
+/* Copy each answer's one pool (tier, group) from `c`: with the core's read lock held. */
+void answers_pin_pools(const core_t *c, answer_t *answers, uint32_t nbits);
 
 /* One followed instance, as the runtime sees it: its name and status already as JSON
  * strings, and its DP ranks by rank, each with its publisher's bit in the index (-1: the
@@ -72,10 +80,11 @@ typedef struct {
 void jbuf_free(jbuf_t *b);
 
 /* The answer's JSON into `out` (rows best first, then by name: `slots` come by name).
- * With `by_tokens` 0 (a lookup by hashes) matched_tokens and block_size are null. Reads
- * the pools (by_tier): call it with the read lock held. Returns whether any instance
- * holds the prompt's first block; out->oom on allocation failure. */
-int answer_json(const core_t *c, const answer_t *answers, uint32_t nbits, const slot_t *slots,
+ * With `by_tokens` 0 (a lookup by hashes) matched_tokens and block_size are null. With `c`,
+ * the answers' pools are pinned from it first (call it with its read lock held); with
+ * NULL, they were (answers_pin_pools, each under its core's lock). Returns whether any
+ * instance holds the prompt's first block; out->oom on allocation failure. */
+int answer_json(const core_t *c, answer_t *answers, uint32_t nbits, const slot_t *slots,
                 uint32_t nslots, int by_tokens, jbuf_t *out);
 
 #endif

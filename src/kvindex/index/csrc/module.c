@@ -2659,11 +2659,112 @@ static PyObject *core_xxh3_64(PyObject *module, PyObject *args) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
+/* -- an index in shards (kvindex.index.sharded) ----------------------------------------- */
+
+/* The walk of one shard, its answers' pools pinned while its read lock is held. */
+static int walk_pinned_body(CoreObject *self, void *ctx) {
+    lookup_ctx *x = ctx;
+    walk_body(&self->core, x);
+    if (!x->w.oom)
+        answers_pin_pools(&self->core, x->w.answers, x->w.nbits);
+    return 0;
+}
+
+/* The shards' answers as one index's: a bit is one shard's publisher (the shards number
+ * publishers together), so each bit's answer comes from the shard that has one for it.
+ * NULL when out of memory. `*nbits` set. */
+static answer_t *merged_answers(const lookup_ctx *walks, Py_ssize_t n, uint32_t *nbits) {
+    uint32_t bits = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        bits = walks[i].w.nbits > bits ? walks[i].w.nbits : bits;
+    answer_t *merged = calloc((size_t)bits + 1, sizeof(answer_t));
+    if (merged == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        for (uint32_t b = 0; b < walks[i].w.nbits; b++) {
+            const answer_t *a = &walks[i].w.answers[b];
+            if (a->blocks || a->detail)
+                merged[b] = *a;
+        }
+    *nbits = bits;
+    return merged;
+}
+
+/* lookup_json_shards(cores, token_ids, lora_name, cache_salt, slots, statuses)
+       -> (json bytes, hit)
+
+   Core.lookup_json over an index in shards (a tuple of Cores): each shard walked under
+   its own read lock (a batch is applied within one shard: no answer sees half of one),
+   the answers merged by bit, then the JSON written from them alone (answers_pin_pools).
+   The prompt is read once; every shard walks it with its own names. */
+static PyObject *lookup_json_shards(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 6 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) < 1) {
+        PyErr_SetString(PyExc_TypeError,
+                        "lookup_json_shards(cores, token_ids, lora_name, cache_salt, slots, "
+                        "statuses): cores a tuple of one Core or more");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(args[0]);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyObject_TypeCheck(PyTuple_GET_ITEM(args[0], i), &CoreType) ||
+            !core_ready((CoreObject *)PyTuple_GET_ITEM(args[0], i))) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "cores: Core objects");
+            return NULL;
+        }
+    lookup_ctx *walks = calloc((size_t)n, sizeof(lookup_ctx));
+    lookup_ctx answer = {0}; /* the slots, the prompt and names, the JSON */
+    PyObject *result = NULL;
+    answer_t *merged = NULL;
+    if (walks == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (!slots_arg(args[4], args[5], &answer) || !opt_str(args[2], &answer.lora) ||
+        !opt_str(args[3], &answer.salt) || !tokens_arg(args[1], &answer.prompt))
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        CoreObject *core = (CoreObject *)PyTuple_GET_ITEM(args[0], i);
+        walks[i].prompt = answer.prompt; /* borrowed: freed once, with `answer` */
+        walks[i].lora = answer.lora;
+        walks[i].salt = answer.salt;
+        if (core_run(core, RUN_READ, walk_pinned_body, &walks[i]) != 0)
+            goto done;
+        if (walks[i].w.oom) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    uint32_t nbits = 0;
+    merged = merged_answers(walks, n, &nbits);
+    if (merged == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    answer.hit = answer_json(NULL, merged, nbits, answer.slots, answer.nslots, 1, &answer.out);
+    if (answer.out.oom)
+        PyErr_NoMemory();
+    else
+        result = Py_BuildValue("(y#O)", answer.out.p, (Py_ssize_t)answer.out.len,
+                               answer.hit ? Py_True : Py_False);
+done:
+    free(merged);
+    for (Py_ssize_t i = 0; walks != NULL && i < n; i++) {
+        walks[i].prompt = (prompt_t){0};
+        lookup_ctx_free(&walks[i]);
+    }
+    free(walks);
+    lookup_ctx_free(&answer);
+    return result;
+}
+
 static PyMethodDef core_functions[] = {
     {"allocated", core_allocated, METH_NOARGS, NULL},
     {"fail_allocs", core_fail_allocs, METH_O, NULL},
     {"xxh3_64", (PyCFunction)core_xxh3_64, METH_VARARGS, NULL},
     {"parse_lookup", (PyCFunction)parse_lookup, METH_VARARGS, NULL},
+    {"lookup_json_shards", (PyCFunction)(void (*)(void))lookup_json_shards, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,7 +13,7 @@ import json
 import urllib.request
 from array import array
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import differential
 import pytest
@@ -21,14 +21,26 @@ from clitools import kvindex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from netutil import wait_until
-from test_core import HASH_RUNS, LOCAL_RUNS, PROMPTS, build, event_plan, payload_of
+from test_core import (
+    BASE,
+    HASH_RUNS,
+    LOCAL_RUNS,
+    PROMPTS,
+    build,
+    event_plan,
+    payload_of,
+    prompt_of,
+)
+from test_fastpath import NAMES, SPECS, StatusFleet
+from test_lookupd import ask, hashes_request, lookup_request, thread_over
 
 from kvindex.index import ReferenceIndex
 from kvindex.index.compiled import CompiledIndex
 from kvindex.index.sharded import ShardedIndex
 from kvindex.runtime import Fleet
-from kvindex.subscriber import InstanceSpec, SourceKey
+from kvindex.subscriber import InstanceSpec, SourceKey, Status
 from kvindex.wire import BatchDecoder, BlockStored
+from kvindex.wire.hashes import render_hash
 from kvindex.wire.publisher import Publisher
 
 pytestmark = pytest.mark.timeout(120)
@@ -251,3 +263,65 @@ def test_serve_refuses_shards_it_cannot_keep(extra: list[str], said: str) -> Non
     finally:
         proc.kill()
     assert said in proc.err[-1] and len([line for line in proc.err if line]) == 1, proc.err
+
+
+# -- the C lookup thread over shards -------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(event_plan, max_size=40),
+    st.integers(2, 3),
+    st.dictionaries(st.sampled_from("abcde"), st.sampled_from(list(Status)), max_size=5),
+)
+def test_the_lookup_thread_over_shards_answers_as_over_one_index(
+    plan: list[tuple[Any, ...]], shards: int, shown: dict[str, Status]
+) -> None:
+    """The C lookup thread (kvindex.service.lookupd) over a fleet whose index is in shards
+    answers lookups by tokens and by hashes, over real sockets, with the very bytes it
+    answers over one compiled index fed the same stream."""
+    one, sharded = CompiledIndex(), ShardedIndex(shards)
+    specs = [InstanceSpec.parse(s) for s in SPECS]
+    fleets = [StatusFleet(specs, index=one, ingest_workers=1)]
+    fleets.append(StatusFleet(specs, index=cast(Any, sharded), ingest_workers=shards))
+    for fleet in fleets:
+        fleet.shown = shown
+    feed_into(build(plan), one, sharded)
+    requests = [
+        lookup_request(prompt_of(p, variant), names)
+        for p in range(len(BASE))
+        for variant in range(2)
+        for names in NAMES
+    ]
+    requests += [
+        hashes_request(json.dumps({"block_hashes": [render_hash(h) for h in run]}).encode())
+        for run in HASH_RUNS[:24]
+    ]
+    try:
+        with thread_over(fleets[0]) as (t1, p1), thread_over(fleets[1]) as (t2, p2):
+            for request in requests:
+                want = ask(t1, p1, request)
+                assert want is not None
+                assert ask(t2, p2, request) == want, request[:200]
+            assert t2.counts()[1:3] == (0, 0)  # none handed over, none stale
+    finally:
+        for fleet in fleets:
+            fleet.close()
+
+
+def test_a_shard_s_new_publisher_makes_the_thread_hand_over() -> None:
+    """A publisher a shard makes after the thread got its slots: the shards' generations
+    moved, so the lookup goes to Python (never an answer naming old bits)."""
+    sharded = ShardedIndex(2)
+    fleet = Fleet([InstanceSpec("e", "tcp://127.0.0.1:1")], index=cast(Any, sharded))
+    try:
+        sharded.apply(SourceKey("e"), _batch([BlockStored([5], None, [1] * 4, 4)]))
+        with thread_over(fleet) as (thread, port):
+            assert ask(thread, port, lookup_request([1] * 4)) is not None
+            sharded.apply(SourceKey("f"), _batch([BlockStored([6], None, [1] * 4, 4)]))
+            assert ask(thread, port, lookup_request([1] * 4)) is None
+            assert thread.counts()[2] == 1  # stale
+            thread.refresh()
+            assert ask(thread, port, lookup_request([1] * 4)) is not None
+    finally:
+        fleet.close()

@@ -69,11 +69,15 @@ class JsonAnswerer(Protocol):
         statuses: list[bytes],
     ) -> tuple[bytes, bool]: ...
 
+    def answer_core(self) -> object: ...
+
+    def sources_gen(self) -> int: ...
+
 
 def json_answerer(index: Any) -> JsonAnswerer | None:
     """What writes `index`'s lookup answers as JSON in C (`lookup_json(token_ids,
-    lora_name, cache_salt, slots, statuses)`): a compiled index, or one in shards; None for
-    the pure reference."""
+    lora_name, cache_salt, slots, statuses)`, and the C lookup thread through
+    `answer_core()`): a compiled index, or one in shards; None for the pure reference."""
     compiled = compiled_index(index)
     if compiled is not None:
         return compiled

@@ -309,6 +309,14 @@ class CompiledIndex(IndexBase[_Pub]):
         own = self._own_keys(token_ids, keys)
         return self._core.lookup_json(token_ids, lora_name, cache_salt, slots, statuses, own)
 
+    def answer_core(self) -> object:
+        """What a C thread answers lookups with (lookup_api.h's `core`): the Core."""
+        return self._core
+
+    def sources_gen(self) -> int:
+        """Moves whenever a publisher is made or removed (see lookup_api.h)."""
+        return self._core.sources_gen()
+
     def lookup_local_hashes(
         self,
         hashes: Sequence[int],

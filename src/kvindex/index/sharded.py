@@ -234,6 +234,16 @@ class ShardedIndex:
         )
         return answer
 
+    def answer_core(self) -> object:
+        """What a C thread answers lookups with (lookup_api.h's `core`): the shards' Cores
+        as a tuple, which the core's lookup API walks one by one and merges."""
+        return self._cores
+
+    def sources_gen(self) -> int:
+        """The sum of the shards' generations (each only grows: the sum moves when one
+        does), what the lookup API checks a tuple of Cores against."""
+        return sum(core.sources_gen() for core in self._cores)
+
     def _merged(self, ask: Callable[[CompiledIndex], list[LookupRow]]) -> list[LookupRow]:
         """Every shard's rows, one per instance by name, as one index gives them: an
         instance matching nothing says the block size of the smallest tree walked in any

@@ -34,7 +34,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvindex.index import compiled_index
+from kvindex.index import json_answerer
 from kvindex.runtime import Fleet
 from kvindex.security.http import HostNames, HttpGuard
 from kvindex.security.limits import Limits
@@ -128,8 +128,9 @@ class StageTimes:
 
 
 def available(fleet: Fleet) -> bool:
-    """Whether this fleet's lookups can be answered by the thread (a compiled index)."""
-    return Server is not None and compiled_index(fleet.index) is not None
+    """Whether this fleet's lookups can be answered by the thread (a compiled index, or
+    one in shards)."""
+    return Server is not None and json_answerer(fleet.index) is not None
 
 
 class _Handed(asyncio.Protocol):
@@ -183,11 +184,12 @@ class LookupThread:
         limits: Limits | None = None,
     ) -> None:
         limits = limits or Limits()
-        core = compiled_index(fleet.index)
-        if Server is None or core is None:
+        answerer = json_answerer(fleet.index)
+        if Server is None or answerer is None:
             raise RuntimeError("the lookup thread needs the compiled core")
         self.fleet = fleet
-        self.core = core._core
+        self.index = answerer
+        self.core = answerer.answer_core()
         self.metrics = metrics
         hosts = None
         if guard.allowed_hosts is not None:
@@ -253,7 +255,7 @@ class LookupThread:
         """Push the instances and their statuses to the thread if they moved."""
         if self._closed:
             return
-        gen = self.core.sources_gen()  # before the slots: a later move makes them stale
+        gen = self.index.sources_gen()  # before the slots: a later move makes them stale
         slots, statuses = self.fleet.answer_slots()
         pushed = self._pushed
         if pushed is not None and pushed[0] == gen and pushed[1] is slots and pushed[2] is statuses:

@@ -2453,6 +2453,16 @@ typedef struct {
     int hit, stale;
 } api_lookup;
 
+/* The walk of a parsed lookup body (names resolved under the lock). */
+static void api_walk(const core_t *c, const lookup_body_t *b, walked_t *w) {
+    prompt_t prompt = {.small = b->tokens, .wide = NULL, .n = b->ntokens};
+    own_keys own = {NULL, 0};
+    uint32_t lora_id = b->lora ? find_name(c, (const uint8_t *)b->lora, (uint32_t)b->lora_len) : 0;
+    uint32_t salt_id = b->salt ? find_name(c, (const uint8_t *)b->salt, (uint32_t)b->salt_len) : 0;
+    int unknown = (b->lora && !lora_id) || (b->salt && !salt_id);
+    walk_prompt(c, &prompt, lora_id, salt_id, unknown, &own, w);
+}
+
 static int api_tokens_body(CoreObject *self, void *ctx) {
     api_lookup *a = ctx;
     const core_t *c = &self->core;
@@ -2460,22 +2470,105 @@ static int api_tokens_body(CoreObject *self, void *ctx) {
         a->stale = 1;
         return 0;
     }
-    const lookup_body_t *b = a->body;
-    prompt_t prompt = {.small = b->tokens, .wide = NULL, .n = b->ntokens};
-    own_keys own = {NULL, 0};
-    uint32_t lora_id = b->lora ? find_name(c, (const uint8_t *)b->lora, (uint32_t)b->lora_len) : 0;
-    uint32_t salt_id = b->salt ? find_name(c, (const uint8_t *)b->salt, (uint32_t)b->salt_len) : 0;
-    int unknown = (b->lora && !lora_id) || (b->salt && !salt_id);
-    walk_prompt(c, &prompt, lora_id, salt_id, unknown, &own, &a->w);
+    api_walk(c, a->body, &a->w);
     if (!a->w.oom)
         a->hit = answer_json(c, a->w.answers, a->w.nbits, a->slots, a->nslots, 1, a->out);
     return 0;
+}
+
+/* One shard's part of a lookup over an index in shards: its generation and its walk,
+ * its answers' pools pinned, all under its lock; the JSON is written after, from them. */
+typedef struct {
+    const lookup_body_t *body;
+    uint64_t gen;
+    walked_t w;
+} shard_walk;
+
+static int shard_walk_body(CoreObject *self, void *ctx) {
+    shard_walk *sw = ctx;
+    sw->gen = self->core.sources_gen;
+    api_walk(&self->core, sw->body, &sw->w);
+    if (!sw->w.oom)
+        answers_pin_pools(&self->core, sw->w.answers, sw->w.nbits);
+    return 0;
+}
+
+/* The shards' answers as one index's (each bit is one shard's publisher). NULL: no
+ * memory. */
+static answer_t *merge_by_bit(const walked_t *const *walks, Py_ssize_t n, uint32_t *nbits) {
+    uint32_t bits = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        bits = walks[i]->nbits > bits ? walks[i]->nbits : bits;
+    answer_t *merged = calloc((size_t)bits + 1, sizeof(answer_t));
+    if (merged == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        for (uint32_t b = 0; b < walks[i]->nbits; b++) {
+            const answer_t *a = &walks[i]->answers[b];
+            if (a->blocks || a->detail)
+                merged[b] = *a;
+        }
+    *nbits = bits;
+    return merged;
+}
+
+/* answer_tokens over a tuple of Cores (an index in shards): `sources_gen` is the sum of
+ * theirs when the slots were made (each only grows: the sum is the same only if each is),
+ * checked against the sum each shard had while walked. Reads the tuple without the GIL:
+ * it is immutable and kept alive by the caller, as a Core is. */
+static int api_answer_tokens_shards(PyObject *cores, const lookup_body_t *body,
+                                    const slot_t *slots, uint32_t nslots, uint64_t sources_gen,
+                                    jbuf_t *out, int *hit) {
+    Py_ssize_t n = PyTuple_GET_SIZE(cores);
+    shard_walk *walks = calloc((size_t)n + 1, sizeof(shard_walk));
+    const walked_t **parts = calloc((size_t)n + 1, sizeof(walked_t *));
+    answer_t *merged = NULL;
+    int res = LOOKUP_NOMEM;
+    uint64_t gen = 0;
+    *hit = 0;
+    if (walks == NULL || parts == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        CoreObject *core = (CoreObject *)PyTuple_GET_ITEM(cores, i);
+        walks[i].body = body;
+        parts[i] = &walks[i].w;
+        if (!core->ready) {
+            res = LOOKUP_NOT_READY;
+            goto done;
+        }
+        if (core_locked(core, 0, shard_walk_body, &walks[i]) == RUN_LOCK_FAILED) {
+            res = LOOKUP_STALE;
+            goto done;
+        }
+        if (walks[i].w.oom)
+            goto done;
+        gen += walks[i].gen;
+    }
+    if (gen != sources_gen) {
+        res = LOOKUP_STALE;
+        goto done;
+    }
+    uint32_t nbits = 0;
+    merged = merge_by_bit(parts, n, &nbits);
+    if (merged == NULL)
+        goto done;
+    *hit = answer_json(NULL, merged, nbits, slots, nslots, 1, out);
+    res = out->oom ? LOOKUP_NOMEM : LOOKUP_ANSWERED;
+done:
+    free(merged);
+    for (Py_ssize_t i = 0; walks != NULL && i < n; i++)
+        walk_free(&walks[i].w);
+    free(walks);
+    free(parts);
+    return res;
 }
 
 /* lookup_api_t.answer_tokens: called without the GIL (any thread); core_locked is the
  * only Python-free way in (core_run's modes start from a thread holding the GIL). */
 static int api_answer_tokens(void *core, const lookup_body_t *body, const slot_t *slots,
                              uint32_t nslots, uint64_t sources_gen, jbuf_t *out, int *hit) {
+    if (PyTuple_Check((PyObject *)core))
+        return api_answer_tokens_shards(core, body, slots, nslots, sources_gen, out, hit);
     CoreObject *self = core;
     if (!self->ready)
         return LOOKUP_NOT_READY;
@@ -2502,24 +2595,20 @@ typedef struct {
     int hit, stale, oom;
 } api_hashes;
 
-static int api_hashes_body(CoreObject *self, void *ctx) {
-    api_hashes *a = ctx;
-    const core_t *c = &self->core;
-    if (c->sources_gen != a->sources_gen) {
-        a->stale = 1;
-        return 0;
-    }
-    Py_ssize_t n = a->body->n;
+/* Core_lookup_hashes's walk into `w` (answers and reuses by bit), under the read lock. */
+static void hashes_answers(const core_t *c, const hashes_body_t *body, walked_t *w) {
+    Py_ssize_t n = body->n;
     uint32_t bits = c->max_bit;
     hkey *hk = malloc(((size_t)n + 1) * sizeof(hkey));
     uint8_t *known = malloc((size_t)n + 1);
-    answer_t *answers = calloc((size_t)bits + 1, sizeof(answer_t));
-    reuse_t *reuses = calloc((size_t)bits + 1, sizeof(reuse_t));
+    answer_t *answers = w->answers = calloc((size_t)bits + 1, sizeof(answer_t));
+    reuse_t *reuses = w->reuses = calloc((size_t)bits + 1, sizeof(reuse_t));
+    w->nbits = bits;
     if (hk == NULL || known == NULL || answers == NULL || reuses == NULL) {
-        a->oom = 1;
+        w->oom = 1;
     } else {
         memset(known, 1, (size_t)n + 1);
-        hashes_keys(c, a->body->hashes, hk, known, n);
+        hashes_keys(c, body->hashes, hk, known, n);
         for (uint32_t b = 0; b < bits; b++) {
             const source_t *s = c->sources[b];
             if (s == NULL)
@@ -2531,17 +2620,94 @@ static int api_hashes_body(CoreObject *self, void *ctx) {
             reuses[b].several = 1;
             answers[b] = (answer_t){(uint32_t)d, 0, &reuses[b]};
         }
-        a->hit = answer_json(c, answers, bits, a->slots, a->nslots, 0, a->out);
     }
     free(hk);
     free(known);
-    free(answers);
-    free(reuses);
+}
+
+static int api_hashes_body(CoreObject *self, void *ctx) {
+    api_hashes *a = ctx;
+    const core_t *c = &self->core;
+    if (c->sources_gen != a->sources_gen) {
+        a->stale = 1;
+        return 0;
+    }
+    walked_t w = {0};
+    hashes_answers(c, a->body, &w);
+    if (w.oom)
+        a->oom = 1;
+    else
+        a->hit = answer_json(c, w.answers, w.nbits, a->slots, a->nslots, 0, a->out);
+    walk_free(&w);
     return 0;
+}
+
+/* One shard's part of a lookup by hashes (as shard_walk is of one by tokens). */
+typedef struct {
+    const hashes_body_t *body;
+    uint64_t gen;
+    walked_t w;
+} shard_hashes;
+
+static int shard_hashes_body(CoreObject *self, void *ctx) {
+    shard_hashes *sh = ctx;
+    sh->gen = self->core.sources_gen;
+    hashes_answers(&self->core, sh->body, &sh->w);
+    return 0; /* answers by hashes always have their detail: nothing to pin */
+}
+
+/* answer_hashes over a tuple of Cores: as api_answer_tokens_shards. */
+static int api_answer_hashes_shards(PyObject *cores, const hashes_body_t *body,
+                                    const slot_t *slots, uint32_t nslots, uint64_t sources_gen,
+                                    jbuf_t *out, int *hit) {
+    Py_ssize_t n = PyTuple_GET_SIZE(cores);
+    shard_hashes *walks = calloc((size_t)n + 1, sizeof(shard_hashes));
+    const walked_t **parts = calloc((size_t)n + 1, sizeof(walked_t *));
+    answer_t *merged = NULL;
+    int res = LOOKUP_NOMEM;
+    uint64_t gen = 0;
+    *hit = 0;
+    if (walks == NULL || parts == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        CoreObject *core = (CoreObject *)PyTuple_GET_ITEM(cores, i);
+        walks[i].body = body;
+        parts[i] = &walks[i].w;
+        if (!core->ready) {
+            res = LOOKUP_NOT_READY;
+            goto done;
+        }
+        if (core_locked(core, 0, shard_hashes_body, &walks[i]) == RUN_LOCK_FAILED) {
+            res = LOOKUP_STALE;
+            goto done;
+        }
+        if (walks[i].w.oom)
+            goto done;
+        gen += walks[i].gen;
+    }
+    if (gen != sources_gen) {
+        res = LOOKUP_STALE;
+        goto done;
+    }
+    uint32_t nbits = 0;
+    merged = merge_by_bit(parts, n, &nbits);
+    if (merged == NULL)
+        goto done;
+    *hit = answer_json(NULL, merged, nbits, slots, nslots, 0, out);
+    res = out->oom ? LOOKUP_NOMEM : LOOKUP_ANSWERED;
+done:
+    free(merged);
+    for (Py_ssize_t i = 0; walks != NULL && i < n; i++)
+        walk_free(&walks[i].w);
+    free(walks);
+    free(parts);
+    return res;
 }
 
 static int api_answer_hashes(void *core, const hashes_body_t *body, const slot_t *slots,
                              uint32_t nslots, uint64_t sources_gen, jbuf_t *out, int *hit) {
+    if (PyTuple_Check((PyObject *)core))
+        return api_answer_hashes_shards(core, body, slots, nslots, sources_gen, out, hit);
     CoreObject *self = core;
     if (!self->ready)
         return LOOKUP_NOT_READY;
@@ -2670,26 +2836,6 @@ static int walk_pinned_body(CoreObject *self, void *ctx) {
     return 0;
 }
 
-/* The shards' answers as one index's: a bit is one shard's publisher (the shards number
- * publishers together), so each bit's answer comes from the shard that has one for it.
- * NULL when out of memory. `*nbits` set. */
-static answer_t *merged_answers(const lookup_ctx *walks, Py_ssize_t n, uint32_t *nbits) {
-    uint32_t bits = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        bits = walks[i].w.nbits > bits ? walks[i].w.nbits : bits;
-    answer_t *merged = calloc((size_t)bits + 1, sizeof(answer_t));
-    if (merged == NULL)
-        return NULL;
-    for (Py_ssize_t i = 0; i < n; i++)
-        for (uint32_t b = 0; b < walks[i].w.nbits; b++) {
-            const answer_t *a = &walks[i].w.answers[b];
-            if (a->blocks || a->detail)
-                merged[b] = *a;
-        }
-    *nbits = bits;
-    return merged;
-}
-
 /* lookup_json_shards(cores, token_ids, lora_name, cache_salt, slots, statuses)
        -> (json bytes, hit)
 
@@ -2737,7 +2883,11 @@ static PyObject *lookup_json_shards(PyObject *module, PyObject *const *args, Py_
         }
     }
     uint32_t nbits = 0;
-    merged = merged_answers(walks, n, &nbits);
+    const walked_t **parts = calloc((size_t)n + 1, sizeof(walked_t *));
+    for (Py_ssize_t i = 0; parts != NULL && i < n; i++)
+        parts[i] = &walks[i].w;
+    merged = parts != NULL ? merge_by_bit(parts, n, &nbits) : NULL;
+    free(parts);
     if (merged == NULL) {
         PyErr_NoMemory();
         goto done;

@@ -26,7 +26,9 @@
 #    tests/test_fastpath_serve.py: their hand-overs to Python are where the thread and
 #    Python share sockets; ~25 s under TSan). Reports go to build/tsan/reports; libzmq's
 #    own hand-offs are suppressed
-#    (sanitize/tsan.supp says why).
+#    (sanitize/tsan.supp says why). And an index in shards (tests/test_sharded.py): lookups
+#    walking every shard, on Python's call and on the C thread, while two threads apply
+#    into their own shards.
 #
 # LeakSanitizer records one frame above malloc, so sanitize/lsan.supp can name who
 # called malloc: CPython and the libraries it loads are suppressed, our C never is.
@@ -43,7 +45,8 @@ rm -rf "$reports" && mkdir -p "$reports"
 
 if [ $# -eq 0 ]; then
     set -- tests/test_core*.py tests/test_index*.py tests/test_subscriber.py tests/test_hostile.py \
-        tests/test_lookupd.py tests/test_inorder.py tests/test_ingest_c.py tests/test_store_fastload.py
+        tests/test_lookupd.py tests/test_inorder.py tests/test_ingest_c.py tests/test_store_fastload.py \
+        tests/test_sharded.py
 fi
 status=0
 env LD_PRELOAD="$asan" PYTHONPATH="$out" \
@@ -80,7 +83,8 @@ tsan_status=0
 env LD_PRELOAD="$(gcc -print-file-name=libtsan.so)" PYTHONPATH="$tsan_out" \
     TSAN_OPTIONS="suppressions=$PWD/sanitize/tsan.supp:log_path=$PWD/$tsan_reports/tsan:report_signal_unsafe=0" \
     "$python" -m pytest -q -p no:cacheprovider tests/test_ingest_c.py tests/test_inorder.py \
-    tests/test_core_threads.py tests/test_lookupd.py tests/test_fastpath_serve.py ||
+    tests/test_core_threads.py tests/test_lookupd.py tests/test_fastpath_serve.py \
+    tests/test_sharded.py ||
     tsan_status=$?
 check_reports "$tsan_reports" ThreadSanitizer "$tsan_status"
 

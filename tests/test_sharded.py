@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 import urllib.request
 from array import array
 from pathlib import Path
@@ -324,4 +326,53 @@ def test_a_shard_s_new_publisher_makes_the_thread_hand_over() -> None:
             thread.refresh()
             assert ask(thread, port, lookup_request([1] * 4)) is not None
     finally:
+        fleet.close()
+
+
+def test_lookups_over_shards_beside_ingest_into_each() -> None:
+    """Two threads apply into their own shard (fresh LoRA names, new publishers now and
+    then) while lookups by tokens and hashes go over every shard, in Python's call and on
+    the C thread: every answer well formed. Under ThreadSanitizer (make sanitize) this is
+    the shards' locks' test: each walk holds its shard's lock alone."""
+    sharded = ShardedIndex(2)
+    fleet = Fleet(
+        [InstanceSpec(f"w{i}", f"tcp://127.0.0.1:{i + 1}") for i in range(2)],
+        index=cast(Any, sharded),
+    )
+    stop = threading.Event()
+
+    def ingest(shard: int) -> None:
+        i = 0
+        while not stop.is_set():
+            name = f"w{shard}" if i % 500 else f"w{shard}-{i}"
+            event = BlockStored([shard * 10**9 + i], None, [i % 97] * 16, 16, lora_name=f"a{i % 7}")
+            sharded.apply(SourceKey(name), _batch([event]), i)
+            i += 1
+
+    writers = [threading.Thread(target=ingest, args=(k,), daemon=True) for k in range(2)]
+    try:
+        with thread_over(fleet) as (thread, port):
+            for writer in writers:
+                writer.start()
+            deadline = time.monotonic() + 2
+            asked = answered = 0
+            while time.monotonic() < deadline:
+                names = {"lora_name": f"a{asked % 9}"} if asked % 2 else {}
+                tokens = [asked % 97] * 32
+                assert json.loads(fleet.lookup_json(tokens, names.get("lora_name"))[0])
+                for request in (
+                    lookup_request(tokens, names),
+                    hashes_request(b'{"block_hashes": ["%d"]}' % asked),
+                ):
+                    body = ask(thread, port, request)  # None: handed over (a moved layout)
+                    if body is not None:
+                        assert "instances" in json.loads(body)
+                        answered += 1
+                asked += 1
+                thread.refresh()
+            assert answered >= 1
+    finally:
+        stop.set()
+        for writer in writers:
+            writer.join(10)
         fleet.close()

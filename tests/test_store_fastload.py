@@ -114,6 +114,34 @@ def test_the_c_load_makes_the_index_the_python_load_makes(
     h.writer.close()
 
 
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(rich_ops, st.integers(2, 3))
+def test_the_c_load_into_shards_is_the_python_load(
+    tmp_path_factory: pytest.TempPathFactory, plan: list[Any], shards: int
+) -> None:
+    """An index in shards (kvindex.index.sharded) loads in C too, every publisher through
+    its own shard's Core: the state, lookups and numbering of the Python load into one
+    index (and into shards), snapshot and log tail."""
+    from kvindex.index.sharded import ShardedIndex
+
+    h = Harness(tmp_path_factory.mktemp("db") / "s.sqlite")
+    apply_rich(h, plan)
+    sharded = ShardedIndex(shards)
+    assert fastload.available(sharded)
+    assert fastload.load_in_c(h.path, ShardedIndex(shards)) is not None  # taken in C
+    in_c, in_py, one = load(h.path, sharded, True), ShardedIndex(shards), ReferenceIndex()
+    load(h.path, in_py, False)
+    load(h.path, one, False)
+    for index in (in_py, one):
+        same_state(sharded, index, PROMPTS)
+        assert sharded.source_bits() == index.source_bits()
+    assert sharded.entries() == one.entries() and in_c.blocks_restored >= 0
+    assert [s.instances() for s in sharded.shards] == [s.instances() for s in in_py.shards]
+    h.writer.close()
+
+
 @pytest.mark.parametrize("bigram", [False, True], ids=["plain", "bigram"])
 def test_a_hash_stored_again_with_other_tokens_comes_back_at_the_first_tokens(
     tmp_path: Path, bigram: bool

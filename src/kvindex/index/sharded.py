@@ -14,10 +14,10 @@ The shards share one numbering of publishers (`BitPool`): a bit names one publis
 all of them, so their layouts, bits and tree walks merge as they are. Their digests share
 one seed, so the same prefix has the same key in every shard (`walk_tree` merges them).
 
-What it costs, measured in docs/performance.md: a lookup walks every shard and merges
-their rows (the runtime encodes the answer in Python: the C answer and the C lookup thread
-take one core); a prefix two shards both hold is kept in each (memory); the warm start of a
-SQLite store loads in Python (its C loader fills one core).
+A lookup walks every shard, each under its own lock, and merges their answers by bit, in
+C (`lookup_json`, and the C lookup thread through `answer_core`); a prefix two shards both
+hold is kept in each. A SQLite store's warm start loads in C into every shard at once
+(`ingest_api`, `register_publisher`). docs/performance.md measures what that costs.
 """
 
 from __future__ import annotations
@@ -115,6 +115,27 @@ class ShardedIndex:
     def handle(self, item: Item) -> None:
         if isinstance(item, Delivery | Restarted):
             self._home(item.source.instance).handle(item)
+
+    # -- a C loader's way in (kvindex.store.sqlite.fastload: a warm start in C) ----------
+
+    def ingest_api(self) -> tuple[object, tuple[object, ...]]:
+        """(capsule, the shards' Cores): the loader applies each publisher's batches through
+        its shard's Core, as `register_publisher` says."""
+        return self.shards[0].ingest_api()[0], self._cores
+
+    def register_publisher(self, source: SourceKey) -> tuple[int, int]:
+        """(bit, shard) of `source`, placed and numbered now if new."""
+        shard = self.place(source.instance)
+        return self.shards[shard].register_publisher(source), shard
+
+    def applied_in_c(
+        self,
+        source: SourceKey,
+        last_seq: int | None,
+        ts: float | None,
+        counts: tuple[int, int, int],
+    ) -> None:
+        self.shard_of(source.instance).applied_in_c(source, last_seq, ts, counts)
 
     def drop_source(self, source: SourceKey) -> None:
         self.shard_of(source.instance).drop_source(source)

@@ -1,7 +1,9 @@
 /* kvindex.store.sqlite._snapload: a SQLite store's snapshot into the compiled core, in C
  * and without the GIL (a warm start's load; store/snapshot.py's `replay` is the reference).
  *
- * One call, `load(path, api, core, register)`:
+ * One call, `load(path, api, core, register)` (`core` a Core, or a tuple of Cores: an index
+ * in shards, whose `register` then answers (bit, shard) -- the publisher's Core in the
+ * tuple):
  *   1. without the GIL: read every `runs` row (one sqlite3_step loop, in one read
  *      transaction), group them by publisher (instance, rank) in the order they first
  *      come, read each record's keys (msgpack [parent, hashes, extras, gone, tail]);
@@ -131,6 +133,7 @@ typedef struct {
     int *recs; /* its records, oldest first */
     size_t n_recs, cap_recs;
     uint32_t bit;
+    void *core; /* the Core its batches go to (a borrowed reference: `load` holds them) */
     /* applied */
     int64_t counts[3];
     double ts;
@@ -537,7 +540,7 @@ static int emit_chunk(load_state *st, int src, const uint8_t ts[9], const piece 
         double batch_ts = 0;
         int64_t counts[3] = {0, 0, 0};
         /* The core copies what it keeps: the buffer is free again once this returns. */
-        int rc = st->api->apply(st->core, s->bit, st->buf, len, &batch_ts, counts, NULL);
+        int rc = st->api->apply(s->core, s->bit, st->buf, len, &batch_ts, counts, NULL);
         if (rc == KV_APPLY_NOMEM)
             return 0;
         if (rc == KV_APPLY_DONE) {
@@ -684,6 +687,33 @@ static PyObject *sql_error(const load_state *st) {
     return NULL;
 }
 
+/* What `register` answered for `s` (a new reference, consumed): its bit, and with shards
+ * (`core` a tuple) the index of its Core. 0 with an error set. */
+static int source_core(source *s, PyObject *answer, PyObject *core) {
+    PyObject *bit = answer, *shard = NULL;
+    if (PyTuple_Check(core)) {
+        if (!PyTuple_Check(answer) || PyTuple_GET_SIZE(answer) != 2) {
+            PyErr_SetString(PyExc_TypeError, "register gives (bit, shard) with shards");
+            Py_DECREF(answer);
+            return 0;
+        }
+        bit = PyTuple_GET_ITEM(answer, 0);
+        shard = PyTuple_GET_ITEM(answer, 1);
+    }
+    unsigned long value = PyLong_AsUnsignedLong(bit);
+    Py_ssize_t at = shard != NULL ? PyLong_AsSsize_t(shard) : 0;
+    Py_DECREF(answer);
+    if (PyErr_Occurred())
+        return 0;
+    if (shard != NULL && (at < 0 || at >= PyTuple_GET_SIZE(core))) {
+        PyErr_SetString(PyExc_ValueError, "register gave a shard out of range");
+        return 0;
+    }
+    s->bit = (uint32_t)value;
+    s->core = shard != NULL ? PyTuple_GET_ITEM(core, at) : core;
+    return 1;
+}
+
 /* load(path, api, core, register) -> ("fallback", why) or
    ("ok", [(instance, rank, blocks, ts, (stored, removed, clears), batches applied)...],
     [(instance, rank, payload), ...] not applied: for Python's apply_payload, in order) */
@@ -721,13 +751,8 @@ static PyObject *load(PyObject *self, PyObject *args) {
         source *s = &st.srcs[i];
         PyObject *bit = PyObject_CallFunction(reg, "s#L", s->instance,
                                               (Py_ssize_t)s->instance_len, (long long)s->rank);
-        if (bit == NULL)
+        if (bit == NULL || !source_core(s, bit, core))
             goto out;
-        unsigned long value = PyLong_AsUnsignedLong(bit);
-        Py_DECREF(bit);
-        if (value == (unsigned long)-1 && PyErr_Occurred())
-            goto out;
-        s->bit = (uint32_t)value;
     }
     st.api = api;
     st.core = core;

@@ -52,8 +52,9 @@ def load_in_c(path: Path | str, index: FleetIndex) -> int | None:
         return None
     capsule, core = index.ingest_api()  # type: ignore[attr-defined]
 
-    def bit(instance: str, rank: int) -> int:
-        number: int = register(SourceKey(instance, rank))
+    def bit(instance: str, rank: int) -> int | tuple[int, int]:
+        """The publisher's bit (with an index in shards: its bit and its shard)."""
+        number: int | tuple[int, int] = register(SourceKey(instance, rank))
         return number
 
     answer = module.load(str(path), capsule, core, bit)

@@ -2476,20 +2476,21 @@ static int api_tokens_body(CoreObject *self, void *ctx) {
     return 0;
 }
 
-/* One shard's part of a lookup over an index in shards: its generation and its walk,
- * its answers' pools pinned, all under its lock; the JSON is written after, from them. */
+/* One shard's part of a lookup over an index in shards (the lookup thread's): its
+ * generation and its answers, made under its lock (their pools pinned); the JSON is
+ * written after, from all of them. `request`: the lookup_body_t or hashes_body_t. */
 typedef struct {
-    const lookup_body_t *body;
+    const void *request;
     uint64_t gen;
     walked_t w;
-} shard_walk;
+} shard_part;
 
 static int shard_walk_body(CoreObject *self, void *ctx) {
-    shard_walk *sw = ctx;
-    sw->gen = self->core.sources_gen;
-    api_walk(&self->core, sw->body, &sw->w);
-    if (!sw->w.oom)
-        answers_pin_pools(&self->core, sw->w.answers, sw->w.nbits);
+    shard_part *part = ctx;
+    part->gen = self->core.sources_gen;
+    api_walk(&self->core, part->request, &part->w);
+    if (!part->w.oom)
+        answers_pin_pools(&self->core, part->w.answers, part->w.nbits);
     return 0;
 }
 
@@ -2512,63 +2513,63 @@ static answer_t *merge_by_bit(const walked_t *const *walks, Py_ssize_t n, uint32
     return merged;
 }
 
-/* answer_tokens over a tuple of Cores (an index in shards): `sources_gen` is the sum of
- * theirs when the slots were made (each only grows: the sum is the same only if each is),
- * checked against the sum each shard had while walked. Reads the tuple without the GIL:
- * it is immutable and kept alive by the caller, as a Core is. */
-static int api_answer_tokens_shards(PyObject *cores, const lookup_body_t *body,
-                                    const slot_t *slots, uint32_t nslots, uint64_t sources_gen,
-                                    jbuf_t *out, int *hit) {
+/* A lookup over a tuple of Cores (an index in shards): `part_body` makes each shard's
+ * part under its lock; `sources_gen` is the sum of their generations when the slots were
+ * made (each only grows: the sum is the same only if each is), checked against the sum
+ * they had while read. Reads the tuple without the GIL: it is immutable and kept alive by
+ * the caller, as a Core is. */
+static int answer_over_shards(PyObject *cores, core_body part_body, const void *request,
+                              int by_tokens, const slot_t *slots, uint32_t nslots,
+                              uint64_t sources_gen, jbuf_t *out, int *hit) {
     Py_ssize_t n = PyTuple_GET_SIZE(cores);
-    shard_walk *walks = calloc((size_t)n + 1, sizeof(shard_walk));
-    const walked_t **parts = calloc((size_t)n + 1, sizeof(walked_t *));
+    shard_part *parts = calloc((size_t)n + 1, sizeof(shard_part));
+    const walked_t **walks = calloc((size_t)n + 1, sizeof(walked_t *));
     answer_t *merged = NULL;
     int res = LOOKUP_NOMEM;
     uint64_t gen = 0;
     *hit = 0;
-    if (walks == NULL || parts == NULL)
+    if (parts == NULL || walks == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         CoreObject *core = (CoreObject *)PyTuple_GET_ITEM(cores, i);
-        walks[i].body = body;
-        parts[i] = &walks[i].w;
+        parts[i].request = request;
+        walks[i] = &parts[i].w;
         if (!core->ready) {
             res = LOOKUP_NOT_READY;
             goto done;
         }
-        if (core_locked(core, 0, shard_walk_body, &walks[i]) == RUN_LOCK_FAILED) {
+        if (core_locked(core, 0, part_body, &parts[i]) == RUN_LOCK_FAILED) {
             res = LOOKUP_STALE;
             goto done;
         }
-        if (walks[i].w.oom)
+        if (parts[i].w.oom)
             goto done;
-        gen += walks[i].gen;
+        gen += parts[i].gen;
     }
     if (gen != sources_gen) {
         res = LOOKUP_STALE;
         goto done;
     }
     uint32_t nbits = 0;
-    merged = merge_by_bit(parts, n, &nbits);
+    merged = merge_by_bit(walks, n, &nbits);
     if (merged == NULL)
         goto done;
-    *hit = answer_json(NULL, merged, nbits, slots, nslots, 1, out);
+    *hit = answer_json(NULL, merged, nbits, slots, nslots, by_tokens, out);
     res = out->oom ? LOOKUP_NOMEM : LOOKUP_ANSWERED;
 done:
     free(merged);
-    for (Py_ssize_t i = 0; walks != NULL && i < n; i++)
-        walk_free(&walks[i].w);
-    free(walks);
+    for (Py_ssize_t i = 0; parts != NULL && i < n; i++)
+        walk_free(&parts[i].w);
     free(parts);
+    free(walks);
     return res;
 }
 
-/* lookup_api_t.answer_tokens: called without the GIL (any thread); core_locked is the
- * only Python-free way in (core_run's modes start from a thread holding the GIL). */
 static int api_answer_tokens(void *core, const lookup_body_t *body, const slot_t *slots,
                              uint32_t nslots, uint64_t sources_gen, jbuf_t *out, int *hit) {
     if (PyTuple_Check((PyObject *)core))
-        return api_answer_tokens_shards(core, body, slots, nslots, sources_gen, out, hit);
+        return answer_over_shards(core, shard_walk_body, body, 1, slots, nslots, sources_gen,
+                                  out, hit);
     CoreObject *self = core;
     if (!self->ready)
         return LOOKUP_NOT_READY;
@@ -2642,72 +2643,18 @@ static int api_hashes_body(CoreObject *self, void *ctx) {
     return 0;
 }
 
-/* One shard's part of a lookup by hashes (as shard_walk is of one by tokens). */
-typedef struct {
-    const hashes_body_t *body;
-    uint64_t gen;
-    walked_t w;
-} shard_hashes;
-
 static int shard_hashes_body(CoreObject *self, void *ctx) {
-    shard_hashes *sh = ctx;
-    sh->gen = self->core.sources_gen;
-    hashes_answers(&self->core, sh->body, &sh->w);
+    shard_part *part = ctx;
+    part->gen = self->core.sources_gen;
+    hashes_answers(&self->core, part->request, &part->w);
     return 0; /* answers by hashes always have their detail: nothing to pin */
-}
-
-/* answer_hashes over a tuple of Cores: as api_answer_tokens_shards. */
-static int api_answer_hashes_shards(PyObject *cores, const hashes_body_t *body,
-                                    const slot_t *slots, uint32_t nslots, uint64_t sources_gen,
-                                    jbuf_t *out, int *hit) {
-    Py_ssize_t n = PyTuple_GET_SIZE(cores);
-    shard_hashes *walks = calloc((size_t)n + 1, sizeof(shard_hashes));
-    const walked_t **parts = calloc((size_t)n + 1, sizeof(walked_t *));
-    answer_t *merged = NULL;
-    int res = LOOKUP_NOMEM;
-    uint64_t gen = 0;
-    *hit = 0;
-    if (walks == NULL || parts == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        CoreObject *core = (CoreObject *)PyTuple_GET_ITEM(cores, i);
-        walks[i].body = body;
-        parts[i] = &walks[i].w;
-        if (!core->ready) {
-            res = LOOKUP_NOT_READY;
-            goto done;
-        }
-        if (core_locked(core, 0, shard_hashes_body, &walks[i]) == RUN_LOCK_FAILED) {
-            res = LOOKUP_STALE;
-            goto done;
-        }
-        if (walks[i].w.oom)
-            goto done;
-        gen += walks[i].gen;
-    }
-    if (gen != sources_gen) {
-        res = LOOKUP_STALE;
-        goto done;
-    }
-    uint32_t nbits = 0;
-    merged = merge_by_bit(parts, n, &nbits);
-    if (merged == NULL)
-        goto done;
-    *hit = answer_json(NULL, merged, nbits, slots, nslots, 0, out);
-    res = out->oom ? LOOKUP_NOMEM : LOOKUP_ANSWERED;
-done:
-    free(merged);
-    for (Py_ssize_t i = 0; walks != NULL && i < n; i++)
-        walk_free(&walks[i].w);
-    free(walks);
-    free(parts);
-    return res;
 }
 
 static int api_answer_hashes(void *core, const hashes_body_t *body, const slot_t *slots,
                              uint32_t nslots, uint64_t sources_gen, jbuf_t *out, int *hit) {
     if (PyTuple_Check((PyObject *)core))
-        return api_answer_hashes_shards(core, body, slots, nslots, sources_gen, out, hit);
+        return answer_over_shards(core, shard_hashes_body, body, 0, slots, nslots, sources_gen,
+                                  out, hit);
     CoreObject *self = core;
     if (!self->ready)
         return LOOKUP_NOT_READY;

@@ -1120,6 +1120,54 @@ static void walk_free(walked_t *w) {
     free(w->reuses);
 }
 
+/* A prompt's block keys per tree size, made by one shard's walk and taken by the next:
+ * the shards of an index share one digest seed, so the keys are the same in each, and a
+ * lookup over N shards digests the prompt once, not N times (the digest of a long prompt
+ * is most of what walking a shard that does not hold it costs). Keys are reused only for
+ * the seed they were made with. */
+typedef struct {
+    uint64_t seed;
+    uint32_t n;
+    uint32_t size[16]; /* tree sizes as the core keys them (BIGRAM_TREE kept) */
+    uint32_t nkeys[16];
+    uint64_t *keys[16];
+} key_cache;
+
+static void key_cache_free(key_cache *kc) {
+    for (uint32_t i = 0; i < kc->n; i++)
+        free(kc->keys[i]);
+    kc->n = 0;
+}
+
+/* The prompt's keys for tree size `size` into `keys` (room for ntokens + 1): from `kc` if
+ * a walk with this seed made them, else digested (and kept in `kc`, if it has room and
+ * memory: else only not kept). Returns how many. */
+static uint32_t size_keys(const core_t *c, const prompt_t *prompt, uint32_t size, uint64_t *keys,
+                          key_cache *kc) {
+    uint32_t ntokens = prompt->n;
+    if (kc != NULL && kc->n && kc->seed == c->seed)
+        for (uint32_t i = 0; i < kc->n; i++)
+            if (kc->size[i] == size) {
+                memcpy(keys, kc->keys[i], (size_t)kc->nkeys[i] * sizeof(uint64_t));
+                return kc->nkeys[i];
+            }
+    uint32_t n = size & BIGRAM_TREE
+                     ? prompt_bigram_keys(c, prompt->small, prompt->wide, ntokens,
+                                          BLOCK_SIZE(size), keys)
+                     : prompt_keys(c, prompt->small, prompt->wide, ntokens, size, keys);
+    if (kc == NULL || kc->n >= 16 || (kc->n && kc->seed != c->seed))
+        return n;
+    uint64_t *copy = malloc(((size_t)n + 1) * sizeof(uint64_t));
+    if (copy != NULL) {
+        memcpy(copy, keys, (size_t)n * sizeof(uint64_t));
+        kc->seed = c->seed;
+        kc->size[kc->n] = size;
+        kc->nkeys[kc->n] = n;
+        kc->keys[kc->n++] = copy;
+    }
+    return n;
+}
+
 /* A lookup's context: its arguments as C, what the walk found, and the result. */
 typedef struct {
     span_t lora, salt; /* names: resolved in the body, under the lock (issue 23) */
@@ -1137,6 +1185,7 @@ typedef struct {
     uint32_t nslots;
     jbuf_t out;
     int hit;
+    key_cache *keys_made; /* over shards: the keys a walk made, for the next (else NULL) */
 } lookup_ctx;
 
 static void lookup_ctx_free(lookup_ctx *x) {
@@ -1173,7 +1222,8 @@ static int mark_several(const core_t *c, uint64_t *several, uint32_t words, uint
 }
 
 static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_id,
-                        uint32_t salt_id, int unknown, const own_keys *own, walked_t *out) {
+                        uint32_t salt_id, int unknown, const own_keys *own, walked_t *out,
+                        key_cache *kc) {
     memset(out, 0, sizeof *out);
     uint32_t ntokens = prompt->n;
     uint32_t bits = c->max_bit;
@@ -1216,10 +1266,7 @@ static void walk_prompt(const core_t *c, const prompt_t *prompt, uint32_t lora_i
     }
     for (uint32_t k = 0; !oom && k < nsizes; k++) {
         uint32_t size = BLOCK_SIZE(sizes[k]); /* sizes[k] is a tree size */
-        uint32_t nkeys =
-            sizes[k] & BIGRAM_TREE
-                ? prompt_bigram_keys(c, prompt->small, prompt->wide, ntokens, size, keys)
-                : prompt_keys(c, prompt->small, prompt->wide, ntokens, size, keys);
+        uint32_t nkeys = size_keys(c, prompt, sizes[k], keys, kc);
         for (uint32_t i = 0; i < own->n; i++) /* the blocks keyed by the lookup's own keys */
             if (own->keys[i].size == sizes[k] && own->keys[i].block < nkeys)
                 keys[own->keys[i].block] = own->keys[i].key;
@@ -1501,7 +1548,7 @@ static void walk_body(const core_t *c, lookup_ctx *x) {
     uint32_t lora_id, salt_id;
     int unknown;
     lookup_names(c, x, &lora_id, &salt_id, &unknown);
-    walk_prompt(c, &x->prompt, lora_id, salt_id, unknown, &x->own, &x->w);
+    walk_prompt(c, &x->prompt, lora_id, salt_id, unknown, &x->own, &x->w, x->keys_made);
 }
 
 static int lookup_body(CoreObject *self, void *ctx) {
@@ -2454,13 +2501,13 @@ typedef struct {
 } api_lookup;
 
 /* The walk of a parsed lookup body (names resolved under the lock). */
-static void api_walk(const core_t *c, const lookup_body_t *b, walked_t *w) {
+static void api_walk(const core_t *c, const lookup_body_t *b, walked_t *w, key_cache *kc) {
     prompt_t prompt = {.small = b->tokens, .wide = NULL, .n = b->ntokens};
     own_keys own = {NULL, 0};
     uint32_t lora_id = b->lora ? find_name(c, (const uint8_t *)b->lora, (uint32_t)b->lora_len) : 0;
     uint32_t salt_id = b->salt ? find_name(c, (const uint8_t *)b->salt, (uint32_t)b->salt_len) : 0;
     int unknown = (b->lora && !lora_id) || (b->salt && !salt_id);
-    walk_prompt(c, &prompt, lora_id, salt_id, unknown, &own, w);
+    walk_prompt(c, &prompt, lora_id, salt_id, unknown, &own, w, kc);
 }
 
 static int api_tokens_body(CoreObject *self, void *ctx) {
@@ -2470,7 +2517,7 @@ static int api_tokens_body(CoreObject *self, void *ctx) {
         a->stale = 1;
         return 0;
     }
-    api_walk(c, a->body, &a->w);
+    api_walk(c, a->body, &a->w, NULL);
     if (!a->w.oom)
         a->hit = answer_json(c, a->w.answers, a->w.nbits, a->slots, a->nslots, 1, a->out);
     return 0;
@@ -2483,12 +2530,13 @@ typedef struct {
     const void *request;
     uint64_t gen;
     walked_t w;
+    key_cache *keys_made; /* one for all the parts of a lookup by tokens */
 } shard_part;
 
 static int shard_walk_body(CoreObject *self, void *ctx) {
     shard_part *part = ctx;
     part->gen = self->core.sources_gen;
-    api_walk(&self->core, part->request, &part->w);
+    api_walk(&self->core, part->request, &part->w, part->keys_made);
     if (!part->w.oom)
         answers_pin_pools(&self->core, part->w.answers, part->w.nbits);
     return 0;
@@ -2525,6 +2573,7 @@ static int answer_over_shards(PyObject *cores, core_body part_body, const void *
     shard_part *parts = calloc((size_t)n + 1, sizeof(shard_part));
     const walked_t **walks = calloc((size_t)n + 1, sizeof(walked_t *));
     answer_t *merged = NULL;
+    key_cache keys_made = {0};
     int res = LOOKUP_NOMEM;
     uint64_t gen = 0;
     *hit = 0;
@@ -2533,6 +2582,7 @@ static int answer_over_shards(PyObject *cores, core_body part_body, const void *
     for (Py_ssize_t i = 0; i < n; i++) {
         CoreObject *core = (CoreObject *)PyTuple_GET_ITEM(cores, i);
         parts[i].request = request;
+        parts[i].keys_made = &keys_made;
         walks[i] = &parts[i].w;
         if (!core->ready) {
             res = LOOKUP_NOT_READY;
@@ -2558,6 +2608,7 @@ static int answer_over_shards(PyObject *cores, core_body part_body, const void *
     res = out->oom ? LOOKUP_NOMEM : LOOKUP_ANSWERED;
 done:
     free(merged);
+    key_cache_free(&keys_made);
     for (Py_ssize_t i = 0; parts != NULL && i < n; i++)
         walk_free(&parts[i].w);
     free(parts);
@@ -2810,6 +2861,7 @@ static PyObject *lookup_json_shards(PyObject *module, PyObject *const *args, Py_
     lookup_ctx answer = {0}; /* the slots, the prompt and names, the JSON */
     PyObject *result = NULL;
     answer_t *merged = NULL;
+    key_cache keys_made = {0}; /* the prompt digested once, for every shard */
     if (walks == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -2819,6 +2871,7 @@ static PyObject *lookup_json_shards(PyObject *module, PyObject *const *args, Py_
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         CoreObject *core = (CoreObject *)PyTuple_GET_ITEM(args[0], i);
+        walks[i].keys_made = &keys_made;
         walks[i].prompt = answer.prompt; /* borrowed: freed once, with `answer` */
         walks[i].lora = answer.lora;
         walks[i].salt = answer.salt;
@@ -2847,6 +2900,7 @@ static PyObject *lookup_json_shards(PyObject *module, PyObject *const *args, Py_
                                answer.hit ? Py_True : Py_False);
 done:
     free(merged);
+    key_cache_free(&keys_made);
     for (Py_ssize_t i = 0; walks != NULL && i < n; i++) {
         walks[i].prompt = (prompt_t){0};
         lookup_ctx_free(&walks[i]);

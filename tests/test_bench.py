@@ -201,6 +201,9 @@ def test_smoke_run_has_every_case_with_real_figures(smoke_run: Any) -> None:
         )
         assert "c-2-sharded" in drain["runs"]  # the index split by instance, exact (above)
         assert drain["c_sharded_two_vs_one"] > 0
+        shards = data["shards"]  # lookups over 2 and 4 shards beside one index, checked
+        assert sorted(shards["runs"], key=int) == ["1", "2", "4"]
+        assert all(run["exact"] and run["p50_us"] > 0 for run in shards["runs"].values())
     warm = data["warm_restart"]
     assert warm["loaded_blocks"] == warm["blocks"] > 0 and warm["load_seconds"] > 0
     assert warm["loaded_blocks_python"] == warm["blocks"] and warm["python_load_seconds"] > 0

@@ -158,14 +158,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "lookup",
             "page_shapes",
             "drain",
+            "shards",
             "stores",
             "warm_restart",
             "routing_ab",
             "chat_lookup",
         ],
         help="run only this case (the routing, ingest-workers or lookup end-to-end case, or the "
-        "in-process page shapes, drain, stores or warm restart, the latter with its e2e case "
-        "too) and put its results into --out's existing ones (the table and README then show "
+        "in-process page shapes, drain, shards, stores or warm restart, the latter with its e2e "
+        "case too) and put its results into --out's existing ones (the table and README then show "
         "it beside the last full run's); routing_ab: the routing policies' A/B (`kvindex "
         "bench routing`), into routing_ab.json beside --out",
     )

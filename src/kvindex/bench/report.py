@@ -358,6 +358,43 @@ def _e2e_case(results: dict[str, Any], key: str) -> dict[str, Any]:
     return case if isinstance(case, dict) else {}
 
 
+def _shard_targets(results: dict[str, Any]) -> list[TargetRow]:
+    """Issue 23 item 2's lookup and memory targets, over an index in shards (bench/shards.py):
+    each count of shards beside one index, same run."""
+    shards = results.get("shards")
+    if not isinstance(shards, dict) or not shards.get("runs", {}).get("1"):
+        return []
+    runs, one = shards["runs"], shards["runs"]["1"]
+    size = f"{shards['instances']} x {shards['blocks'] // 1000}k"
+    out: list[TargetRow] = []
+    for n, run in sorted(runs.items(), key=lambda kv: int(kv[0])):
+        if n == "1":
+            continue
+        p50, p99 = run["p50_us"], run["p99_us"]
+        out.append(
+            (
+                f"in-process lookup of a 512-block prompt at {size}, the index in {n} shards",
+                f"p50 {p50:.0f} us, p99 {p99:.0f} us{_exact_word(run.get('exact'))}",
+                f"one index p50 {one['p50_us']:.0f} us, p99 {one['p99_us']:.0f} us",
+                f"{p50 / one['p50_us']:.2f}x / {p99 / one['p99_us']:.2f}x",
+                "p50 <= 30 us, p99 <= 100 us",
+                _met(p50 <= 30 and p99 <= 100),
+            )
+        )
+    last = runs[max(runs, key=int)]
+    out.append(
+        (
+            f"core bytes per entry at {size}, the index in {max(runs, key=int)} shards",
+            f"{last['bytes_per_entry']:.1f} B",
+            f"one index {one['bytes_per_entry']:.1f} B",
+            f"{last['bytes_per_entry'] / one['bytes_per_entry']:.2f}x",
+            "within 1.0x Dynamo's (one index: see the memory rows)",
+            "-",
+        )
+    )
+    return out
+
+
 def _drain_targets(results: dict[str, Any]) -> list[TargetRow]:
     drain = results.get("drain")
     runs = drain.get("runs", {}) if isinstance(drain, dict) else {}
@@ -580,6 +617,7 @@ def target_rows(results: dict[str, Any]) -> list[TargetRow]:
         *_drain_targets(results),
         *_ingest_targets(results),
         *_lookup_targets(results),
+        *_shard_targets(results),
         *_warm_targets(results),
     ]
 

@@ -70,6 +70,7 @@ def run_suite(plan: Plan, workdir: Path, dynamo: bool = True, e2e: bool = True) 
     workloads.clear()
     results["page_shapes"] = _timed(results, "page_shapes", lambda: _page_shapes(plan))
     results["drain"] = _timed(results, "drain", lambda: _drain(plan))
+    results["shards"] = _timed(results, "shards", lambda: _shards(plan))
     results["warm_restart"] = _timed(results, "warm_restart", lambda: _warm(plan, workdir))
     results["lookup"] = _timed(results, "lookup", lambda: _lookups(plan, status))
     results["e2e"] = _timed(
@@ -128,6 +129,19 @@ def _drain(plan: Plan) -> dict[str, Any]:
     return drain_case(w, rounds=e2e.ingest_runs)
 
 
+def _shards(plan: Plan) -> dict[str, Any]:
+    """The lookup over an index in shards beside one index (kvindex.bench.shards): the
+    issue 23 target's case, 64 x 100k, in full mode; smaller ones in the others."""
+    from kvindex.bench.shards import shard_lookup_case
+
+    instances, blocks = max(
+        (case for case in plan.lookup_entries if case[1] <= 100_000), key=lambda c: c[0] * c[1]
+    )
+    counts = (1, 2, 4, 16) if plan.mode == "full" else (1, 2, 4)
+    _say(f"shards: lookups over {counts} shards, {instances} x {blocks:,} blocks")
+    return shard_lookup_case(instances, blocks, counts, reps=300 if plan.mode == "full" else 50)
+
+
 def _stores_only(plan: Plan) -> dict[str, Any]:
     """`--only stores`: the stores' section, and SQLite again with every batch handed over
     as an item (as before the C path served persistent stores), the forms interleaved."""
@@ -154,6 +168,7 @@ def _warm_apart(plan: Plan) -> dict[str, Any]:
 IN_PROCESS_ONLY: dict[str, Callable[[Plan], dict[str, Any]]] = {
     "page_shapes": _page_shapes,
     "drain": _drain,
+    "shards": _shards,
     "stores": _stores_only,
     "warm_restart": _warm_apart,
 }

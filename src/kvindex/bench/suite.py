@@ -139,7 +139,7 @@ def _shards(plan: Plan) -> dict[str, Any]:
     )
     counts = (1, 2, 4, 16) if plan.mode == "full" else (1, 2, 4)
     _say(f"shards: lookups over {counts} shards, {instances} x {blocks:,} blocks")
-    return shard_lookup_case(instances, blocks, counts, reps=300 if plan.mode == "full" else 50)
+    return shard_lookup_case(instances, blocks, counts, reps=2000 if plan.mode == "full" else 100)
 
 
 def _stores_only(plan: Plan) -> dict[str, Any]:

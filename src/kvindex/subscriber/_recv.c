@@ -555,7 +555,9 @@ static PyObject *Sequencer_kept(SequencerObject *self, PyObject *Py_UNUSED(unuse
     PyObject *out = PyTuple_New(3);
     PyObject *first = PyLong_FromUnsignedLongLong((unsigned long long)self->kfirst);
     PyObject *count = PyLong_FromSsize_t(self->kcount);
-    PackedObject *owner = PyObject_New(PackedObject, &PackedType);
+    /* The owner only once the rest is made: a view dropped on a failure below would free
+       the buffer with its owner while the Sequencer still holds it. */
+    PackedObject *owner = out && first && count ? PyObject_New(PackedObject, &PackedType) : NULL;
     PyObject *view = NULL;
     if (owner != NULL) {
         owner->data = self->kbuf;

@@ -202,11 +202,15 @@ def test_a_closed_subscriber_lets_go_of_its_c_sequencers() -> None:
             await fleet.start()
             try:
                 assert await until(lambda: fleet.status("a").value == "live")
-                for round_ in range(4):  # the first read of the link goes to Python
+                # The first read of the link goes to Python, and a loaded machine's timing
+                # may give Python more: rounds until some batches went through C.
+                for round_ in range(50):
                     for i in range(round_ * 10, round_ * 10 + 10):
                         pub.publish([BlockStored([i], None, [i, i + 1, i + 2, i + 3], 4)])
                     want = round_ * 10 + 10
                     assert await until(lambda want=want: fleet.index.block_count("a") == want)
+                    if round_ >= 3 and fleet._workers[0].counters.batches_in_c > 0:
+                        break
                 assert fleet._workers[0].counters.batches_in_c > 0
                 subscriber = fleet._workers[0].subscriber
                 (src,) = subscriber._sources.values()

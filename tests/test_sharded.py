@@ -376,3 +376,15 @@ def test_lookups_over_shards_beside_ingest_into_each() -> None:
         for writer in writers:
             writer.join(10)
         fleet.close()
+
+
+def test_instances_go_where_fewest_are_and_removals_count() -> None:
+    """Placement: each new instance in the shard holding the fewest (the first such), a
+    removed one's place free again; a question about an unknown instance places nothing."""
+    sharded = ShardedIndex(3)
+    assert [sharded.place(f"e{i}") for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert sharded.block_count("never-seen") == 0 and sharded.place("e3") == 0
+    sharded.remove_instance("e1")
+    sharded.remove_instance("e4")
+    assert sharded.place("new") == 1  # shard 1 now holds none
+    assert sharded.place("e1") == 1  # and then fewest again: 0 holds 3, 1 holds 1, 2 holds 2

@@ -75,6 +75,7 @@ class ShardedIndex:
         self._lookup_json_shards = lookup_json_shards
         self._layout: tuple[tuple[int, ...], Layout] | None = None
         self._placed: dict[str, int] = {}  # instance -> its shard, until removed
+        self._held = [0] * shards  # instances placed in each shard
         self._placing = threading.Lock()
 
     def place(self, instance: str) -> int:
@@ -83,10 +84,9 @@ class ShardedIndex:
         with self._placing:
             shard = self._placed.get(instance)
             if shard is None:
-                held = [0] * len(self.shards)
-                for placed in self._placed.values():
-                    held[placed] += 1
+                held = self._held
                 shard = self._placed[instance] = held.index(min(held))
+                held[shard] += 1
             return shard
 
     def shard_of(self, instance: str) -> CompiledIndex:
@@ -144,6 +144,8 @@ class ShardedIndex:
         """Forget the instance, and where it was put (added again, it goes where fewest are)."""
         with self._placing:
             shard = self._placed.pop(name, None)
+            if shard is not None:
+                self._held[shard] -= 1
         if shard is not None:
             self.shards[shard].remove_instance(name)
 

@@ -20,7 +20,7 @@ from typing import Any, cast
 import differential
 import pytest
 from clitools import kvindex
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from netutil import wait_until
 from test_core import (
@@ -108,6 +108,15 @@ def test_the_json_answer_over_shards_is_one_index_s(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(event_plan, max_size=60), st.integers(1, 3))
+# CI's find: one prefix as two nodes (root keys per index)
+@example(
+    plan=[
+        ("store", 0, 0, 0, 0, 1, 3, 0, 0, False),
+        ("store", 0, 1, 0, 0, 1, 0, 0, 0, False),
+        ("store", 3, 1, 0, 0, 3, 0, 0, 0, False),
+    ],
+    shards=2,
+)
 def test_a_sharded_index_equals_the_reference(plan: list[tuple[Any, ...]], shards: int) -> None:
     pure, sharded = feed_both(build(plan), shards)
     differential.assert_same(
@@ -118,6 +127,23 @@ def test_a_sharded_index_equals_the_reference(plan: list[tuple[Any, ...]], shard
     for src in list(pure.sources()):
         sharded.drop_source(src)
     assert sharded.entries() == 0 and sharded.tree_nodes() == 0
+
+
+def test_one_prefix_is_one_node_whichever_namespaces_a_shard_made_first() -> None:
+    """A node's key chains from its namespace's root: the root's key was the namespace's
+    number in its index (and its names' interned ids), so a shard that had made a LoRA's
+    namespace first keyed the plain tree's nodes otherwise, and the merged walk held one
+    prefix as two nodes (found by the differential test)."""
+    sharded = ShardedIndex(2)
+    tokens = list(range(12))
+    lora = BlockStored([9], None, tokens[:4], 4, lora_name="ad-1")
+    sharded.apply(SourceKey("a"), _batch([lora]))  # shard 0: the LoRA's namespace first
+    for name in ("a", "b"):  # b: shard 1, only the plain one
+        sharded.apply(SourceKey(name), _batch([BlockStored([1, 2, 3], None, tokens, 4)]))
+    bits = {key.instance: bit for bit, key in sharded.source_bits().items()}
+    both = (1 << bits["a"]) | (1 << bits["b"])
+    plain = [(depth, mask) for ns, depth, _, mask in sharded.walk_tree() if ns[0] is None]
+    assert plain == [(1, both), (2, both), (3, both)]
 
 
 def test_the_merged_walk_is_depth_first_with_every_holder() -> None:

@@ -406,6 +406,21 @@ static uint64_t local_seed(const core_t *c, uint32_t lora, uint32_t salt) {
     return seed;
 }
 
+/* A root's prefix digest: of its namespace's names and block size under the seed, never of
+ * where the namespace or its names sit in this core, so every index made with one seed keys
+ * a prefix alike (ShardedIndex merges its shards' trees by key). Two namespaces' roots share
+ * one only as two 64-bit digests do; their children would still never meet (child_entry
+ * checks the parent). */
+static uint64_t root_key(const core_t *c, uint32_t lora, uint32_t salt, uint32_t size) {
+    uint64_t key = mix64(c->seed ^ size);
+    if (lora) /* 0: none; an empty name is a name (seed 2 vs none) */
+        key = mix64(key ^ xxh3_64(c->names.items[lora].data, c->names.items[lora].len, 2));
+    if (salt)
+        key = mix64(key * 0x94d049bb133111ebULL ^
+                    xxh3_64(c->names.items[salt].data, c->names.items[salt].len, 3));
+    return key;
+}
+
 /* The root of namespace (lora, salt, size); made if `make`. NODE_NONE if absent (or out of
  * memory, or past 16 distinct block sizes: the event is then held without a place). */
 static uint32_t root_of(core_t *c, uint32_t lora, uint32_t salt, uint32_t size, int make) {
@@ -428,10 +443,7 @@ static uint32_t root_of(core_t *c, uint32_t lora, uint32_t salt, uint32_t size, 
         c->ns = ns;
         c->ns_cap = cap;
     }
-    /* A root's prefix digest: its namespace's (the children of two roots never meet). */
-    uint64_t root_key = mix64(c->seed ^ (((uint64_t)lora << 40) ^ ((uint64_t)salt << 16) ^ size));
-    root_key = mix64(root_key ^ (uint64_t)c->nns * 0x94d049bb133111ebULL);
-    uint32_t root = node_new(c, root_key, NODE_NONE);
+    uint32_t root = node_new(c, root_key(c, lora, salt, size), NODE_NONE);
     if (root == NODE_NONE)
         return NODE_NONE;
     int made;

@@ -352,6 +352,30 @@ def test_group_specs_past_max_groups_are_full_attention_in_both() -> None:
         differential.assert_same(pure, fast, [(tokens, {})])
 
 
+def test_a_group_holding_nothing_limits_the_hit_whoever_else_holds_what() -> None:
+    """A hybrid instance (group 0 of 4-token blocks, group 1 of 8) whose group 1 lost its
+    only block reuses nothing: every group must hold the prefix. Both indexes said 8 tokens
+    while no publisher held a block of 8 (no tree of that size, so the group was passed
+    over) and 0 once another instance stored an unrelated one: one instance's answer
+    depended on another's blocks (found by the sharded index's differential test)."""
+    tokens, other = prompt_of(0, 0)[:16], prompt_of(1, 0)[:16]
+    hybrid = [
+        BlockStored([1, 2], None, tokens[:8], 4, group_idx=0),
+        BlockStored([11], None, tokens[:8], 8, group_idx=1),
+        BlockRemoved([11], group_idx=1),
+    ]
+    unrelated = [BlockStored([21], None, other[:8], 8, group_idx=0)]
+    for streams in ([hybrid], [hybrid, unrelated]):
+        pure, fast = ReferenceIndex(), CompiledIndex(seed=3)
+        for seq, events in enumerate(streams):
+            payload = payload_of(EventBatch(1.0, events), False)  # type: ignore[arg-type]
+            pure.apply(SOURCES[seq], BatchDecoder().decode(payload), seq)
+            fast.apply_payload(SOURCES[seq], payload, seq)
+        differential.assert_same(pure, fast, [(tokens, {})])
+        row = next(r for r in pure.lookup(tokens) if r.instance == "a")
+        assert (row.matched_tokens, row.by_group) == (0, {0: 2, 1: 0}), streams
+
+
 @pytest.mark.parametrize("window", [2**63 - 1, 2**63 - 2, -(2**63), 1, 5])
 def test_extreme_sliding_windows_agree(window: int) -> None:
     """A window group's needed blocks, ceil((window - 1) / size), for any int64 window

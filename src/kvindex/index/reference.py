@@ -989,11 +989,14 @@ class ReferenceIndex(IndexBase[_Source]):
         where = src.where or {}
         held: dict[PoolKey, list[bool]] = {}
         for pool_key, info in src.info.items():
-            walk = walks.get(info.size)
-            if walk is None:
+            if not info.size:
                 continue
+            # No walk of its size (no tree of it here): it holds none of the prompt, and
+            # its group limits the hit (whether that tree exists is other publishers' doing).
+            walk = walks.get(info.size)
+            path = walk.path if walk is not None else []
             bit = 1 << info.index
-            held[pool_key] = [bool(where.get(node, 0) & bit) for node in walk.path]
+            held[pool_key] = [bool(where.get(node, 0) & bit) for node in path]
         sizes = {pk: block_size_of(info.size) for pk, info in src.info.items()}
         if src.unit and prompt is not None:
             token_ids, lora_name, cache_salt = prompt

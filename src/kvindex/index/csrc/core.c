@@ -1935,6 +1935,10 @@ int engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
                  reuse_t *out) {
     memset(out, 0, sizeof *out);
     out->several = 1;
+    /* A pool of a size this lookup walked no tree of holds none of the prompt: its group
+     * limits the hit as one holding nothing does (not passed over: whether a tree of its
+     * size exists depends on other publishers' blocks, and a shard's on its instances). */
+    static const walk_path no_walk = {NULL, 0};
     const walk_path *wp[MAX_POOLS] = {0};
     int klass[MAX_POOLS];
     int64_t window[MAX_POOLS];
@@ -1944,6 +1948,8 @@ int engine_reuse(const core_t *c, const source_t *s, const uint32_t *sizes,
         for (uint32_t k = 0; k < nsizes; k++)
             if (sizes[k] == p->size && p->size) /* tree sizes */
                 wp[i] = &walks[k];
+        if (wp[i] == NULL && p->size)
+            wp[i] = &no_walk;
         const group_spec *g =
             !p->group_big && p->group >= 0 && p->group < MAX_GROUPS ? &s->groups[p->group] : NULL;
         group_spec none = {0, 0, 0};

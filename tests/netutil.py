@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+from collections import deque
 from collections.abc import Callable
 
 # Every child a test registered (`track`): conftest's autouse `reap_tracked` kills those
@@ -50,11 +51,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# The ports the last runs handed out: nothing holds them until the test binds, so the
+# kernel may offer one again, and a test asking for two runs got overlapping ones.
+_HANDED: deque[int] = deque(maxlen=1024)
+_HANDED_SET: set[int] = set()
+
+
 def free_ports(n: int) -> int:
-    """A base port with n consecutive free ports after it (for DP ranks)."""
+    """A base port with n consecutive free ports after it (for DP ranks), none of them in
+    a run handed out lately."""
     for _ in range(200):
         base = free_port()
-        if base + n >= 65535:
+        if base + n >= 65535 or not _HANDED_SET.isdisjoint(range(base, base + n)):
             continue
         socks = []
         try:
@@ -62,6 +70,7 @@ def free_ports(n: int) -> int:
                 s = socket.socket()
                 s.bind(("127.0.0.1", base + i))
                 socks.append(s)
+            _hand_out(range(base, base + n))
             return base
         except OSError:
             continue
@@ -69,6 +78,14 @@ def free_ports(n: int) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError("no run of free ports")
+
+
+def _hand_out(ports: range) -> None:
+    for port in ports:
+        if len(_HANDED) == _HANDED.maxlen:
+            _HANDED_SET.discard(_HANDED[0])
+        _HANDED.append(port)
+        _HANDED_SET.add(port)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, step: float = 0.01) -> bool:

@@ -170,20 +170,26 @@ def payload_of(batch: EventBatch, arrays: bool) -> bytes:
 
 def feed(stream: list[tuple[SourceKey, str, Any]]) -> tuple[ReferenceIndex, Any]:
     pure, fast = ReferenceIndex(), CompiledIndex(seed=7, local_hashes=True)
+    feed_into(stream, pure, fast)
+    return pure, fast
+
+
+def feed_into(stream: list[tuple[SourceKey, str, Any]], pure: Any, *others: Any) -> None:
+    """The stream into the reference (decoded batches) and each of `others` (payloads)."""
     decoder = BatchDecoder()
     for seq, (src, kind, what) in enumerate(stream):
         if kind == "batch":
             batch, arrays = what
             payload = payload_of(batch, arrays)
             pure.apply(src, decoder.decode(payload), seq)
-            fast.apply_payload(src, payload, seq)
+            for other in others:
+                other.apply_payload(src, payload, seq)
         elif kind == "restart":
-            pure.drop_source(src)
-            fast.drop_source(src)
+            for index in (pure, *others):
+                index.drop_source(src)
         else:
-            pure.remove_instance(src.instance)
-            fast.remove_instance(src.instance)
-    return pure, fast
+            for index in (pure, *others):
+                index.remove_instance(src.instance)
 
 
 LOOKUP_NAMES: list[dict[str, Any]] = [

@@ -30,7 +30,7 @@ from test_core import (
     PROMPTS,
     build,
     event_plan,
-    payload_of,
+    feed_into,
     prompt_of,
 )
 from test_fastpath import NAMES, SPECS, StatusFleet
@@ -41,7 +41,7 @@ from kvindex.index.compiled import CompiledIndex
 from kvindex.index.sharded import ShardedIndex
 from kvindex.runtime import Fleet
 from kvindex.subscriber import InstanceSpec, SourceKey, Status
-from kvindex.wire import BatchDecoder, BlockStored
+from kvindex.wire import BlockStored
 from kvindex.wire.hashes import render_hash
 from kvindex.wire.publisher import Publisher
 
@@ -52,23 +52,6 @@ def feed_both(stream: list[tuple[SourceKey, str, Any]], shards: int) -> tuple[An
     pure, sharded = ReferenceIndex(), ShardedIndex(shards, local_hashes=True)
     feed_into(stream, pure, sharded)
     return pure, sharded
-
-
-def feed_into(stream: list[tuple[SourceKey, str, Any]], pure: Any, *others: Any) -> None:
-    decoder = BatchDecoder()
-    for seq, (src, kind, what) in enumerate(stream):
-        if kind == "batch":
-            batch, arrays = what
-            payload = payload_of(batch, arrays)
-            pure.apply(src, decoder.decode(payload), seq)
-            for other in others:
-                other.apply_payload(src, payload, seq)
-        elif kind == "restart":
-            for index in (pure, *others):
-                index.drop_source(src)
-        else:
-            for index in (pure, *others):
-                index.remove_instance(src.instance)
 
 
 STATUSES = [b'"live"', b'"down"', b'"replaying"']

@@ -40,7 +40,7 @@ from kvindex.index import ReferenceIndex
 from kvindex.index.compiled import CompiledIndex
 from kvindex.index.sharded import ShardedIndex
 from kvindex.runtime import Fleet
-from kvindex.subscriber import InstanceSpec, SourceKey, Status
+from kvindex.subscriber import CapacityError, InstanceSpec, SourceKey, Status
 from kvindex.wire import BlockStored
 from kvindex.wire.hashes import render_hash
 from kvindex.wire.publisher import Publisher
@@ -197,6 +197,31 @@ def test_each_worker_applies_into_its_own_shard() -> None:
     assert [worker._index for worker in fleet._workers] == index.shards  # C path too
     answer = fleet.lookup([3] * 4)
     assert answer.best == "e3"
+
+
+def test_an_add_that_failed_leaves_no_place_behind() -> None:
+    """An instance refused (its sockets don't fit) gives its shard back: it had been placed
+    before the check and stayed counted, so the next two instances both went to the other
+    shard while one stood empty."""
+    index = ShardedIndex(2)
+    fleet = Fleet(index=index, ingest_workers=2)
+    pubs = [Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") for _ in range(2)]
+    budget = fleet.subscriber.budget
+    limit = budget.max_fds
+    try:
+        fleet.add_instance(InstanceSpec("a", pubs[0].endpoint, pubs[0].replay_endpoint))
+        budget.max_fds = budget.used.fds + 20  # room for 3 publishers, not 14
+        with pytest.raises(CapacityError):
+            fleet.add_instance(InstanceSpec.parse("x=tcp://127.0.0.1:1,dp=14"))
+        budget.max_fds = limit
+        fleet.add_instance(InstanceSpec("b", pubs[1].endpoint, pubs[1].replay_endpoint))
+        assert index.shard_of("a") is not index.shard_of("b")
+        assert index.shard_counts() == [1, 1]
+    finally:
+        budget.max_fds = limit
+        fleet.close()
+        for pub in pubs:
+            pub.close()
 
 
 async def _until(predicate: Any, timeout: float = 20.0) -> None:

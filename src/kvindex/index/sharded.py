@@ -89,6 +89,20 @@ class ShardedIndex:
                 held[shard] += 1
             return shard
 
+    def unplace(self, instance: str) -> None:
+        """Give back the place of an instance this index holds nothing of (an add that
+        failed after placing it); one it holds publishers of keeps its place."""
+        with self._placing:
+            shard = self._placed.get(instance)
+            if shard is not None and not self.shards[shard].sources(instance):
+                del self._placed[instance]
+                self._held[shard] -= 1
+
+    def shard_counts(self) -> list[int]:
+        """The instances placed in each shard."""
+        with self._placing:
+            return list(self._held)
+
     def shard_of(self, instance: str) -> CompiledIndex:
         """The shard holding the instance (one that does not, for one never seen: a
         question about it places nothing, and gets the answer one index would give)."""

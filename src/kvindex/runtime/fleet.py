@@ -379,6 +379,10 @@ class Fleet:
             except BaseException:
                 self.load.forget(name)
                 raise
+        except BaseException:
+            if isinstance(self.index, ShardedIndex):
+                self.index.unplace(name)  # placed by _worker_for: not to count as held
+            raise
         finally:
             with self._members:
                 self._changing.discard(name)

@@ -2561,6 +2561,19 @@ static answer_t *merge_by_bit(const walked_t *const *walks, Py_ssize_t n, uint32
     return merged;
 }
 
+/* The JSON answer of the shards' walks, merged by bit (written from the answers alone:
+ * their pools were pinned). 0, `*hit` set; -1: no memory. */
+static int answer_merged(const walked_t *const *walks, Py_ssize_t n, const slot_t *slots,
+                         uint32_t nslots, int by_tokens, jbuf_t *out, int *hit) {
+    uint32_t nbits = 0;
+    answer_t *merged = merge_by_bit(walks, n, &nbits);
+    if (merged == NULL)
+        return -1;
+    *hit = answer_json(NULL, merged, nbits, slots, nslots, by_tokens, out);
+    free(merged);
+    return out->oom ? -1 : 0;
+}
+
 /* A lookup over a tuple of Cores (an index in shards): `part_body` makes each shard's
  * part under its lock; `sources_gen` is the sum of their generations when the slots were
  * made (each only grows: the sum is the same only if each is), checked against the sum
@@ -2572,7 +2585,6 @@ static int answer_over_shards(PyObject *cores, core_body part_body, const void *
     Py_ssize_t n = PyTuple_GET_SIZE(cores);
     shard_part *parts = calloc((size_t)n + 1, sizeof(shard_part));
     const walked_t **walks = calloc((size_t)n + 1, sizeof(walked_t *));
-    answer_t *merged = NULL;
     key_cache keys_made = {0};
     int res = LOOKUP_NOMEM;
     uint64_t gen = 0;
@@ -2600,14 +2612,9 @@ static int answer_over_shards(PyObject *cores, core_body part_body, const void *
         res = LOOKUP_STALE;
         goto done;
     }
-    uint32_t nbits = 0;
-    merged = merge_by_bit(walks, n, &nbits);
-    if (merged == NULL)
-        goto done;
-    *hit = answer_json(NULL, merged, nbits, slots, nslots, by_tokens, out);
-    res = out->oom ? LOOKUP_NOMEM : LOOKUP_ANSWERED;
+    if (answer_merged(walks, n, slots, nslots, by_tokens, out, hit) == 0)
+        res = LOOKUP_ANSWERED;
 done:
-    free(merged);
     key_cache_free(&keys_made);
     for (Py_ssize_t i = 0; parts != NULL && i < n; i++)
         walk_free(&parts[i].w);
@@ -2858,11 +2865,11 @@ static PyObject *lookup_json_shards(PyObject *module, PyObject *const *args, Py_
             return NULL;
         }
     lookup_ctx *walks = calloc((size_t)n, sizeof(lookup_ctx));
+    const walked_t **parts = calloc((size_t)n + 1, sizeof(walked_t *));
     lookup_ctx answer = {0}; /* the slots, the prompt and names, the JSON */
     PyObject *result = NULL;
-    answer_t *merged = NULL;
     key_cache keys_made = {0}; /* the prompt digested once, for every shard */
-    if (walks == NULL) {
+    if (walks == NULL || parts == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -2881,25 +2888,15 @@ static PyObject *lookup_json_shards(PyObject *module, PyObject *const *args, Py_
             PyErr_NoMemory();
             goto done;
         }
-    }
-    uint32_t nbits = 0;
-    const walked_t **parts = calloc((size_t)n + 1, sizeof(walked_t *));
-    for (Py_ssize_t i = 0; parts != NULL && i < n; i++)
         parts[i] = &walks[i].w;
-    merged = parts != NULL ? merge_by_bit(parts, n, &nbits) : NULL;
-    free(parts);
-    if (merged == NULL) {
-        PyErr_NoMemory();
-        goto done;
     }
-    answer.hit = answer_json(NULL, merged, nbits, answer.slots, answer.nslots, 1, &answer.out);
-    if (answer.out.oom)
+    if (answer_merged(parts, n, answer.slots, answer.nslots, 1, &answer.out, &answer.hit))
         PyErr_NoMemory();
     else
         result = Py_BuildValue("(y#O)", answer.out.p, (Py_ssize_t)answer.out.len,
                                answer.hit ? Py_True : Py_False);
 done:
-    free(merged);
+    free(parts);
     key_cache_free(&keys_made);
     for (Py_ssize_t i = 0; walks != NULL && i < n; i++) {
         walks[i].prompt = (prompt_t){0};

@@ -6,6 +6,10 @@ from typing import Any
 from kvindex.index.base import Layout, LookupRow
 from kvindex.wire import BlockHash
 
+# The rows of instances matching nothing: (block size, layout, the smallest tree walked as
+# the core keys it) -> rows (IndexBase._empty_for)
+EmptyRows = Callable[[int, Layout, int], list[LookupRow]]
+
 class Core:
     def __init__(self, seed: int | None = None) -> None: ...
     def apply_payload(
@@ -21,7 +25,7 @@ class Core:
         lora_name: str | None,
         cache_salt: str | None,
         layout: list[tuple[str, list[tuple[int, int]]]],
-        empty_rows: Callable[[int, Layout], list[LookupRow]],
+        empty_rows: EmptyRows,
         row_type: type[LookupRow],
         own: dict[int, dict[int, bytes]] | None = None,
         /,
@@ -61,7 +65,7 @@ class Core:
         lora_name: str | None,
         block_size: int | None,
         layout: list[tuple[str, list[tuple[int, int]]]],
-        empty_rows: Callable[[int, Layout], list[LookupRow]],
+        empty_rows: EmptyRows,
         row_type: type[LookupRow],
         /,
     ) -> list[LookupRow]: ...

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,15 +88,24 @@ class CompiledIndex(IndexBase[_Pub]):
         if local_hashes:
             self._core.keep_local_hashes(True)
         self.slow_batches = 0  # payloads the fast parser left to the Python decoder
-        self._walked = threading.local()  # this thread's last lookup: its smallest tree
+        # What the core asks for the rows matching nothing; a shard's also records the
+        # smallest tree its thread's last lookup walked (`record_default_keys`).
+        self._empty_rows_of: Callable[[int, Layout, int], list[LookupRow]] = self._empty_for
+        self._walked = threading.local()
 
-    def _empty_for(self, size: int, layout: Layout, key: int = 0) -> list[LookupRow]:
+    def record_default_keys(self) -> None:
+        """Have every lookup remember, per thread, the smallest tree size it walked (a
+        ShardedIndex's shards: one index has no use for it)."""
+        self._empty_rows_of = self._empty_recorded
+
+    def _empty_recorded(self, size: int, layout: Layout, key: int = 0) -> list[LookupRow]:
         self._walked.key = key
-        return super()._empty_for(size, layout, key)
+        return self._empty_for(size, layout, key)
 
     def last_default_key(self) -> int:
         """The smallest tree size (as the core keys it; 0: none) this thread's last lookup
-        walked: what a ShardedIndex gives the rows matching nothing in every shard."""
+        walked (`record_default_keys`): what a ShardedIndex gives the rows matching nothing
+        in every shard."""
         key: int = getattr(self._walked, "key", 0)
         return key
 
@@ -271,13 +280,13 @@ class CompiledIndex(IndexBase[_Pub]):
                 lora_name,
                 cache_salt,
                 self._layout or self._lay_out(),
-                self._empty_for,
+                self._empty_rows_of,
                 LookupRow,
             )
         layout = self._layout or self._lay_out()
         own = self._own_keys(token_ids, PromptKeys.of(mm_features, extra_keys))
         return self._core.lookup(
-            token_ids, lora_name, cache_salt, layout, self._empty_for, LookupRow, own
+            token_ids, lora_name, cache_salt, layout, self._empty_rows_of, LookupRow, own
         )
 
     def _own_keys(
@@ -332,7 +341,7 @@ class CompiledIndex(IndexBase[_Pub]):
             lora_name,
             block_size,
             self._layout or self._lay_out(),
-            self._empty_for,
+            self._empty_rows_of,
             LookupRow,
         )
 

@@ -70,6 +70,7 @@ class ShardedIndex:
         ]
         for shard in self.shards:
             shard.rates = self.rates  # one window: RateWindow.add takes its own lock
+            shard.record_default_keys()  # `_merged` sizes the rows matching nothing
         self.local_hashes = local_hashes
         self._cores = tuple(shard._core for shard in self.shards)
         self._lookup_json_shards = lookup_json_shards

@@ -123,7 +123,16 @@ class SQLiteWriter:
     between two commits, and every few seconds what changed in it becomes the new
     snapshot, in one transaction that also drops the log rows it covers."""
 
-    def __init__(self, path: str, options: WriterOptions, owner_fd: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        options: WriterOptions,
+        owner_fd: int | None = None,
+        freeze_gc: bool = False,
+    ) -> None:
+        """`freeze_gc`: the writer's own process (`writer_main`), whose objects the fold may
+        freeze; never another's (gc.freeze takes every object of the process, garbage too)."""
+        self.freeze_gc = freeze_gc
         self.db = connect(path, synchronous=options.synchronous)
         # SQLite checkpoints the WAL itself every 1,000 pages, in the commit that passes
         # them: every appended byte written twice while `sync` waits. The writer does it in
@@ -327,7 +336,8 @@ class SQLiteWriter:
                 self.applied_id = log_id
             # The mirror holds no reference cycles: what it keeps need never be scanned
             # by the cyclic GC again (a fifth of the fold's time otherwise).
-            gc.freeze()
+            if self.freeze_gc:
+                gc.freeze()
         if self._snapshot_due():
             self._write_snapshot()
         elif not pending and self.unchecked:
@@ -564,7 +574,7 @@ def writer_main(argv: list[str]) -> None:
     acks.send(encode_report(WorkerReport(0)))  # here: the service may hand groups over
     code = 0
     try:
-        writer = SQLiteWriter(path, options, owner_fd)
+        writer = SQLiteWriter(path, options, owner_fd, freeze_gc=True)
         gc.freeze()  # what the start loaded lives as long as the process: never scan it
         try:
             writer.run(inbox, acks, parent)

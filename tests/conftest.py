@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import socket
 import subprocess
 import sys
@@ -28,6 +29,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def _reap_tracked() -> Iterator[None]:
     yield
     reap_tracked()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _freeze_what_outlives_a_module() -> Iterator[None]:
+    """After each test file: its garbage collected, then what is still alive (the session's
+    objects: modules, hypothesis, fixtures) frozen, never scanned again. Without it the
+    cyclic GC rescans the whole session's objects over and over: 232 of 551 s spent in it
+    over the first 45 files here, 6 of 348 s with it. Unfrozen at the end (below)."""
+    yield
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Everything frozen goes back to the collector, and its garbage is freed before the
+    # process exits (LeakSanitizer, `make sanitize`, reports what is left).
+    gc.unfreeze()
+    gc.collect()
 
 
 @pytest.fixture

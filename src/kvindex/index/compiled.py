@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import threading
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvindex.index._core import Core, parse_lookup
+
+if TYPE_CHECKING:
+    from kvindex.index._core import EmptyRows
 from kvindex.index.base import AnswerSlot, BitPool, IndexBase, Layout, LookupRow, PayloadResult
 from kvindex.index.keys import chain_keys_bytes
 from kvindex.index.localhash import LocalHashesOff
@@ -90,7 +93,7 @@ class CompiledIndex(IndexBase[_Pub]):
         self.slow_batches = 0  # payloads the fast parser left to the Python decoder
         # What the core asks for the rows matching nothing; a shard's also records the
         # smallest tree its thread's last lookup walked (`record_default_keys`).
-        self._empty_rows_of: Callable[[int, Layout, int], list[LookupRow]] = self._empty_for
+        self._empty_rows_of: EmptyRows = self._empty_for
         self._walked = threading.local()
 
     def record_default_keys(self) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
-from collections import deque
 from collections.abc import Callable
 
 # Every child a test registered (`track`): conftest's autouse `reap_tracked` kills those
@@ -53,8 +52,9 @@ def free_port() -> int:
 
 # The ports the last runs handed out: nothing holds them until the test binds, so the
 # kernel may offer one again, and a test asking for two runs got overlapping ones.
-_HANDED: deque[int] = deque(maxlen=1024)
-_HANDED_SET: set[int] = set()
+# (a dict as an ordered set: the oldest go first past HANDED_KEPT)
+_HANDED: dict[int, None] = {}
+HANDED_KEPT = 1024
 
 
 def free_ports(n: int) -> int:
@@ -62,7 +62,7 @@ def free_ports(n: int) -> int:
     a run handed out lately."""
     for _ in range(200):
         base = free_port()
-        if base + n >= 65535 or not _HANDED_SET.isdisjoint(range(base, base + n)):
+        if base + n >= 65535 or not _HANDED.keys().isdisjoint(range(base, base + n)):
             continue
         socks = []
         try:
@@ -82,10 +82,9 @@ def free_ports(n: int) -> int:
 
 def _hand_out(ports: range) -> None:
     for port in ports:
-        if len(_HANDED) == _HANDED.maxlen:
-            _HANDED_SET.discard(_HANDED[0])
-        _HANDED.append(port)
-        _HANDED_SET.add(port)
+        _HANDED[port] = None
+    while len(_HANDED) > HANDED_KEPT:
+        del _HANDED[next(iter(_HANDED))]
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, step: float = 0.01) -> bool:

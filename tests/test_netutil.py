@@ -6,16 +6,13 @@ test's replay ports began two past its publishers')."""
 
 from __future__ import annotations
 
-from collections import deque
-
 import netutil
 import pytest
 
 
 def test_runs_asked_one_after_another_do_not_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
     base = netutil.free_ports(6)  # six free ports in a row: the runs below are among them
-    monkeypatch.setattr(netutil, "_HANDED", deque(maxlen=1024))  # none handed out yet
-    monkeypatch.setattr(netutil, "_HANDED_SET", set())
+    monkeypatch.setattr(netutil, "_HANDED", {})  # none handed out yet
     offers = iter([base, base + 2, base + 3])  # the kernel's offers: the second overlaps
     monkeypatch.setattr(netutil, "free_port", lambda: next(offers))
     first = netutil.free_ports(3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import Phase, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -18,6 +20,13 @@ import enginevenv
 from netutil import free_port, reap_tracked
 
 pytest_plugins = ["skipsummary"]  # the run's last lines say what it skipped and why
+
+# CI's profile (.ci/run sets KVINDEX_HYPOTHESIS=ci): a failing example is reported as found,
+# not shrunk (CI's shrink of one sharded differential failure ran 5 minutes, past the
+# test's timeout), with the blob that reproduces it (`@reproduce_failure`), which a
+# developer then shrinks with the default profile.
+settings.register_profile("ci", phases=[p for p in Phase if p is not Phase.shrink], print_blob=True)
+settings.load_profile(os.environ.get("KVINDEX_HYPOTHESIS", "default"))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

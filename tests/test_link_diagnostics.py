@@ -107,6 +107,35 @@ def test_a_handshake_failing_without_detail_waits_for_the_grace() -> None:
     assert plain.on_tick(61.0) == said_now[0]
 
 
+def test_a_handshake_cut_every_time_is_said_as_the_likely_mismatch() -> None:
+    """Where the side that finds the mechanisms differ resets the connection before the
+    other read its greeting, every attempt ends in a cut (EPIPE, no detail): a plain
+    subscriber at a CURVE relay is told it likely requires CURVE, a CURVE subscriber both
+    of its likely faults; a mismatch ZMQ names later is not said again as news."""
+    cut = [(E.EVENT_CONNECTED, 9), (E.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 32)]
+    plain = LinkWatch("tcp://127.0.0.1:6557", curve=False, since=0.0)
+    assert feed(plain, cut * 20, 1.0) == []
+    said = plain.on_tick(3.0)
+    assert said is not None and "requires CURVE" in said and "curve=KEY" in said
+    mismatch = [(E.EVENT_HANDSHAKE_FAILED_PROTOCOL, MISMATCH)]
+    assert feed(plain, mismatch, 5.0) == []  # foretold: no second line
+    assert plain.problem is not None and "the publisher requires CURVE" in plain.problem
+    assert plain.on_tick(63.0) == plain.problem  # the exact words, at the usual pace
+    curve = LinkWatch("tcp://127.0.0.1:6557", curve=True, since=0.0)
+    assert feed(curve, cut * 20, 1.0) == []
+    said = curve.on_tick(3.0)
+    assert said is not None and "the server's public key" in said
+    assert "does not use CURVE" in said
+    reset = LinkWatch("tcp://127.0.0.1:6557", curve=False, since=0.0)
+    feed(reset, [(E.EVENT_CONNECTED, 9), (E.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 104)], 1.0)
+    said = reset.on_tick(3.0)
+    assert said is not None and "requires CURVE" in said  # ECONNRESET: a cut too
+    other = LinkWatch("tcp://127.0.0.1:6557", curve=False, since=0.0)
+    feed(other, [(E.EVENT_CONNECTED, 9), (E.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 5)], 1.0)
+    assert other.on_tick(3.0) == "ZMTP handshake failed (error 5)"  # not a cut: no guess
+    assert feed(other, mismatch, 5.0) != []  # nothing foretold it: news
+
+
 def test_a_link_that_comes_up_clears_the_problem_and_a_drop_starts_the_grace_again() -> None:
     link = LinkWatch("tcp://127.0.0.1:5557", curve=False, since=0.0)
     feed(link, [(E.EVENT_CONNECT_DELAYED, 0), (E.EVENT_CONNECT_RETRIED, 100)], 0.5)
@@ -210,7 +239,7 @@ def curve_pub(tmp_path: Path) -> Iterator[CurvePublisher]:
 def test_a_plain_subscriber_at_a_curve_publisher_is_told_once_without_a_flood(
     curve_pub: CurvePublisher,
 ) -> None:
-    items, sub = follow(curve_pub.spec(curve=False), 2.0)
+    items, sub = follow(curve_pub.spec(curve=False), 4.0)  # past the grace (a cut's time)
     sub.close()
     said = problems(items)
     assert len(said) == 1 and "requires CURVE" in said[0].reason, said
@@ -234,7 +263,7 @@ def test_the_allowed_key_connects_without_a_word(curve_pub: CurvePublisher) -> N
 def test_a_curve_subscriber_at_a_plain_publisher_is_told_once() -> None:
     with Publisher("tcp://127.0.0.1:*", None) as pub:
         server = zmq.curve_keypair()[0].decode()
-        items, sub = follow(InstanceSpec.parse(f"r={pub.endpoint},curve={server}"), 2.0)
+        items, sub = follow(InstanceSpec.parse(f"r={pub.endpoint},curve={server}"), 4.0)
         sub.close()
     said = problems(items)
     assert len(said) == 1 and "does not use CURVE" in said[0].reason, said
@@ -243,7 +272,7 @@ def test_a_curve_subscriber_at_a_plain_publisher_is_told_once() -> None:
 def test_watch_at_a_curve_publisher_without_curve_says_so_in_one_line(
     curve_pub: CurvePublisher,
 ) -> None:
-    proc = kvindex("watch", curve_pub.pub.endpoint, "--json", "--duration", "3")
+    proc = kvindex("watch", curve_pub.pub.endpoint, "--json", "--duration", "5")
     assert proc.finish(20) == 0
     notices = [line for line in proc.err if not line.startswith("summary:")]
     assert len(notices) == 1 and "requires CURVE" in notices[0], proc.err

@@ -10,6 +10,11 @@ reads the monitor's events of one publisher and says, in one line, what is wrong
 - TCP connects but no ZMQ handshake follows: something else listens there (an HTTP port?);
 - the handshake fails: the security mechanisms differ (CURVE on one side only), the server
   refused our client key, or (CURVE, no detail) our server key is not the server's.
+  Whether ZMQ says the mechanisms differ depends on timing: the side that finds out closes
+  the connection, and if the other has not read its greeting yet (Linux drops what it had
+  not read when the close resets the connection) all it reports is a handshake cut
+  (EPIPE or ECONNRESET, no detail). On some machines every attempt ends so; a cut is then
+  said as the likely mismatch, once the grace is over.
 
 A handshake failure that says why is reported at once; the other problems once the link
 has been down for `grace` seconds; and every problem again every `repeat` seconds while it
@@ -18,6 +23,7 @@ lasts, so a broken link is one line a minute, never a flood.
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 
 import zmq
@@ -37,6 +43,7 @@ LINK_EVENTS = (
     | zmq.EVENT_DISCONNECTED
 )
 _MECHANISM_MISMATCH = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+_CUT = (errno.EPIPE, errno.ECONNRESET)  # the peer closed the connection mid-handshake
 
 
 @dataclass(slots=True)
@@ -55,6 +62,8 @@ class LinkWatch:
     _tcp: bool = False  # TCP connected since the link went down, with no handshake
     _handshake: str | None = None  # how the last handshake failed
     _specific: str | None = None  # the last failure that said why (mechanism, ZAP)
+    _cut: bool = False  # the last handshake failure without detail was a cut
+    _cut_said: bool = False  # a cut handshake was reported as the likely mismatch
     _next_report: float | None = None
 
     def __post_init__(self) -> None:
@@ -84,6 +93,7 @@ class LinkWatch:
 
     def _set_up(self, now: float) -> None:
         self.up, self.problem, self._handshake, self._specific = True, None, None, None
+        self._cut = self._cut_said = False
         self._tcp = False
         self._next_report = None
 
@@ -99,9 +109,13 @@ class LinkWatch:
             # one if known, and say this one only when the grace is over.
             if self._specific is None:
                 self._handshake = self._handshake_reason(event, value)
+                self._cut = value in _CUT
             return None
         reason = self._handshake_reason(event, value)
-        first = reason != self._specific
+        # The mismatch a reported cut foretold is said in its exact words from now on,
+        # not as news.
+        foretold = self._cut_said and value == _MECHANISM_MISMATCH
+        first = reason != self._specific and not foretold
         self._handshake = self._specific = self.problem = reason
         if first:  # at once, the first time; then at the usual pace
             self._next_report = now + self.repeat
@@ -124,10 +138,23 @@ class LinkWatch:
                 "handshake failed: the publisher requires CURVE (a kvindex relay?); give its "
                 "public key as curve=KEY and client_key=FILE (watch: --curve, --client-key)"
             )
+        cut = event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and value in _CUT
         if self.curve:
             return (
                 "CURVE handshake failed: is curve= the server's public key? (a wrong server "
                 "key gives no other detail)"
+                + (
+                    "; or the publisher does not use CURVE (a plain vLLM publisher?): then "
+                    "drop curve= (watch: --curve)"
+                    if cut
+                    else ""
+                )
+            )
+        if cut:
+            return (
+                "the publisher cut the ZMTP handshake, as one that requires CURVE does (a "
+                "kvindex relay?): give its public key as curve=KEY and client_key=FILE "
+                "(watch: --curve, --client-key)"
             )
         return f"ZMTP handshake failed (error {value})"
 
@@ -144,6 +171,7 @@ class LinkWatch:
             return None
         self._next_report = now + self.repeat
         self.problem = self._diagnose()
+        self._cut_said = self._cut and self._specific is None and self.problem == self._handshake
         return self.problem
 
     def _diagnose(self) -> str:

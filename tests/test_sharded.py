@@ -36,6 +36,8 @@ from test_core import (
 from test_fastpath import NAMES, SPECS, StatusFleet
 from test_lookupd import ask, hashes_request, lookup_request, thread_over
 
+from kvindex.cli import build_parser
+from kvindex.cli.serve import load_settings
 from kvindex.index import ReferenceIndex
 from kvindex.index.compiled import CompiledIndex
 from kvindex.index.sharded import ShardedIndex
@@ -199,6 +201,49 @@ def test_each_worker_applies_into_its_own_shard() -> None:
     assert answer.best == "e3"
 
 
+def test_more_workers_than_shards_each_apply_into_shard_i_mod_shards() -> None:
+    """Four ingest workers over two shards (serve's default on a many-core node: a worker
+    per core, at most 4 shards): worker i applies into shard i % 2, an instance goes to the
+    least busy worker of its shard, and every batch lands in its instance's shard."""
+    names = [f"e{i}" for i in range(8)]
+    pubs = [Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") for _ in names]
+    index = ShardedIndex(2)
+    specs = [
+        InstanceSpec(n, p.endpoint, p.replay_endpoint) for n, p in zip(names, pubs, strict=True)
+    ]
+    fleet = Fleet(specs, index=index, ingest_workers=4)
+
+    async def main() -> None:
+        await fleet.start()
+        try:
+            await _until(lambda: all(fleet.status(n).value == "live" for n in names))
+            for i, pub in enumerate(pubs):
+                for k in range(30):
+                    pub.publish([BlockStored([i * 1000 + k], None, [i] * 4, 4)])
+            await _until(lambda: all(len(index.block_hashes(n)) == 30 for n in names))
+        finally:
+            await fleet.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for pub in pubs:
+            pub.close()
+    assert [worker._index for worker in fleet._workers] == index.shards * 2
+    assert index.shard_counts() == [4, 4]
+    for i, name in enumerate(names):
+        owner = fleet._workers.index(fleet._owner[name])
+        assert owner % 2 == index.place(name), name
+        assert index.shard_of(name).block_hashes(name) == {i * 1000 + k for k in range(30)}
+    assert sorted(len(w.subscriber.sources()) for w in fleet._workers) == [2, 2, 2, 2]
+    assert fleet.lookup([5] * 4).best == "e5"
+
+
+def test_fewer_workers_than_shards_are_refused() -> None:
+    with pytest.raises(ValueError, match="3 index shards take 3 ingest workers at least, not 2"):
+        Fleet(index=ShardedIndex(3), ingest_workers=2)
+
+
 def test_an_add_that_failed_leaves_no_place_behind() -> None:
     """An instance refused (its sockets don't fit) gives its shard back: it had been placed
     before the check and stayed counted, so the next two instances both went to the other
@@ -298,7 +343,7 @@ def test_serve_with_shards_answers_and_restarts_warm(tmp_path: Path) -> None:
     ("extra", "said"),
     [
         (["--store", "redis://127.0.0.1:1/0"], "not Redis"),
-        (["--ingest-workers", "3"], "takes 2 ingest workers, not 3"),
+        (["--ingest-workers", "1"], "takes 2 ingest workers at least, not 1"),
     ],
 )
 def test_serve_refuses_shards_it_cannot_keep(extra: list[str], said: str) -> None:
@@ -308,6 +353,41 @@ def test_serve_refuses_shards_it_cannot_keep(extra: list[str], said: str) -> Non
     finally:
         proc.kill()
     assert said in proc.err[-1] and len([line for line in proc.err if line]) == 1, proc.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "shards"),
+    [
+        (["--ingest-workers", "1"], 1),
+        (["--ingest-workers", "2"], 2),
+        (["--ingest-workers", "3"], 3),
+        (["--ingest-workers", "16"], 4),  # at most MAX_DEFAULT_SHARDS: lookups walk them all
+        (["--ingest-workers", "16", "--index-shards", "8"], 8),
+        (["--index-shards", "1"], 1),
+        (["--ingest-workers", "8", "--store", "redis://127.0.0.1:1/0"], 1),  # one worker there
+    ],
+)
+def test_the_index_is_in_a_shard_per_worker_by_default(argv: list[str], shards: int) -> None:
+    settings = load_settings(build_parser().parse_args(["serve", *argv]))
+    assert settings.index_shards == shards
+
+
+def test_the_default_shards_follow_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cores, shards in [(1, 1), (2, 2), (64, 4)]:
+        monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
+        assert load_settings(build_parser().parse_args(["serve"])).index_shards == shards
+
+
+def test_serve_splits_its_index_by_worker_unasked(tmp_path: Path) -> None:
+    """Without --index-shards, serve's two workers apply into two shards of their own."""
+    proc = kvindex("serve", "--store", "memory", "--http", "127.0.0.1:0", "--ingest-workers", "2")
+    try:
+        url = proc.listening_url()
+        ingest = _get(url, "/v1/stats")["ingest"]
+        assert (ingest["workers"], ingest["index_shards"]) == (2, 2)
+    finally:
+        proc.interrupt()
+        assert proc.finish(30) == 0, proc.err[-10:]
 
 
 # -- the C lookup thread over shards -------------------------------------------------------

@@ -13,7 +13,7 @@
     max_lookup_tokens = 1000000
     max_streams = 32                          # dashboard event streams open at once
     request_timeout = 30.0
-    index_shards = 1                          # N: the index split by instance, a worker each
+    index_shards = 2                          # default: a shard per ingest worker, up to 4
     sub_hwm = 100000                          # live messages queued per publisher
     discovery_interval = 30.0                 # seconds between /server_info reads (0: never)
     discover = ["k8s:inference?selector=app=vllm"]   # engines found (docs/discovery.md)
@@ -73,6 +73,7 @@ from kvindex.subscriber.spec import DISCOVERY_SCHEMES
 __all__ = [
     "DEFAULT_HTTP",
     "DEFAULT_STORE",
+    "MAX_DEFAULT_SHARDS",
     "ROUTING_KEYS",
     "SERVER_KEYS",
     "Settings",
@@ -82,6 +83,11 @@ __all__ = [
 
 DEFAULT_HTTP = "127.0.0.1:8080"
 DEFAULT_STORE = "sqlite:///kvindex.sqlite"  # interface.md: a file in the working directory
+# The index's shards by default: one per ingest worker up to this. A lookup walks every
+# shard, one after the other: measured at 64 x 100k, p50 25 us in one index, 30 at 4
+# shards, 49 at 16 (docs/performance.md), so more shards than this cost lookups more than
+# a node's ingest gains.
+MAX_DEFAULT_SHARDS = 4
 INSTANCE_KEYS = {
     "name",
     "endpoint",
@@ -162,7 +168,7 @@ class Settings:
     # tls_key, max_body_bytes, max_lookup_tokens, request_timeout, allowed_hosts.
     http_options: dict[str, Any] = field(default_factory=dict)
     ingest_workers: int | None = None  # None: one per core (kvindex.runtime.ingest)
-    index_shards: int | None = None  # None or 1: one index; N: N shards, a worker each
+    index_shards: int | None = None  # None: serve's default_shards; 1: one index; N: N shards
     sub_hwm: int | None = None  # None: the Subscriber's default (100,000)
     # Seconds between two reads of a well SGLang engine's /server_info (None: 30 s; 0: never)
     discovery_interval: float | None = None

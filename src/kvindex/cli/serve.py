@@ -33,7 +33,7 @@ from kvindex.cli.common import (
     positive_seconds,
     run_async,
 )
-from kvindex.cli.config import DEFAULT_HTTP, DEFAULT_STORE, Settings
+from kvindex.cli.config import DEFAULT_HTTP, DEFAULT_STORE, MAX_DEFAULT_SHARDS, Settings
 from kvindex.cli.httpopts import add_http_arguments, http_options, warn_if_exposed
 from kvindex.cli.signals import Stop, stop_signals
 from kvindex.subscriber import CapacityError, InstanceSpec, Notice, SpecError
@@ -93,10 +93,11 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--index-shards",
         metavar="N",
         type=_workers,
-        help="split the index by instance into N shards, each applied by an ingest worker of "
-        "its own (the workers are N): ingest scales with cores, a lookup walks every shard "
-        "and is answered in Python (docs/performance.md). Memory and SQLite stores "
-        "(default: 1, one index)",
+        help="split the index by instance into N shards, each applied by ingest workers of "
+        "its own (worker i applies into shard i %% N; the workers default to N when this is "
+        "given): ingest scales with cores, a lookup walks every shard (docs/performance.md). "
+        "Memory and SQLite stores (default: one per ingest worker, at most "
+        f"{MAX_DEFAULT_SHARDS}; 1 with a Redis store or the pure index)",
     )
     p.add_argument(
         "--sub-hwm",
@@ -208,21 +209,35 @@ def _host_list(text: str) -> list[str]:
 
 
 def check_shards(settings: Settings) -> None:
-    """Index shards: the compiled core, a store that applies in this process alone, and as
-    many ingest workers as shards."""
-    shards = settings.index_shards
-    if shards is None or shards == 1:
-        return
+    """Index shards: the compiled core, a store that applies in this process alone, and an
+    ingest worker per shard at least. Not given, they are `default_shards`' (set here)."""
     from kvindex.index import COMPILED
 
+    shards = settings.index_shards
+    shared = settings.store.startswith(("redis://", "redis+sentinel://"))
+    if shards is None:
+        workers = settings.ingest_workers
+        settings.index_shards = 1 if shared or not COMPILED else default_shards(workers)
+        return
+    if shards == 1:
+        return
     if not COMPILED:
         raise UsageError("--index-shards needs the compiled core (this is the pure index)")
-    if settings.store.startswith(("redis://", "redis+sentinel://")):
+    if shared:
         raise UsageError("--index-shards takes the memory or SQLite store, not Redis")
-    if settings.ingest_workers is not None and settings.ingest_workers != shards:
+    if settings.ingest_workers is not None and settings.ingest_workers < shards:
         raise UsageError(
-            f"--index-shards {shards} takes {shards} ingest workers, not {settings.ingest_workers}"
+            f"--index-shards {shards} takes {shards} ingest workers at least, "
+            f"not {settings.ingest_workers}"
         )
+
+
+def default_shards(workers: int | None) -> int:
+    """The index's shards when not given: one per ingest worker (the workers' default: one
+    per core), at most MAX_DEFAULT_SHARDS."""
+    from kvindex.runtime.ingest import default_workers
+
+    return min(workers if workers is not None else default_workers(), MAX_DEFAULT_SHARDS)
 
 
 def _workers(text: str) -> int:

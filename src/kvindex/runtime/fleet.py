@@ -151,6 +151,18 @@ def _shards_of(index: object) -> list[Any] | None:
     return index.shards if isinstance(index, ShardedIndex) else None
 
 
+def _workers_for_shards(shards: int, workers: int | None) -> int:
+    """The ingest workers of an index in `shards`: as many as asked (default: one per
+    shard), at least one per shard (a shard no worker applies into would hold nothing)."""
+    if workers is None:
+        return shards
+    if workers < shards:
+        raise ValueError(
+            f"{shards} index shards take {shards} ingest workers at least, not {workers}"
+        )
+    return workers
+
+
 def _no_ranks_status(spec: InstanceSpec | None) -> Status:
     """The status of an instance with no publisher: an engine without events is `live`
     (what was routed there is known), one named by its URL not found yet `connecting`."""
@@ -205,15 +217,10 @@ class Fleet:
         self._membership = membership
         self._init_hooks()
         self._shards = _shards_of(self.index)
-        if self._shards is not None:  # a worker per shard, each applying into its own
+        if self._shards is not None:  # worker i applies into shard i % shards
             if subscriber is not None:
                 raise ValueError("a shared store's replica has one ingest worker: no shards")
-            if ingest_workers is not None and ingest_workers != len(self._shards):
-                raise ValueError(
-                    f"{len(self._shards)} index shards take {len(self._shards)} ingest "
-                    f"workers, not {ingest_workers}"
-                )
-            ingest_workers = len(self._shards)
+            ingest_workers = _workers_for_shards(len(self._shards), ingest_workers)
         subscribers = self._subscribers(subscriber, policy, resume, ingest_workers, sub_hwm)
         self._workers = [self._worker(i, sub, idle_wait) for i, sub in enumerate(subscribers)]
         self._init_members(discovery_interval)
@@ -256,7 +263,7 @@ class Fleet:
     def _worker(self, i: int, sub: Subscriber, idle_wait: float) -> IngestWorker:
         index, guard = self.index, self._guard
         if self._shards is not None:
-            index = self._shards[i]
+            index = self._shards[i % len(self._shards)]
             guard = IndexGuard(index)
         return IngestWorker(
             f"kvindex-ingest-{i}",
@@ -388,11 +395,14 @@ class Fleet:
                 self._changing.discard(name)
 
     def _worker_for(self, name: str) -> IngestWorker:
-        """The worker a new instance goes to: its shard's (a sharded index), else the one
-        following the fewest publishers."""
+        """The worker a new instance goes to: of the workers that may (a sharded index's:
+        its shard's, worker i applying into shard i % shards), the one following the
+        fewest publishers."""
+        workers = self._workers
         if isinstance(self.index, ShardedIndex):
-            return self._workers[self.index.place(name)]
-        return min(self._workers, key=lambda w: len(w.subscriber.sources()))
+            shards = len(self.index.shards)
+            workers = workers[self.index.place(name) :: shards]
+        return min(workers, key=lambda w: len(w.subscriber.sources()))
 
     def _start_following(self, worker: IngestWorker, spec: InstanceSpec) -> None:
         with self._members:
@@ -989,7 +999,8 @@ class Fleet:
 
     @property
     def index_shards(self) -> int:
-        """The index's shards, one per worker (1: one index every worker applies into)."""
+        """The index's shards, each applied into by its own workers (1: one index every
+        worker applies into)."""
         return len(self._shards) if self._shards is not None else 1
 
     @property

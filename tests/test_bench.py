@@ -201,6 +201,8 @@ def test_smoke_run_has_every_case_with_real_figures(smoke_run: Any) -> None:
         )
         assert "c-2-sharded" in drain["runs"]  # the index split by instance, exact (above)
         assert drain["c_sharded_two_vs_one"] > 0
+        assert "c-4-in-2-shards" in drain["runs"]  # two workers a shard, exact (above)
+        assert drain["c_two_workers_a_shard_vs_one"] > 0
         shards = data["shards"]  # lookups over 2 and 4 shards beside one index, checked
         assert sorted(shards["runs"], key=int) == ["1", "2", "4"]
         assert all(run["exact"] and run["p50_us"] > 0 for run in shards["runs"].values())

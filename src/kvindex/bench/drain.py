@@ -11,7 +11,8 @@ Each configuration runs with the in-order path in C and with it off (`KVINDEX_C_
 every batch through the Python state machine: the same-run baseline), with 1 and 2 ingest
 workers and as many as the machine has, the C path again with the index split by instance,
 a shard per worker (`c-2-sharded`: kvindex.index.sharded, nothing written shared between
-workers), and with 1 worker again while a SQLite store
+workers) and two workers a shard (`c-4-in-2-shards`: serve's default where the cores
+outnumber its at most 4 shards), and with 1 worker again while a SQLite store
 records every batch as `serve` has it do (`c-1-sqlite`, `python-1-sqlite`: the store's
 writer is a process of its own, not counted). Besides the rate, each says:
 
@@ -69,8 +70,11 @@ def drain_case(w: IngestWorkload, rounds: int = 2, timeout: float = 300.0) -> di
             runs[f"{path}-{workers}"] = best
     for workers in counts if COMPILED else []:  # the index split by instance, a shard each
         if workers > 1:
-            sharded = [_drain(w, workers, True, timeout, shards=True) for _ in range(rounds)]
+            sharded = [_drain(w, workers, True, timeout, shards=workers) for _ in range(rounds)]
             runs[f"c-{workers}-sharded"] = max(sharded, key=lambda run: run["per_s"])
+    if COMPILED:  # two workers a shard: serve's default where the cores outnumber the shards
+        doubled = [_drain(w, 4, True, timeout, shards=2) for _ in range(rounds)]
+        runs["c-4-in-2-shards"] = max(doubled, key=lambda run: run["per_s"])
     for path in paths:  # with a persistent store recording
         store_runs = [_drain(w, 1, path == "c", timeout, "sqlite") for _ in range(rounds)]
         runs[f"{path}-1-sqlite"] = max(store_runs, key=lambda run: run["per_s"])
@@ -88,6 +92,9 @@ def drain_case(w: IngestWorkload, rounds: int = 2, timeout: float = 300.0) -> di
             out[f"{path}_two_vs_one"] = two["per_s"] / one["per_s"]
     if "c-1" in runs and "c-2-sharded" in runs:
         out["c_sharded_two_vs_one"] = runs["c-2-sharded"]["per_s"] / runs["c-1"]["per_s"]
+    if "c-2-sharded" in runs and "c-4-in-2-shards" in runs:
+        four, two = runs["c-4-in-2-shards"]["per_s"], runs["c-2-sharded"]["per_s"]
+        out["c_two_workers_a_shard_vs_one"] = four / two
     if "c-1" in runs and "python-1" in runs:
         out["c_vs_python"] = runs["c-1"]["per_s"] / runs["python-1"]["per_s"]
         out["c_vs_python_cpu"] = (
@@ -129,10 +136,11 @@ def _drain(
     in_c: bool,
     timeout: float,
     store: str | None = None,
-    shards: bool = False,
+    shards: int = 1,
 ) -> dict[str, Any]:
     """One drain; `store` "sqlite": a fresh SQLite store records every batch meanwhile;
-    `shards`: the index split by instance, a shard per worker (kvindex.index.sharded)."""
+    `shards` > 1: the index split by instance (kvindex.index.sharded), worker i applying
+    into shard i % shards."""
     names = w.names
     per_instance = [0] * len(names)
     warm_next = [0] * len(names)
@@ -150,7 +158,7 @@ def _drain(
             InstanceSpec(name, pub.endpoint, None) for name, pub in zip(names, pubs, strict=True)
         ]
         resume = {SourceKey(n): Checkpoint(warm_next[i]) for i, n in enumerate(names)}
-        index: Any = ShardedIndex(workers) if shards else None
+        index: Any = ShardedIndex(shards) if shards > 1 else None
         with _c_ingest(in_c):
             fleet = Fleet(specs, index=index, ingest_workers=workers, sub_hwm=hwm, resume=resume)
         if store is None:

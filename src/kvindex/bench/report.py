@@ -171,6 +171,16 @@ def _drain_rows(results: dict[str, Any]) -> list[Row]:
                 ">= 1.8x",
             )
         )
+    c4s = runs.get("c-4-in-2-shards")
+    if c2s is not None and c4s is not None:
+        out.append(
+            (
+                f"{what}: 4 workers in 2 shards (two a shard) vs 2 (one a shard)",
+                f"{c4s['per_s'] / c2s['per_s']:.2f}x ({_m(c4s['per_s'])})",
+                f"2 workers {_m(c2s['per_s'])}",
+                "-",
+            )
+        )
     out.append(
         (
             "GIL held per ordinary batch on the ingest path (measured)",
@@ -419,7 +429,7 @@ def _drain_targets(results: dict[str, Any]) -> list[TargetRow]:
         exact = c1["mismatched_blocks"] == 0 and c2s["mismatched_blocks"] == 0
         out.append(
             (
-                "the same, the index in 2 shards (--index-shards 2: a worker each)",
+                "the same, the index in 2 shards, a worker each (serve's default on 2 cores)",
                 f"2 workers {_m(c2s['per_s'])}{_exact_word(exact)}",
                 f"1 worker {_m(c1['per_s'])}",
                 f"{ratio:.2f}x",

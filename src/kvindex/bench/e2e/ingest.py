@@ -45,7 +45,8 @@ TARGETS = {"memory_vs_dynamo": 2.0, "sqlite_vs_dynamo": 1.5, "redis_per_s": 300_
 Case = Callable[[str], dict[str, Any]]
 
 # The ingest-worker counts measured side by side (`serve --ingest-workers N`): 1, and 2,
-# the default on these 2-core machines (one per core).
+# the default on these 2-core machines (one per core; the index then in 2 shards, a worker
+# each: serve's default, one shard per worker up to 4).
 WORKERS = (1, 2)
 
 
@@ -210,6 +211,8 @@ def _ingest_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
         "serve_batches_in_c": in_c,
         "serve_gil_seconds": gil,
         "serve_gil_us_per_batch": gil / max(1, batches) * 1e6,
+        "serve_workers": int(after["workers"]),
+        "serve_index_shards": int(after["index_shards"]),
     }
 
 

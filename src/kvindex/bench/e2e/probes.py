@@ -187,13 +187,16 @@ def counters(url: str) -> dict[str, int]:
 
 def ingest_stats(url: str) -> dict[str, float]:
     """serve's ingest counters (`GET /v1/stats`): batches applied, of them the C path's
-    (`batches_in_c`), and the ingest threads' seconds holding the GIL (`gil_seconds`)."""
+    (`batches_in_c`), the ingest threads' seconds holding the GIL (`gil_seconds`), and
+    its workers and index shards."""
     stats = http_json(url, "/v1/stats")
     ingest = stats["ingest"]
     return {
         "batches": float(stats["batches"]),
         "batches_in_c": float(ingest["batches_in_c"]),
         "gil_seconds": float(ingest["gil_seconds"]),
+        "workers": float(ingest["workers"]),
+        "index_shards": float(ingest["index_shards"]),
     }
 
 

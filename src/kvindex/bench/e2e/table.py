@@ -155,6 +155,9 @@ def _gil_row(results: dict[str, Any]) -> Row:
 def _workers_row(case: dict[str, Any]) -> Row:
     """serve's ingest with 1 ingest worker beside the default of one per core (2 here)."""
     label = "e2e ingest by ingest workers: the same stream, memory store, 2 workers vs 1"
+    shards = case.get("workers", {}).get("2", {}).get("serve_index_shards")
+    if shards is not None:
+        label += f" (the index in {shards} shard{'s' if shards > 1 else ''})"
     failed = _failed(case)
     if failed:
         return (label, failed, "-", "-")

@@ -90,8 +90,11 @@ def test_engines_join_and_leave_with_the_answer(dnsmasq: Dnsmasq) -> None:
         # .3 leaves the answer: removed with its blocks; .4 joins and is followed exactly
         engines["127.0.0.4"] = Engine("127.0.0.4", port, 7)
         dnsmasq.hosts({"fleet.test": ["127.0.0.2", "127.0.0.4"]})
+        # The removal drops the spec first, then the index's blocks, and the reconciler
+        # writes its history once the removal returned: wait for all three.
         assert wait_until(lambda: set(fleet.specs) == {names["127.0.0.2"], names["127.0.0.4"]})
-        assert names["127.0.0.3"] not in fleet.index.instances()
+        assert wait_until(lambda: names["127.0.0.3"] not in fleet.index.instances())
+        assert wait_until(lambda: any(c.change == "removed" for c in reconciler.history))
         removed = [c for c in reconciler.history if c.change == "removed"]
         assert [(c.name, c.why) for c in removed] == [
             (names["127.0.0.3"], "gone from fleet.test's answer")
@@ -118,7 +121,7 @@ def test_engines_join_and_leave_with_the_answer(dnsmasq: Dnsmasq) -> None:
         # the name is gone (NXDOMAIN): every engine it found is removed
         dnsmasq.hosts({"other.test": ["127.0.0.9"]})
         assert wait_until(lambda: not fleet.specs)
-        assert not fleet.index.instances()
+        assert wait_until(lambda: not fleet.index.instances())  # just after the specs
         # counted on the finder's thread just after the fleet let go of the instance
         assert wait_until(lambda: reconciler.removed == 3)
         assert reconciler.added == 3

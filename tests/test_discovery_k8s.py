@@ -129,8 +129,8 @@ def test_pods_followed_through_readiness_moves_replacements_and_a_relist(
         a["status"]["conditions"][0]["status"] = "False"
         kube.put(a)
         assert wait_until(lambda: "vllm-a" not in fleet.specs)
-        assert "vllm-a" not in fleet.index.instances()
-        assert reconciler.history[-1].why == "pod not Ready"
+        assert wait_until(lambda: "vllm-a" not in fleet.index.instances())  # just after
+        assert wait_until(lambda: reconciler.history[-1].why == "pod not Ready")
 
         # a is replaced under the same name (a new UID, a fresh engine on another IP):
         # nothing of the old one survives, the new one is exact

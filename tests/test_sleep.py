@@ -111,8 +111,13 @@ def test_an_engine_asleep_holds_nothing_until_it_works_again(engine: SleepyEngin
             time.sleep(0.3)
             engine.work()
             truth = engine.ref.held
-            assert wait_until(lambda: fleet.block_hashes("v") == truth())
-            seq_before = fleet.index.source_state(spec.sources()[0].source)[0]
+            source = spec.sources()[0].source
+            # Every batch applied, not only the blocks right: a batch that leaves the set as
+            # it was may still be on its way (CI read seq 14 here, then 17 after the sleep).
+            last = engine.pub.next_seq - 1
+            assert wait_until(lambda: fleet.index.source_state(source)[0] == last)
+            assert fleet.block_hashes("v") == truth()
+            seq_before = fleet.index.source_state(source)[0]
             (row,) = fleet.lookup(engine.served[-1]).instances
             assert row.matched_blocks > 0  # what it just cached, before it sleeps
             with httpx.Client() as client:

@@ -41,7 +41,7 @@ PURE_TESTS := tests/test_index.py tests/test_index_model.py tests/test_core.py \
 	tests/test_fastpath_serve.py
 
 test: $(CORE_STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30
 	KVINDEX_PURE=1 $(BIN)/python -m pytest -q -p no:cacheprovider $(PURE_TESTS)
 
 # The benchmark suite, full size (10-20 minutes): table, bench/results.json, bench/*.png.

@@ -164,26 +164,26 @@ def _batch(events: list[Any]) -> Any:
     return EventBatch(0.0, events)
 
 
-def test_each_worker_applies_into_its_own_shard() -> None:
-    """Two ingest workers over two shards: each instance is followed by the worker of its
-    shard, whose applies go there (the C path included), and lookups see every shard."""
-    names = [f"e{i}" for i in range(6)]
+def _followed(shards: int, workers: int, instances: int, blocks: int) -> tuple[Fleet, Any]:
+    """`instances` publishers, instance `ei` storing `blocks` one-block chains (hashes
+    i*1000+k, tokens [i]*4), followed by `workers` ingest workers into `shards` shards
+    until every block is in; the fleet stopped."""
+    names = [f"e{i}" for i in range(instances)]
     pubs = [Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") for _ in names]
-    index = ShardedIndex(2)
-    fleet = Fleet(
-        [InstanceSpec(n, p.endpoint, p.replay_endpoint) for n, p in zip(names, pubs, strict=True)],
-        index=index,
-        ingest_workers=2,
-    )
+    index = ShardedIndex(shards)
+    specs = [
+        InstanceSpec(n, p.endpoint, p.replay_endpoint) for n, p in zip(names, pubs, strict=True)
+    ]
+    fleet = Fleet(specs, index=index, ingest_workers=workers)
 
     async def main() -> None:
         await fleet.start()
         try:
             await _until(lambda: all(fleet.status(n).value == "live" for n in names))
             for i, pub in enumerate(pubs):
-                for k in range(50):
+                for k in range(blocks):
                     pub.publish([BlockStored([i * 1000 + k], None, [i] * 4, 4)])
-            await _until(lambda: all(len(index.block_hashes(n)) == 50 for n in names))
+            await _until(lambda: all(len(index.block_hashes(n)) == blocks for n in names))
         finally:
             await fleet.stop()
 
@@ -192,10 +192,17 @@ def test_each_worker_applies_into_its_own_shard() -> None:
     finally:
         for pub in pubs:
             pub.close()
-    for i, name in enumerate(names):
-        shard = index.shard_of(name)
-        assert shard.block_hashes(name) == {i * 1000 + k for k in range(50)}
-        assert fleet._owner[name] is fleet._workers[index.place(name)]
+    return fleet, index
+
+
+def test_each_worker_applies_into_its_own_shard() -> None:
+    """Two ingest workers over two shards: each instance is followed by the worker of its
+    shard, whose applies go there (the C path included), and lookups see every shard."""
+    fleet, index = _followed(shards=2, workers=2, instances=6, blocks=50)
+    for i in range(6):
+        shard = index.shard_of(f"e{i}")
+        assert shard.block_hashes(f"e{i}") == {i * 1000 + k for k in range(50)}
+        assert fleet._owner[f"e{i}"] is fleet._workers[index.place(f"e{i}")]
     assert [worker._index for worker in fleet._workers] == index.shards  # C path too
     answer = fleet.lookup([3] * 4)
     assert answer.best == "e3"
@@ -205,36 +212,13 @@ def test_more_workers_than_shards_each_apply_into_shard_i_mod_shards() -> None:
     """Four ingest workers over two shards (serve's default on a many-core node: a worker
     per core, at most 4 shards): worker i applies into shard i % 2, an instance goes to the
     least busy worker of its shard, and every batch lands in its instance's shard."""
-    names = [f"e{i}" for i in range(8)]
-    pubs = [Publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") for _ in names]
-    index = ShardedIndex(2)
-    specs = [
-        InstanceSpec(n, p.endpoint, p.replay_endpoint) for n, p in zip(names, pubs, strict=True)
-    ]
-    fleet = Fleet(specs, index=index, ingest_workers=4)
-
-    async def main() -> None:
-        await fleet.start()
-        try:
-            await _until(lambda: all(fleet.status(n).value == "live" for n in names))
-            for i, pub in enumerate(pubs):
-                for k in range(30):
-                    pub.publish([BlockStored([i * 1000 + k], None, [i] * 4, 4)])
-            await _until(lambda: all(len(index.block_hashes(n)) == 30 for n in names))
-        finally:
-            await fleet.stop()
-
-    try:
-        asyncio.run(main())
-    finally:
-        for pub in pubs:
-            pub.close()
+    fleet, index = _followed(shards=2, workers=4, instances=8, blocks=30)
     assert [worker._index for worker in fleet._workers] == index.shards * 2
     assert index.shard_counts() == [4, 4]
-    for i, name in enumerate(names):
-        owner = fleet._workers.index(fleet._owner[name])
-        assert owner % 2 == index.place(name), name
-        assert index.shard_of(name).block_hashes(name) == {i * 1000 + k for k in range(30)}
+    for i in range(8):
+        owner = fleet._workers.index(fleet._owner[f"e{i}"])
+        assert owner % 2 == index.place(f"e{i}"), i
+        assert index.shard_of(f"e{i}").block_hashes(f"e{i}") == {i * 1000 + k for k in range(30)}
     assert sorted(len(w.subscriber.sources()) for w in fleet._workers) == [2, 2, 2, 2]
     assert fleet.lookup([5] * 4).best == "e5"
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sqlite3
@@ -351,9 +352,16 @@ def test_killed_redis_workers_are_restarted_where_their_service_stands(
         work.run(200)
         for replica in (ingest, server):
             done = wait_until(lambda r=replica: caught_up(r, work) and persisted(r), 30)  # type: ignore[misc]
-            # Which replica stalled, where it stands and what its store link says (this
-            # failed once in CI, never here: the next failure should say why).
-            assert done, (replica is server, replica.instances(), store_health(replica))
+            # Which replica stalled, where it stands and what its store link says, in full
+            # (a string: pytest cuts a tuple's repr). It failed twice in CI, never here:
+            # 2026-12-06, the serving replica stood at seq 199 with its worker restarted
+            # once and up; the worker's own counters were cut from that message.
+            stalled = {
+                "server": replica is server,
+                "instances": replica.instances(),
+                "store": store_health(replica),
+            }
+            assert done, json.dumps(stalled, default=str)
             # The worker writes to Redis before its report reaches serve: health follows.
             assert wait_until(lambda r=replica: health(r) == {"status": "ok"}, 5)  # type: ignore[misc]
             assert store_health(replica)["restarts"] == 1

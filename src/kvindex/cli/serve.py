@@ -208,9 +208,9 @@ def _host_list(text: str) -> list[str]:
 # -- settings ----------------------------------------------------------------------------
 
 
-def check_shards(settings: Settings) -> None:
-    """Index shards: the compiled core, a store that applies in this process alone, and an
-    ingest worker per shard at least. Not given, they are `default_shards`' (set here)."""
+def settle_shards(settings: Settings) -> None:
+    """The index's shards: not given, set to `default_shards`; given, checked (the compiled
+    core, a store that applies in this process alone, an ingest worker per shard at least)."""
     from kvindex.index import COMPILED
 
     shards = settings.index_shards
@@ -250,7 +250,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
     """The config file (if any), then the flags; every problem is a UsageError."""
     settings = config.load_settings(args)
     check_store(settings.store)
-    check_shards(settings)
+    settle_shards(settings)
     parse_http(settings.http)
     return settings
 

@@ -140,16 +140,16 @@ class LinkWatch:
             )
         cut = event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and value in _CUT
         if self.curve:
-            return (
+            reason = (
                 "CURVE handshake failed: is curve= the server's public key? (a wrong server "
                 "key gives no other detail)"
-                + (
+            )
+            if cut:
+                reason += (
                     "; or the publisher does not use CURVE (a plain vLLM publisher?): then "
                     "drop curve= (watch: --curve)"
-                    if cut
-                    else ""
                 )
-            )
+            return reason
         if cut:
             return (
                 "the publisher cut the ZMTP handshake, as one that requires CURVE does (a "
@@ -171,7 +171,8 @@ class LinkWatch:
             return None
         self._next_report = now + self.repeat
         self.problem = self._diagnose()
-        self._cut_said = self._cut and self._specific is None and self.problem == self._handshake
+        # With no specific failure known, a cut is what `_diagnose` said (its `_handshake`).
+        self._cut_said = self._cut and self._specific is None
         return self.problem
 
     def _diagnose(self) -> str:

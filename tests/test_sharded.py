@@ -23,6 +23,7 @@ from clitools import kvindex
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from netutil import wait_until
+from test_config import serve_args
 from test_core import (
     BASE,
     HASH_RUNS,
@@ -36,7 +37,6 @@ from test_core import (
 from test_fastpath import NAMES, SPECS, StatusFleet
 from test_lookupd import ask, hashes_request, lookup_request, thread_over
 
-from kvindex.cli import build_parser
 from kvindex.cli.serve import load_settings
 from kvindex.index import ReferenceIndex
 from kvindex.index.compiled import CompiledIndex
@@ -352,14 +352,14 @@ def test_serve_refuses_shards_it_cannot_keep(extra: list[str], said: str) -> Non
     ],
 )
 def test_the_index_is_in_a_shard_per_worker_by_default(argv: list[str], shards: int) -> None:
-    settings = load_settings(build_parser().parse_args(["serve", *argv]))
+    settings = load_settings(serve_args(*argv))
     assert settings.index_shards == shards
 
 
 def test_the_default_shards_follow_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     for cores, shards in [(1, 1), (2, 2), (64, 4)]:
         monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
-        assert load_settings(build_parser().parse_args(["serve"])).index_shards == shards
+        assert load_settings(serve_args()).index_shards == shards
 
 
 def test_serve_splits_its_index_by_worker_unasked(tmp_path: Path) -> None:
